@@ -1,0 +1,224 @@
+"""The run's typed configuration: dataclass defaults < embedded preset < YAML file < command-line flags.
+
+Every key is validated once, here, with an error naming the flag or the file and key. Unknown keys are
+errors (with the closest known key suggested), never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+EMBEDDED_TARGET = ASSETS / "tiny_qwen3"
+
+# Used when no --target_model is given: the tiny target and its data shipped in the package, with settings
+# sized so that the whole job (training, then real speculative decoding) takes a few minutes on 2 CPU cores.
+EMBEDDED_PRESET: dict[str, typing.Any] = {
+    "target_model": str(EMBEDDED_TARGET),
+    "data": [str(ASSETS / "data" / "docstring_qa_regenerated.jsonl")],
+    "eval_data": str(ASSETS / "data" / "heldout_regenerated.jsonl"),
+    "output_dir": "runs/embedded-default",
+    "num_draft_layers": 2,
+    "block_size": 8,
+    "num_anchors": 64,
+    "max_seq_len": 512,
+    "tokens_per_batch": 4096,
+    "learning_rate": 1e-3,
+    "max_steps": 400,
+    "logging_steps": 20,
+    "save_steps": 200,
+    "eval_prompts": 40,
+    "eval_max_new_tokens": 96,
+}
+
+
+@dataclass
+class TrainConfig:
+    """All settings of a training run. Defaults follow the paper (appendix A.1) for 8B-class targets."""
+
+    target_model: str = ""
+    data: list[str] = field(default_factory=list)
+    output_dir: str = "runs/dflash"
+    # drafter shape and DFlash settings
+    num_draft_layers: int = 5
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    block_size: int = 16
+    num_anchors: int = 512
+    loss_gamma: float | None = None
+    # data
+    max_seq_len: int = 3072
+    tokens_per_batch: int = 32768
+    # optimisation
+    num_epochs: int = 6
+    max_steps: int = -1
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    # compute
+    device: str = "auto"
+    attention: str = "auto"
+    loss_chunk_size: int = 1024
+    # bookkeeping
+    save_steps: int = 1000
+    save_total_limit: int = 3
+    logging_steps: int = 10
+    plan: bool = False
+    # evaluation with real speculative decoding at the end of training (skipped when eval_data is empty)
+    eval_data: str = ""
+    eval_prompts: int = 50
+    eval_max_new_tokens: int = 128
+
+    def validate(self) -> None:
+        """Reject impossible settings with the flag name and what to pass instead."""
+        if not self.target_model:
+            raise ValueError("--target_model is required (a local Hugging Face model directory)")
+        if not self.data:
+            raise ValueError("--data is required (one or more jsonl/json/parquet files)")
+        if self.block_size < 2:
+            raise ValueError(
+                f"--block_size {self.block_size}: must be at least 2 (anchor + one drafted token)"
+            )
+        for name in ("num_draft_layers", "num_anchors", "max_seq_len", "tokens_per_batch", "loss_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)}: must be a positive integer")
+        if self.tokens_per_batch < self.max_seq_len:
+            raise ValueError(
+                f"--tokens_per_batch {self.tokens_per_batch} is smaller than --max_seq_len {self.max_seq_len}: "
+                "a batch must hold at least one full sequence"
+            )
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(
+                f"--max_steps {self.max_steps}: pass a positive number, or -1 to run --num_epochs"
+            )
+        if self.num_epochs < 1:
+            raise ValueError(f"--num_epochs {self.num_epochs}: must be at least 1")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"--warmup_ratio {self.warmup_ratio}: must be in [0, 1)")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning_rate {self.learning_rate}: must be positive")
+        if self.attention not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"--attention {self.attention}: choose auto, sdpa or flex")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
+        if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:
+            raise ValueError("--target_layer_ids: give at least one layer id")
+        if self.logging_steps < 1 or self.save_steps < 1:
+            raise ValueError("--logging_steps and --save_steps must be positive")
+
+
+def _field_types(cls) -> dict[str, typing.Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ValueError(f"{where}: unknown key '{key}'{hint}")
+
+
+def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
+    """Turn a YAML value or command-line string into the field's type, or say what was expected."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    try:
+        if typing.get_origin(hint) is list:
+            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+            return [_convert(v.strip() if isinstance(v, str) else v, args[0], where) for v in items]
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return hint(value)
+    except (ValueError, TypeError):
+        name = getattr(hint, "__name__", str(hint))
+        raise ValueError(f"{where}: expected {name}, got {value!r}") from None
+
+
+def _load_yaml(path: str, types_: dict) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {path}: file not found")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: the top level must be a mapping of key: value")
+    values = {}
+    for key, value in raw.items():
+        if key not in types_:
+            raise _unknown_key_error(key, list(types_), f"{path}")
+        values[key] = _convert(value, types_[key], f"{path}: key '{key}'")
+    return values
+
+
+def _parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
+    """`--key value`, `--key=value`, `--key v1 v2` for lists, bare `--flag` for booleans."""
+    config_file, values, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument '{arg}': settings are given as --key value")
+        key, _, inline = arg[2:].partition("=")
+        if key != "config" and key not in types_:
+            raise _unknown_key_error(key, ["config", *types_], "command line")
+        i += 1
+        raw: list[str] = [inline] if inline else []
+        while not inline and i < len(argv) and not argv[i].startswith("--"):
+            raw.append(argv[i])
+            i += 1
+        if key == "config":
+            if len(raw) != 1:
+                raise ValueError("--config takes exactly one YAML file")
+            config_file = raw[0]
+            continue
+        hint = types_[key]
+        if not raw:
+            if hint is not bool:
+                raise ValueError(f"--{key}: missing value")
+            values[key] = True
+            continue
+        value = raw if typing.get_origin(hint) is list or len(raw) > 1 else raw[0]
+        if len(raw) > 1 and typing.get_origin(hint) is not list:
+            raise ValueError(f"--{key}: takes one value, got {raw}")
+        values[key] = _convert(value, hint, f"--{key}")
+    return config_file, values
+
+
+def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
+    """Build and validate the config from argv. Returns it and whether the embedded preset was used."""
+    types_ = _field_types(TrainConfig)
+    config_file, flags = _parse_flags(argv, types_)
+    file_values = _load_yaml(config_file, types_) if config_file else {}
+    merged = {**file_values, **flags}
+    embedded = "target_model" not in merged
+    values = {**EMBEDDED_PRESET, **merged} if embedded else merged
+    config = TrainConfig(**values)
+    config.validate()
+    return config, embedded
+
+
+def config_to_dict(config: TrainConfig) -> dict:
+    """A JSON-ready copy of the config (written to the run directory and into checkpoints)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,244 @@
+"""The DFlash training objective: anchors, block inputs, the attention rule, the weighted loss, metrics.
+
+For a sequence of length S with A sampled anchors, the drafter sees A blocks of `block_size` tokens
+`[token at anchor, MASK, ..., MASK]` at positions anchor+0..anchor+block_size-1. Block position k >= 1
+is scored against the token AT anchor+k (no extra shift), weighted by exp(-(k-1)/gamma) and by the
+response mask there. A block sees the context features strictly before its anchor and its own block
+(bidirectionally); blocks never see each other; padding blocks see nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask
+except ImportError:  # pragma: no cover
+    create_block_mask = None
+
+# The paper's decay constants (appendix A.1); other block sizes interpolate (bs + 5) / 3, which hits all three.
+_PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def loss_gamma(block_size: int) -> float:
+    """gamma of the position-decay weights for a block size (7 for 16, 5 for 10, 4 for 8)."""
+    return _PAPER_GAMMA.get(block_size, (block_size + 5) / 3)
+
+
+def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """[block_size] weights: 0 at the anchor, exp(-(k-1)/gamma) at block position k >= 1."""
+    gamma = loss_gamma(block_size) if gamma is None else gamma
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def _anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
+    digest = hashlib.blake2b(f"dflash-anchors:{seed}:{epoch}:{sample_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, seed: int, epoch: int, sample_id: int
+) -> torch.Tensor:
+    """Sorted anchor positions for one sequence: a pure function of (seed, epoch, sample id) and its mask.
+
+    Candidates are positions a whose next token a+1 is a response token. At most `num_anchors` are
+    drawn uniformly without replacement.
+    """
+    loss_mask = loss_mask.bool().cpu()
+    candidates = torch.nonzero(loss_mask[1:], as_tuple=False).flatten()  # a with mask[a + 1]
+    count = min(num_anchors, candidates.numel())
+    gen = torch.Generator().manual_seed(_anchor_seed(seed, epoch, sample_id))
+    chosen = candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]
+    return chosen.sort().values
+
+
+@dataclass
+class BlockInputs:
+    """Everything one drafter forward/loss needs for a padded batch of B sequences with A anchor slots."""
+
+    block_ids: torch.Tensor  # [B, A*bs] token ids: anchor token then mask ids
+    position_ids: torch.Tensor  # [B, S + A*bs] context positions, then block positions
+    labels: torch.Tensor  # [B, A, bs] token at anchor+k (0 where undefined)
+    weights: torch.Tensor  # [B, A, bs] loss weights (0 at k=0, outside the response, padding)
+    anchors: torch.Tensor  # [B, A] anchor positions, -1 for padding slots
+    context_len: int  # S
+    block_size: int
+
+    @property
+    def weight_sum(self) -> torch.Tensor:
+        return self.weights.sum()
+
+
+def build_block_inputs(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: list[torch.Tensor],
+    block_size: int,
+    mask_token_id: int,
+    gamma: float | None = None,
+) -> BlockInputs:
+    """Assemble block tokens, positions, labels and weights from per-sequence anchor lists."""
+    batch, seq_len = input_ids.shape
+    device = input_ids.device
+    num_slots = max(1, max(a.numel() for a in anchors))
+    anchor_t = torch.full((batch, num_slots), -1, dtype=torch.long, device=device)
+    for b, a in enumerate(anchors):
+        anchor_t[b, : a.numel()] = a.to(device)
+    valid_anchor = anchor_t >= 0
+    offsets = torch.arange(block_size, device=device)
+    pos = anchor_t.clamp(min=0)[:, :, None] + offsets  # [B, A, bs]
+    in_seq = (pos < seq_len) & valid_anchor[:, :, None]
+    gathered = torch.gather(input_ids, 1, pos.clamp(max=seq_len - 1).flatten(1)).view_as(pos)
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[:, :, 0] = torch.where(valid_anchor, gathered[:, :, 0], mask_token_id)
+    labels = torch.where(in_seq, gathered, 0)
+    response = torch.gather(loss_mask.float(), 1, pos.clamp(max=seq_len - 1).flatten(1)).view_as(pos)
+    weights = position_weights(block_size, gamma).to(device) * response * in_seq
+    context_pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    return BlockInputs(
+        block_ids=block_ids.flatten(1),
+        position_ids=torch.cat([context_pos, pos.flatten(1)], dim=1),
+        labels=labels,
+        weights=weights,
+        anchors=anchor_t,
+        context_len=seq_len,
+        block_size=block_size,
+    )
+
+
+def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Boolean visibility [B, 1, A*bs, S + A*bs] for the SDPA path (True = may attend)."""
+    device = anchors.device
+    num_q = anchors.shape[1] * block_size
+    q_block = torch.arange(num_q, device=device) // block_size
+    q_anchor = anchors[:, q_block]  # [B, Q]
+    valid = (q_anchor >= 0)[:, :, None]
+    ctx = torch.arange(context_len, device=device)[None, None, :] < q_anchor[:, :, None]
+    same_block = (q_block[:, None] == q_block[None, :])[None]
+    mask = torch.cat([ctx, same_block.expand(anchors.shape[0], -1, -1)], dim=-1) & valid
+    return mask[:, None]
+
+
+def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
+    """The same rule as `dense_block_mask`, as a block-sparse flex-attention BlockMask (CUDA path)."""
+    if create_block_mask is None:
+        raise RuntimeError("this torch has no flex attention; use --attention sdpa")
+    batch, slots = anchors.shape
+    num_q = slots * block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        anchor = anchors[b, block]
+        ctx = (kv_idx < context_len) & (kv_idx < anchor)
+        same = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
+        return (anchor >= 0) & (ctx | same)
+
+    return create_block_mask(
+        mask_mod, batch, None, num_q, context_len + num_q, device=anchors.device, _compile=anchors.is_cuda
+    )
+
+
+class _ChunkedLMHeadCE(torch.autograd.Function):
+    """Weighted cross-entropy through the LM head, `chunk` rows at a time, recomputed in backward.
+
+    Full-vocabulary logits for all block positions never exist at once: the peak is chunk x vocab.
+    Returns the weighted loss sum and, without gradient, whether each row's argmax equals its label.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, chunk):
+        loss_sum = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            logits = (h @ head_weight.to(h.dtype).T).float()
+            lab = labels[start : start + chunk]
+            nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, lab[:, None]).squeeze(1)
+            loss_sum += (nll * weights[start : start + chunk]).sum()
+            correct[start : start + chunk] = logits.argmax(dim=-1) == lab
+        ctx.save_for_backward(hidden, head_weight, labels, weights)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(correct)
+        return loss_sum, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        hidden, head_weight, labels, weights = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[start : start + ctx.chunk]
+            w_head = head_weight.to(h.dtype)
+            probs = torch.softmax((h @ w_head.T).float(), dim=-1)
+            lab = labels[start : start + ctx.chunk]
+            probs[torch.arange(lab.numel(), device=lab.device), lab] -= 1.0
+            scale = (weights[start : start + ctx.chunk] * grad_loss)[:, None]
+            grad_hidden[start : start + ctx.chunk] = ((probs * scale).to(h.dtype) @ w_head).to(hidden.dtype)
+        return grad_hidden, None, None, None, None
+
+
+def chunked_weighted_ce(hidden, head_weight, labels, weights, chunk: int = 1024):
+    """(weighted CE sum, argmax-correct flags) of `hidden @ head_weight.T` against `labels`."""
+    return _ChunkedLMHeadCE.apply(hidden, head_weight, labels, weights, chunk)
+
+
+@dataclass
+class LossTerms:
+    """Sums, not means, so that ranks and micro-batches can add them before normalising globally."""
+
+    loss_sum: torch.Tensor  # differentiable
+    weight_sum: torch.Tensor
+    correct_per_pos: torch.Tensor  # [bs] correct predictions at block position k
+    count_per_pos: torch.Tensor  # [bs] scored predictions at block position k
+    accepted_sum: torch.Tensor  # sum over blocks of the estimated accepted length (bonus included)
+    num_blocks: torch.Tensor
+
+    def metrics(self) -> dict[str, float]:
+        """Loss, accuracy and estimated tau from (possibly all-reduced) sums."""
+        count = self.count_per_pos[1:].sum().clamp(min=1)
+        per_pos = self.correct_per_pos[1:] / self.count_per_pos[1:].clamp(min=1)
+        return {
+            "loss": float(self.loss_sum.detach() / self.weight_sum.clamp(min=1e-12)),
+            "accuracy": float(self.correct_per_pos[1:].sum() / count),
+            "tau_estimate": float(self.accepted_sum / self.num_blocks.clamp(min=1)),
+            "accuracy_per_position": [round(float(x), 4) for x in per_pos],
+        }
+
+
+def block_loss_terms(
+    last_hidden: torch.Tensor, head_weight: torch.Tensor, inputs: BlockInputs, chunk: int
+) -> LossTerms:
+    """Loss sums and metric counts for the drafter's output `last_hidden` [B, A*bs, H]."""
+    bs = inputs.block_size
+    weights = inputs.weights
+    scored = weights > 0
+    flat_idx = torch.nonzero(scored.flatten(), as_tuple=False).flatten()
+    hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).index_select(0, flat_idx)
+    loss_sum, correct_rows = chunked_weighted_ce(
+        hidden, head_weight, inputs.labels.flatten()[flat_idx], weights.flatten()[flat_idx], chunk
+    )
+    correct = torch.zeros(scored.numel(), dtype=torch.bool, device=weights.device)
+    correct[flat_idx] = correct_rows
+    correct = correct.view_as(scored)
+    # Estimated acceptance: the anchor's bonus token plus the prefix of correct, scored positions.
+    prefix = torch.cumprod(correct[:, :, 1:].long(), dim=-1).sum(-1)
+    blocks = inputs.anchors >= 0
+    return LossTerms(
+        loss_sum=loss_sum,
+        weight_sum=weights.sum().detach(),
+        correct_per_pos=correct.sum(dim=(0, 1)).float(),
+        count_per_pos=scored.sum(dim=(0, 1)).float(),
+        accepted_sum=((1 + prefix) * blocks).sum().float(),
+        num_blocks=blocks.sum().float(),
+    )
+
+
+def peak_logits_bytes(num_rows: int, vocab: int, chunk: int, bytes_per: int = 4) -> tuple[int, int]:
+    """(unchunked, chunked) bytes of the fp32 logits (+ their softmax/grad copy) for `num_rows` positions."""
+    full = 2 * num_rows * vocab * bytes_per
+    return full, 2 * min(chunk, num_rows) * vocab * bytes_per

@@ -1,0 +1,225 @@
+"""The frozen target: checking its directory, running it only as far as the drafter needs, and
+loading the two tensors the drafter shares with it (input embedding and LM head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import logging as hf_logging
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the drafter needs to know about a target model directory, read from its config only."""
+
+    path: Path
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_parameters: dict
+    tie_word_embeddings: bool
+
+
+def inspect_target(path: str | Path) -> TargetInfo:
+    """Validate a Hugging Face model directory and read its shape. Errors say what is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(
+            f"--target_model {path}: not a directory (pass a local Hugging Face model directory)"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--target_model {path}: no config.json in the directory")
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(
+            f"--target_model {path}: no *.safetensors weights (pickled .bin weights are not loaded; "
+            "convert them with `save_pretrained(..., safe_serialization=True)`)"
+        )
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = config.get_text_config(decoder=True)
+    rope = getattr(config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(config, "rope_theta", 10000.0),
+    }
+    return TargetInfo(
+        path=path,
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(config, "max_position_embeddings", 32768),
+        rope_parameters=dict(rope),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
+    """K layers evenly spaced from 1 to N-3 (the paper's choice: [1, 9, 17, 25, 33] for 36 layers)."""
+    if num_layers < 4:
+        raise ValueError(f"the target has {num_layers} layers; pass --target_layer_ids explicitly")
+    last = num_layers - 3
+    num_taps = min(num_taps, last)
+    if num_taps == 1:
+        return [last]
+    return [round(1 + i * (last - 1) / (num_taps - 1)) for i in range(num_taps)]
+
+
+def _tensor_locations(path: Path) -> dict[str, Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    locations = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            locations.update({name: file for name in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    return locations
+
+
+def _find_tensor(locations: dict[str, Path], suffix: str) -> str | None:
+    matches = sorted(name for name in locations if name == suffix or name.endswith("." + suffix))
+    # Prefer the shortest name: "model.embed_tokens.weight" over a vision tower's embedding.
+    return min(matches, key=len) if matches else None
+
+
+def load_shared_embeddings(info: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read ONLY the input embedding and LM head from the target's safetensors (never the whole model)."""
+    locations = _tensor_locations(info.path)
+    embed_name = _find_tensor(locations, "embed_tokens.weight")
+    if embed_name is None:
+        raise ValueError(
+            f"--target_model {info.path}: no '*embed_tokens.weight' tensor in the safetensors files"
+        )
+    head_name = _find_tensor(locations, "lm_head.weight")
+    if head_name is None and not info.tie_word_embeddings:
+        raise ValueError(
+            f"--target_model {info.path}: no 'lm_head.weight' tensor and tie_word_embeddings is false"
+        )
+    tensors = {}
+    for name in filter(None, [embed_name, head_name]):
+        with safe_open(locations[name], framework="pt") as f:
+            tensors[name] = f.get_tensor(name)
+    embed = tensors[embed_name]
+    head = tensors[head_name] if head_name else embed
+    return embed, head
+
+
+class SharedTargetHead(nn.Module):
+    """The target's frozen embedding and LM head, held beside the drafter (not part of its checkpoint)."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight.float(), freeze=True)
+        self.lm_head_weight = nn.Parameter(lm_head_weight.float(), requires_grad=False)
+
+    @classmethod
+    def from_target(cls, info: TargetInfo) -> SharedTargetHead:
+        return cls(*load_shared_embeddings(info))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.num_embeddings
+
+
+class _StopForward(Exception):
+    """Raised after the last tapped layer so that later layers, the final norm and the head never run."""
+
+
+def _layer_output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+@contextlib.contextmanager
+def capture_layer_outputs(layers: nn.ModuleList, layer_ids: list[int], stop_after_last: bool):
+    """Record the outputs of `layers[i]` for i in layer_ids (the OUTPUT of decoder layer L is the
+    `hidden_states[L + 1]` of transformers). Yields the dict that fills during the forward."""
+    captured: dict[int, torch.Tensor] = {}
+    last = max(layer_ids)
+
+    def make_hook(idx):
+        def hook(_module, _inputs, output):
+            captured[idx] = _layer_output(output)
+            if stop_after_last and idx == last:
+                raise _StopForward
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(make_hook(i)) for i in layer_ids]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__} (expected `.model.layers`)"
+        )
+    return layers
+
+
+class TargetFeatureExtractor:
+    """A frozen target truncated after its last tapped layer; returns the concatenated tapped features."""
+
+    def __init__(
+        self, info: TargetInfo, target_layer_ids: list[int], device: torch.device, dtype: torch.dtype
+    ):
+        self.target_layer_ids = list(target_layer_ids)
+        keep = max(self.target_layer_ids) + 1
+        # Load only the layers up to the last tap: later layers, the norm's use and the LM head are skipped.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # the dropped layers are reported as unused weights; that is intended
+        try:
+            self.model = AutoModel.from_pretrained(
+                info.path, num_hidden_layers=keep, dtype=dtype, local_files_only=True
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self.model.to(device).eval().requires_grad_(False)
+        self.layers = _decoder_layers(self.model)
+        self.device = device
+
+    @torch.no_grad()  # not inference_mode: the drafter's autograd graph reads these features
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, S] ids and padding mask -> [B, S, K*H] features of the tapped layers, in tap order."""
+        return tapped_features(self.model, self.layers, self.target_layer_ids, input_ids, attention_mask)
+
+
+def tapped_features(model, layers, layer_ids, input_ids, attention_mask, **kwargs) -> torch.Tensor:
+    """Run `model` until the last tapped layer and concatenate the tapped layers' outputs."""
+    with capture_layer_outputs(layers, layer_ids, stop_after_last=True) as captured:
+        try:
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+        except _StopForward:
+            pass
+    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The whole target with its LM head, for generation and speculative verification."""
+    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, local_files_only=True)
+    return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,132 @@
+"""Shared fixtures: a small random Qwen3 target with a locally trained ChatML tokenizer, and chat data.
+
+Everything is built on the fly from fixed text and seeds: no download, a second or two per session.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "a",
+    "python",
+    "function",
+    "returns",
+    "a",
+    "list",
+    "of",
+    "values",
+    "sorted",
+    "by",
+    "key",
+    "and",
+    "the",
+    "parser",
+    "reads",
+    "each",
+    "line",
+    "of",
+    "the",
+    "file",
+    "into",
+    "a",
+    "dictionary",
+    "numbers",
+    "strings",
+    "tuples",
+    "sets",
+    "maps",
+    "iterators",
+    "generators",
+    "classes",
+    "modules",
+    "packages",
+]
+
+
+def conversation(i: int) -> dict:
+    rng = torch.Generator().manual_seed(i)
+    q = " ".join(WORDS[j] for j in torch.randint(len(WORDS), (6,), generator=rng).tolist())
+    a = " ".join(WORDS[j] for j in torch.randint(len(WORDS), (40 + i % 20,), generator=rng).tolist())
+    return {"messages": [{"role": "user", "content": f"What is {q}?"}, {"role": "assistant", "content": a}]}
+
+
+def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_target(out: Path, vocab_size: int, num_layers: int = 6, seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """A directory holding a random 6-layer Qwen3 (hidden 64) and a ChatML tokenizer with a mask token."""
+    out = tmp_path_factory.mktemp("tiny_target")
+    tok = build_tokenizer(out)
+    build_target(out, vocab_size=len(tok))
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory) -> Path:
+    """A jsonl file of 48 short conversations."""
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    path.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(48)))
+    return path
