@@ -214,7 +214,6 @@ def block_loss_terms(
     last_hidden: torch.Tensor, head_weight: torch.Tensor, inputs: BlockInputs, chunk: int
 ) -> LossTerms:
     """Loss sums and metric counts for the drafter's output `last_hidden` [B, A*bs, H]."""
-    bs = inputs.block_size
     weights = inputs.weights
     scored = weights > 0
     flat_idx = torch.nonzero(scored.flatten(), as_tuple=False).flatten()
