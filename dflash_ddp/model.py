@@ -126,7 +126,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     A query row with no visible key returns zeros on every path, which is what flex attention does.
     """
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        return _flex_for(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     has_key = mask.any(dim=-1, keepdim=True)
@@ -134,6 +134,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     safe_mask = mask | ~has_key
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, enable_gqa=True)
     return out * has_key.to(out.dtype)
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_for(device: torch.device):
+    """The fused (compiled) flex kernel on CUDA; the eager reference implementation elsewhere."""
+    global _COMPILED_FLEX
+    if device.type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX
 
 
 class DFlashAttention(nn.Module):

@@ -1,0 +1,58 @@
+"""Configuration: precedence, strictness and clear errors."""
+
+import pytest
+
+from dflash_ddp.config import EMBEDDED_PRESET, parse_config
+
+
+def test_cli_overrides_yaml_which_overrides_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "target_model: /models/t\ndata: [a.jsonl, b.jsonl]\nblock_size: 10\nlearning_rate: 1e-4\n"
+    )
+    config, embedded = parse_config(
+        ["--config", str(path), "--block_size", "8", "--target_layer_ids", "1,5,9"]
+    )
+    assert not embedded
+    assert config.block_size == 8 and config.learning_rate == 1e-4
+    assert config.data == ["a.jsonl", "b.jsonl"] and config.target_layer_ids == [1, 5, 9]
+    assert config.num_anchors == 512  # paper default untouched
+
+
+def test_no_target_uses_the_embedded_preset():
+    config, embedded = parse_config(["--max_steps", "5"])
+    assert embedded and config.target_model == EMBEDDED_PRESET["target_model"] and config.max_steps == 5
+
+
+def test_list_flags_take_several_values_and_booleans_stand_alone():
+    config, _ = parse_config(["--target_model", "t", "--data", "x.jsonl", "y.jsonl", "--plan"])
+    assert config.data == ["x.jsonl", "y.jsonl"] and config.plan is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learning_rat", "1"], "unknown key 'learning_rat' \\(did you mean 'learning_rate'\\?\\)"),
+        (["--block_size", "1"], "--block_size 1: must be at least 2"),
+        (["--block_size", "big"], "--block_size: expected int, got 'big'"),
+        (["--max_steps", "0"], "--max_steps 0"),
+        (["--tokens_per_batch", "100"], "smaller than --max_seq_len"),
+        (["--attention", "fast"], "--attention fast"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(argv)
+
+
+def test_yaml_errors_name_the_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("target_model: t\nnum_anchorz: 3\n")
+    with pytest.raises(ValueError, match=f"{path}: unknown key 'num_anchorz'"):
+        parse_config(["--config", str(path)])
+    path.write_text("target_model: t\nnum_anchors: many\n")
+    with pytest.raises(ValueError, match="key 'num_anchors': expected int"):
+        parse_config(["--config", str(path)])
+    with pytest.raises(ValueError, match="file not found"):
+        parse_config(["--config", str(tmp_path / "nope.yaml")])

@@ -1,0 +1,140 @@
+"""The drafter's attention rule (no leaks), its two attention paths, and its cached inference path."""
+
+import pytest
+import torch
+
+from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.objective import build_block_inputs, dense_block_mask, flex_block_mask
+
+BS = 4
+SEQ = 24
+ANCHORS = [5, 7, 15]  # 5 and 7 are closer than a block: their blocks overlap in position
+
+
+def small_drafter(seed=0):
+    torch.manual_seed(seed)
+    config = DFlashDraftConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=49,
+        block_size=BS,
+    )
+    return DFlashDraftModel(config).eval()
+
+
+def setup_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 48, (1, SEQ), generator=g)
+    loss_mask = torch.ones(1, SEQ, dtype=torch.long)
+    inputs = build_block_inputs(ids, loss_mask, [torch.tensor(ANCHORS)], BS, 49)
+    features = torch.randn(1, SEQ, 64, generator=g)
+    embeds = torch.randn(1, len(ANCHORS) * BS, 32, generator=g)
+    return inputs, features, embeds
+
+
+@pytest.fixture(params=["sdpa", "flex"])
+def run(request):
+    drafter = small_drafter()
+
+    def forward(inputs, features, embeds):
+        make = dense_block_mask if request.param == "sdpa" else flex_block_mask
+        mask = make(inputs.anchors, inputs.context_len, BS)
+        with torch.no_grad():
+            out = drafter(embeds, features, inputs.position_ids, mask).last_hidden_state
+        return out.view(len(ANCHORS), BS, -1)
+
+    return forward
+
+
+@pytest.mark.parametrize("block", range(len(ANCHORS)))
+def test_features_at_or_after_anchor_do_not_leak(run, block):
+    inputs, features, embeds = setup_inputs()
+    base = run(inputs, features, embeds)
+    changed = features.clone()
+    changed[:, ANCHORS[block] :] += 10 * torch.randn_like(changed[:, ANCHORS[block] :])
+    out = run(inputs, changed, embeds)
+    torch.testing.assert_close(out[block], base[block], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", range(len(ANCHORS)))
+def test_feature_just_before_anchor_is_seen(run, block):
+    inputs, features, embeds = setup_inputs()
+    base = run(inputs, features, embeds)
+    changed = features.clone()
+    changed[:, ANCHORS[block] - 1] += 1.0
+    out = run(inputs, changed, embeds)
+    assert (out[block] - base[block]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("block", range(len(ANCHORS)))
+def test_other_blocks_tokens_do_not_leak(run, block):
+    inputs, features, embeds = setup_inputs()
+    base = run(inputs, features, embeds)
+    changed = embeds.clone().view(len(ANCHORS), BS, -1)
+    for other in range(len(ANCHORS)):
+        if other != block:
+            changed[other] += torch.randn_like(changed[other])
+    out = run(inputs, features, changed.view_as(embeds))
+    torch.testing.assert_close(out[block], base[block], rtol=0, atol=1e-5)
+    own = embeds.clone().view(len(ANCHORS), BS, -1)
+    own[block, 2] += 1.0  # a token of the block itself is seen (bidirectional inside the block)
+    assert (run(inputs, features, own.view_as(embeds))[block, 0] - base[block, 0]).abs().max() > 1e-3
+
+
+def test_attention_paths_agree_with_padding_blocks():
+    drafter = small_drafter()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 48, (2, SEQ), generator=g)
+    loss_mask = torch.ones(2, SEQ, dtype=torch.long)
+    # the second sequence has fewer anchors: its last slot is a padding block that sees nothing
+    inputs = build_block_inputs(ids, loss_mask, [torch.tensor([3, 9, 20]), torch.tensor([4, 6])], BS, 49)
+    features = torch.randn(2, SEQ, 64, generator=g)
+    embeds = torch.randn(2, 3 * BS, 32, generator=g)
+    with torch.no_grad():
+        dense = drafter(embeds, features, inputs.position_ids, dense_block_mask(inputs.anchors, SEQ, BS))
+        flex = drafter(embeds, features, inputs.position_ids, flex_block_mask(inputs.anchors, SEQ, BS))
+    torch.testing.assert_close(dense.last_hidden_state, flex.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_block_gives_finite_gradients():
+    drafter = small_drafter().train()
+    inputs = build_block_inputs(
+        torch.randint(0, 48, (2, SEQ)), torch.ones(2, SEQ), [torch.tensor([3, 9]), torch.tensor([4])], BS, 49
+    )
+    out = drafter(
+        torch.randn(2, 2 * BS, 32),
+        torch.randn(2, SEQ, 64),
+        inputs.position_ids,
+        dense_block_mask(inputs.anchors, SEQ, BS),
+    ).last_hidden_state
+    out.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())
+
+
+def test_cached_inference_equals_one_shot_forward():
+    """Feeding context in pieces through a transformers DFlashCache matches seeing it all at once."""
+    from transformers.cache_utils import DFlashCache
+
+    drafter = small_drafter()
+    features = torch.randn(1, 12, 64)
+    block = torch.randn(1, BS, 32)
+    positions = torch.arange(12 + BS)[None]
+    with torch.no_grad():
+        full = drafter(block, features, positions).last_hidden_state
+        cache = DFlashCache(config=drafter.config)
+        drafter(
+            torch.randn(1, BS, 32),
+            features[:, :7],
+            torch.cat([positions[:, :7], torch.arange(7, 7 + BS)[None]], 1),
+            cache=cache,
+        )
+        cache.crop(-BS)  # drop the first block's keys: only context stays cached
+        pieces = drafter(block, features[:, 7:], positions[:, 7:], cache=cache).last_hidden_state
+    torch.testing.assert_close(pieces, full, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,93 @@
+"""Anchors, labels, weights, the chunked loss and the training metrics."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dflash_ddp.objective import (
+    block_loss_terms,
+    build_block_inputs,
+    chunked_weighted_ce,
+    loss_gamma,
+    position_weights,
+    sample_anchors,
+)
+
+
+def test_anchors_are_a_pure_function_and_precede_response_tokens():
+    mask = torch.tensor([0] * 10 + [1] * 30 + [0] * 5 + [1] * 20)
+    a = sample_anchors(mask, 16, seed=3, epoch=1, sample_id=7)
+    assert torch.equal(a, sample_anchors(mask, 16, seed=3, epoch=1, sample_id=7))
+    assert not torch.equal(a, sample_anchors(mask, 16, seed=3, epoch=2, sample_id=7))  # re-sampled per epoch
+    assert not torch.equal(a, sample_anchors(mask, 16, seed=3, epoch=1, sample_id=8))
+    assert a.numel() == 16 and torch.all(a[1:] > a[:-1])
+    assert all(mask[int(p) + 1] == 1 for p in a)
+
+
+def test_anchor_count_is_capped_by_what_the_sequence_has():
+    mask = torch.tensor([0] * 5 + [1] * 6)
+    assert sample_anchors(mask, 512, 0, 0, 0).tolist() == [4, 5, 6, 7, 8, 9]
+
+
+def test_block_position_k_is_scored_against_the_token_at_anchor_plus_k():
+    ids = torch.arange(100, 130)[None]
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    inputs = build_block_inputs(ids, mask, [torch.tensor([3, 10, 27])], block_size=4, mask_token_id=1)
+    blocks = inputs.block_ids.view(3, 4)
+    assert blocks[:, 0].tolist() == [103, 110, 127]  # the anchor token itself
+    assert torch.all(blocks[:, 1:] == 1)  # then mask tokens
+    assert inputs.labels[0, 0].tolist()[1:] == [104, 105, 106]
+    assert inputs.labels[0, 1].tolist()[1:] == [111, 112, 113]
+    assert inputs.position_ids[0, 30:].tolist() == [3, 4, 5, 6, 10, 11, 12, 13, 27, 28, 29, 30]
+    assert torch.all(inputs.weights[..., 0] == 0)  # position 0 is never scored
+    # anchor 27: positions 28, 29 exist, 30 is past the end -> weight 0
+    assert inputs.weights[0, 2, 1] > 0 and inputs.weights[0, 2, 2] > 0 and inputs.weights[0, 2, 3] == 0
+
+
+def test_prompt_positions_carry_no_weight():
+    ids = torch.arange(20)[None]
+    mask = torch.zeros_like(ids)
+    mask[0, 6:] = 1
+    inputs = build_block_inputs(ids, mask, [torch.tensor([4])], block_size=4, mask_token_id=1)
+    assert inputs.weights[0, 0, 1] == 0  # token 5 is prompt
+    assert inputs.weights[0, 0, 2] > 0
+
+
+def test_decay_weights_follow_the_paper():
+    assert loss_gamma(16) == 7 and loss_gamma(10) == 5 and loss_gamma(8) == 4
+    w = position_weights(16)
+    assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
+
+
+def test_chunked_loss_equals_unchunked_in_value_and_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    head = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (37,))
+    weights = torch.rand(37)
+    loss, correct = chunked_weighted_ce(hidden, head, labels, weights, chunk=8)
+    loss.backward()
+    grad_chunked = hidden.grad.clone()
+    hidden.grad = None
+    logits = hidden @ head.T
+    ref = (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad_chunked, hidden.grad)
+    assert torch.equal(correct, logits.argmax(-1) == labels)
+
+
+def test_metrics_count_a_perfect_prediction_as_full_acceptance():
+    """With one-hot hidden states the LM head picks exactly the labels: accuracy 1, tau = block size."""
+    vocab, bs = 40, 4
+    ids = torch.randint(2, vocab, (1, 30))
+    inputs = build_block_inputs(ids, torch.ones_like(ids), [torch.tensor([2, 9, 20])], bs, mask_token_id=1)
+    hidden = F.one_hot(inputs.labels, vocab).float().view(1, -1, vocab) * 10
+    terms = block_loss_terms(hidden, torch.eye(vocab), inputs, chunk=5)
+    metrics = terms.metrics()
+    assert metrics["accuracy"] == 1.0
+    assert metrics["tau_estimate"] == bs
+    shifted = torch.roll(hidden, shifts=1, dims=-1)  # wrong everywhere: only the bonus token is accepted
+    assert block_loss_terms(shifted, torch.eye(vocab), inputs, chunk=5).metrics()["tau_estimate"] == 1.0

@@ -1,0 +1,59 @@
+"""The target side: which hidden states are tapped, what is loaded, and bad target directories."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_ddp.target import (
+    SharedTargetHead,
+    TargetFeatureExtractor,
+    default_target_layer_ids,
+    inspect_target,
+)
+
+
+def test_layer_id_l_taps_hidden_states_l_plus_one(tiny_target):
+    info = inspect_target(tiny_target)
+    full = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    ids = torch.randint(5, 200, (2, 17))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        reference = full(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    taps = [0, 2, 3]
+    extractor = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)
+    features = extractor(ids, attn)
+    expected = torch.cat([reference[i + 1] for i in taps], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+    # later layers are not even loaded
+    assert len(extractor.layers) == max(taps) + 1
+
+
+def test_shared_head_reads_only_embedding_and_lm_head(tiny_target):
+    info = inspect_target(tiny_target)
+    head = SharedTargetHead.from_target(info)
+    full = AutoModelForCausalLM.from_pretrained(tiny_target)
+    assert torch.equal(head.embed_tokens.weight, full.model.embed_tokens.weight)
+    assert torch.equal(head.lm_head_weight, full.lm_head.weight)
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+def test_default_taps_match_the_paper():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(8) == [1, 2, 3, 4, 5]
+
+
+def test_target_directory_without_safetensors_or_config(tiny_target, tmp_path):
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(tiny_target / "config.json", no_weights)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        inspect_target(no_weights)
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    shutil.copy(tiny_target / "model.safetensors", no_config)
+    with pytest.raises(ValueError, match="no config.json"):
+        inspect_target(no_config)
+    with pytest.raises(ValueError, match="not a directory"):
+        inspect_target(tmp_path / "missing")

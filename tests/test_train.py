@@ -1,0 +1,106 @@
+"""The colocated training job through its real entry point: bad inputs, a short run, its files."""
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_ddp.checkpoint import verify_checkpoint
+from dflash_ddp.train import main
+
+
+def base_args(tiny_target, chat_data, out):
+    return [
+        "--target_model",
+        str(tiny_target),
+        "--data",
+        str(chat_data),
+        "--output_dir",
+        str(out),
+        "--num_draft_layers",
+        "1",
+        "--block_size",
+        "4",
+        "--num_anchors",
+        "8",
+        "--max_seq_len",
+        "128",
+        "--tokens_per_batch",
+        "1024",
+        "--logging_steps",
+        "5",
+        "--save_steps",
+        "10",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--target_layer_ids", "1,6"],
+            "--target_layer_ids \\[1, 6\\]: \\[6\\] out of range; the target has 6 layers",
+        ),
+        (["--mask_token_id", "100000"], "--mask_token_id 100000 is outside the target's embedding"),
+        (["--block_size", "1"], "--block_size 1: must be at least 2"),
+    ],
+)
+def test_bad_inputs_exit_2_with_a_message(tiny_target, chat_data, tmp_path, capsys, extra, message):
+    assert main(base_args(tiny_target, chat_data, tmp_path / "run") + extra) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_target_without_weights_is_refused(tiny_target, chat_data, tmp_path, capsys):
+    empty = tmp_path / "empty_target"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny_target / "config.json").read_text())
+    assert main(base_args(empty, chat_data, tmp_path / "run")) == 2
+    assert "no *.safetensors weights" in capsys.readouterr().err
+
+
+def test_tokenizer_without_mask_token_asks_for_mask_token_id(tiny_target, chat_data, tmp_path, capsys):
+    target = tmp_path / "target"
+    target.mkdir()
+    for f in tiny_target.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg.pop("mask_token", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert main(base_args(target, chat_data, tmp_path / "run")) == 2
+    assert "pass --mask_token_id" in capsys.readouterr().err
+
+
+def test_plan_prints_topology_without_training(tiny_target, chat_data, tmp_path, capsys):
+    assert main(base_args(tiny_target, chat_data, tmp_path / "run") + ["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "colocated" in out and "target_layer_ids" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data, tmp_path):
+    out = tmp_path / "run"
+    assert (
+        main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--learning_rate", "3e-3"]) == 0
+    )
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    assert records[-1]["loss"] < records[0]["loss"]
+    for r in records:
+        assert {"loss", "accuracy", "tau_estimate", "tokens_per_s", "wait_fraction", "lr"} <= r.keys()
+
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-00000020"
+    ckpt = root / "step-00000020"
+    assert verify_checkpoint(ckpt) == []
+    for name in ("optimizer.pt", "scheduler.pt", "rng-rank0.pt"):
+        torch.load(ckpt / name, weights_only=True)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["global_step"] == 20 and state["tokens_seen"] > 0
+    assert set(state["fingerprints"]) == {"target", "tokenizer", "data"}
+    assert all(t.dtype == torch.float32 for t in load_file(ckpt / "model.safetensors").values())
+    assert not list(root.glob(".tmp-*"))
+
+    # a second run into the same directory would throw that work away: it is refused instead
+    assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20"]) == 2
