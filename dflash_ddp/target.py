@@ -211,7 +211,10 @@ class TargetFeatureExtractor:
 
 def tapped_features(model, layers, layer_ids, input_ids, attention_mask, **kwargs) -> torch.Tensor:
     """Run `model` until the last tapped layer and concatenate the tapped layers' outputs."""
-    with capture_layer_outputs(layers, layer_ids, stop_after_last=True) as captured, contextlib.suppress(_StopForward):
+    with (
+        capture_layer_outputs(layers, layer_ids, stop_after_last=True) as captured,
+        contextlib.suppress(_StopForward),
+    ):
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
 
