@@ -75,7 +75,9 @@ def _commit(new: list[int], room: int, eos: set[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_generate(target: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()) -> DecodeResult:
+def greedy_generate(
+    target: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()
+) -> DecodeResult:
     """Plain greedy decoding with a KV cache, one target forward per token, timed."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -123,6 +125,7 @@ def speculative_generate(
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
     target_cache, drafter_cache = DynamicCache(config=target.config), DynamicCache()
+    target_cache.activate_past_recording()  # lets `crop` roll back sliding-window layers too, as in transformers
     accepted: list[int] = []
     _sync(device)
     start = time.perf_counter()
@@ -144,7 +147,9 @@ def speculative_generate(
             # The cache must hold context only: the next block is written at new positions with a new anchor.
             drafter_cache.crop(-block_size)
             drafts = head(hidden[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
-            verified = target(input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True)
+            verified = target(
+                input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True
+            )
             choices = verified.logits[0].argmax(dim=-1)  # choices[k]: the target's token after verify input k
             num_ok = int((drafts[0] == choices[:-1]).long().cumprod(dim=0).sum())
             new = _commit(choices[: num_ok + 1].tolist(), max_new_tokens - len(tokens), eos)
@@ -155,15 +160,17 @@ def speculative_generate(
             context = torch.cat([captured[i] for i in layer_ids], dim=-1)[:, : num_ok + 1]
             context_start = anchor_pos
     _sync(device)
-    return DecodeResult(tokens, time.perf_counter() - start, target_forwards=1 + len(accepted), accepted=accepted)
+    return DecodeResult(
+        tokens, time.perf_counter() - start, target_forwards=1 + len(accepted), accepted=accepted
+    )
 
 
 @torch.inference_mode()
 def transformers_generate(
     target: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = (), **generate_kwargs
 ) -> DecodeResult:
-    """`target.generate(..., do_sample=False)` with extra arguments (assistant, prompt lookup), timed, with
-    the target's forward calls counted (each one is a verify step of the candidate generator)."""
+    """`target.generate(..., do_sample=False)` with extra arguments (an assistant, prompt lookup), timed, with
+    the target's forward calls counted: every call after a plain prefill verifies one set of candidates."""
     device = target.device
     ids = _as_input(prompt_ids, device)
     eos = sorted(set(eos_token_ids))
@@ -205,7 +212,7 @@ def as_transformers_assistant(drafter: DFlashDraftModel, target: nn.Module) -> D
     """
     device, dtype = target.device, target.dtype
     if all(p.device == device and p.dtype == dtype for p in drafter.parameters()):
-        return drafter.eval()
+        return drafter
     converted = copy.deepcopy(drafter).to(device)
     for p in converted.parameters():
         p.data = p.data.to(dtype)
@@ -243,11 +250,14 @@ def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: use auto, cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: use auto, cpu or cuda")
     return device
 
 
@@ -289,7 +299,11 @@ class EvalSetup:
 
 
 def prepare_evaluation(
-    target_dir: str | Path, drafter: DFlashDraftModel | str | Path, data_path: str | Path, num_prompts: int, device: str
+    target_dir: str | Path,
+    drafter: DFlashDraftModel | str | Path,
+    data_path: str | Path,
+    num_prompts: int,
+    device: str,
 ) -> EvalSetup:
     """Load and cross-check target, tokenizer, drafter and prompts. Bad input raises ValueError."""
     if num_prompts < 1:
@@ -317,7 +331,7 @@ def prepare_evaluation(
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def run_evaluation(
@@ -331,7 +345,9 @@ def run_evaluation(
         "greedy": lambda p, n: greedy_generate(target, p, n, eos),
         "dflash": lambda p, n: speculative_generate(target, setup.drafter, p, n, eos),
         "dflash_untrained": lambda p, n: speculative_generate(target, setup.untrained, p, n, eos),
-        "prompt_lookup": lambda p, n: transformers_generate(target, p, n, eos, prompt_lookup_num_tokens=lookup_tokens),
+        "prompt_lookup": lambda p, n: transformers_generate(
+            target, p, n, eos, prompt_lookup_num_tokens=lookup_tokens
+        ),
         "transformers_dflash": lambda p, n: transformers_generate(
             target, p, n, eos, assistant_model=setup.drafter, speculation_type="dflash"
         ),
@@ -349,7 +365,9 @@ def run_evaluation(
         for name in METHODS:
             tokens = results[name][-1].tokens
             if tokens != truth:
-                mismatched.append({"method": name, "prompt": where, "first_difference": _first_difference(tokens, truth)})
+                mismatched.append(
+                    {"method": name, "prompt": where, "first_difference": _first_difference(tokens, truth)}
+                )
         if on_prompt is not None:
             on_prompt(index + 1, len(setup.prompts))
     return _summarise(results, mismatched, setup, max_new_tokens, lookup_tokens)
@@ -375,14 +393,15 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
         # in prompt lookup every target forward verifies candidates, the first one included.
         prefill = 0 if name == "prompt_lookup" else 1
         steps = sum(r.target_forwards - prefill for r in runs)
+        rate = tokens / sum(r.seconds for r in runs)
         entry = {
-            "tau": (tokens - prefill * len(runs)) / steps if steps else float("nan"),
+            "tau": (tokens - prefill * len(runs)) / steps if steps else None,  # None: no verify step ran
             "verify_steps": steps,
             "tokens": tokens,
-            "tokens_per_s": tokens / sum(r.seconds for r in runs),
+            "tokens_per_s": rate,
+            "speedup": rate / greedy_rate,
             "mismatches": sum(m["method"] == name for m in mismatched),
         }
-        entry["speedup"] = entry["tokens_per_s"] / greedy_rate
         if name in ("dflash", "dflash_untrained"):
             counts = [0] * block_size
             for r in runs:
@@ -436,7 +455,7 @@ def print_report(report: dict, console=None) -> None:
         verdict = f"{ok}/{report['num_prompts']}" + ("" if entry["mismatches"] == 0 else " MISMATCH")
         table.add_row(
             METHOD_LABELS[name],
-            f"{entry['tau']:.2f}",
+            "-" if entry["tau"] is None else f"{entry['tau']:.2f}",
             f"{entry['tokens_per_s']:.1f}",
             f"{entry['speedup']:.2f}x",
             verdict,
@@ -458,7 +477,9 @@ def print_report(report: dict, console=None) -> None:
     console.print(histogram)
 
     for m in report["mismatched"]:
-        console.print(f"[bold red]{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}")
+        console.print(
+            f"[bold red]{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}"
+        )
     console.print("lossless: every output equals greedy" if report["lossless"] else "[bold red]NOT lossless")
 
 
@@ -471,9 +492,13 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 when every speculative output equals greedy, 1 on a mismatch, 2 on bad input."""
-    parser = argparse.ArgumentParser(prog="python -m dflash_ddp.evaluate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_ddp.evaluate", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--target_model", required=True, help="Hugging Face model directory of the target")
-    parser.add_argument("--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)")
+    parser.add_argument(
+        "--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)"
+    )
     parser.add_argument("--data", required=True, help="jsonl/json file of conversations ('messages')")
     parser.add_argument("--num_prompts", type=_positive_int, default=50)
     parser.add_argument("--max_new_tokens", type=_positive_int, default=128)
@@ -485,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = run_evaluation(setup, args.max_new_tokens, lambda i, n: print(f"prompt {i}/{n}", file=sys.stderr))
+    report = run_evaluation(
+        setup, args.max_new_tokens, lambda i, n: print(f"prompt {i}/{n}", file=sys.stderr)
+    )
     print_report(report)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,13 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        # A dtype cast of the drafter (e.g. to bf16) must not round the rope frequencies; device moves apply.
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
