@@ -64,6 +64,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
+    # topology: the last drafter_ranks ranks train the drafter, the others run the target
+    drafter_ranks: int = 1
+    gradient_accumulation_steps: int = 1
+    max_inflight: int = 2
+    dist_timeout: float = 300.0
     # compute
     device: str = "auto"
     attention: str = "auto"
@@ -88,7 +93,15 @@ class TrainConfig:
             raise ValueError(
                 f"--block_size {self.block_size}: must be at least 2 (anchor + one drafted token)"
             )
-        for name in ("num_draft_layers", "num_anchors", "max_seq_len", "tokens_per_batch", "loss_chunk_size"):
+        for name in (
+            "num_draft_layers",
+            "num_anchors",
+            "max_seq_len",
+            "tokens_per_batch",
+            "loss_chunk_size",
+            "gradient_accumulation_steps",
+            "max_inflight",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)}: must be a positive integer")
         if self.tokens_per_batch < self.max_seq_len:
@@ -112,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
         if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:
             raise ValueError("--target_layer_ids: give at least one layer id")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist_timeout {self.dist_timeout}: must be a positive number of seconds")
         if self.logging_steps < 1 or self.save_steps < 1:
             raise ValueError("--logging_steps and --save_steps must be positive")
 

@@ -205,8 +205,12 @@ class TargetFeatureExtractor:
 
     @torch.no_grad()  # not inference_mode: the drafter's autograd graph reads these features
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, S] ids and padding mask -> [B, S, K*H] features of the tapped layers, in tap order."""
-        return tapped_features(self.model, self.layers, self.target_layer_ids, input_ids, attention_mask)
+        """[B, S] ids and padding mask -> [B, S, K*H] features of the tapped layers, in tap order.
+
+        Padding positions are zeroed so that a batch's features are the same whether they were computed
+        here or packed, sent and re-padded by the channel."""
+        features = tapped_features(self.model, self.layers, self.target_layer_ids, input_ids, attention_mask)
+        return features * attention_mask[..., None].to(features.dtype)
 
 
 def tapped_features(model, layers, layer_ids, input_ids, attention_mask, **kwargs) -> torch.Tensor:

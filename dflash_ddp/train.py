@@ -1,7 +1,12 @@
-"""Entry point: `python -m dflash_ddp.train [--config FILE.yaml] [--key value ...]`.
+"""Entry point: `torchrun --nproc-per-node N -m dflash_ddp.train [--config FILE.yaml] [--key value ...]`.
 
+Also `python -m dflash_ddp.train` (one colocated process) and `accelerate launch -m dflash_ddp.train`.
 With no arguments it trains a drafter for the tiny target shipped in the package and ends by measuring
 tau with real speculative decoding on held-out conversations.
+
+A rank's role picks its loop here, once: `run_target` (compute features, send them), `run_drafter`
+(receive, train, save) or `run_colocated` (both in one process). The drafter's loop is the same
+function in both training roles; only where its batches come from differs.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from transformers import AutoTokenizer
 
 from .checkpoint import existing_checkpoints, rng_state, save_checkpoint
 from .config import TrainConfig, config_to_dict, parse_config
-from .data import DataStats, Sample, collate, data_fingerprint, epoch_batches, tokenize_dataset
+from .data import Sample, collate, data_fingerprint, tokenize_dataset
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .objective import peak_logits_bytes
 from .progress import TrainingMonitor
+from .schedule import BatchSchedule
 from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspect_target
+from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from .trainer import (
     DrafterTrainer,
     StepSettings,
@@ -31,6 +38,7 @@ from .trainer import (
     resolve_mask_token_id,
     resolve_target_layer_ids,
 )
+from .transport import ChannelReceiver, ChannelSender, Message
 
 
 @dataclass
@@ -40,15 +48,6 @@ class RunSetup:
     info: TargetInfo
     tokenizer: object
     drafter_config: DFlashDraftConfig
-    device: torch.device
-
-
-def pick_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
 
 
 def prepare(cfg: TrainConfig) -> RunSetup:
@@ -58,7 +57,11 @@ def prepare(cfg: TrainConfig) -> RunSetup:
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
     drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
-    return RunSetup(info, tokenizer, drafter_config, pick_device(cfg.device))
+    return RunSetup(info, tokenizer, drafter_config)
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 on CPU: exact parity tests
 
 
 def fingerprint_files(paths: list[Path]) -> str:
@@ -75,47 +78,35 @@ def drafter_parameter_count(config: DFlashDraftConfig) -> int:
         return sum(p.numel() for p in DFlashDraftModel(config).parameters())
 
 
-def print_plan(cfg: TrainConfig, setup: RunSetup) -> None:
+def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     """Topology, sizes and memory estimates; loads no weights."""
-    c = setup.drafter_config
+    c, info = setup.drafter_config, setup.info
     params = drafter_parameter_count(c)
     rows = cfg.num_anchors * (c.block_size - 1)
     full, chunked = peak_logits_bytes(rows, c.vocab_size, cfg.loss_chunk_size)
     gib = 1 << 30
+    bf16 = 2 if torch.cuda.is_available() else 4
+    # The target's layers have the drafter's width: (params - fc) / drafter layers per target layer.
+    per_layer = (params - len(c.target_layer_ids) * info.hidden_size**2) // c.num_hidden_layers
+    target_params = info.vocab_size * info.hidden_size + (max(c.target_layer_ids) + 1) * per_layer
+    feature_bytes = cfg.tokens_per_batch * len(c.target_layer_ids) * info.hidden_size * bf16
+    for line in topology.describe():
+        print(f"{'topology':>26}: {line}")
     plan = {
-        "topology": "colocated: one process runs the target and trains the drafter",
-        "device": str(setup.device),
-        "target": f"{setup.info.path} ({setup.info.model_type}, {setup.info.num_layers} layers, hidden {setup.info.hidden_size})",
-        "target_layers_run": f"0..{max(c.target_layer_ids)} of {setup.info.num_layers} (later layers, norm and LM head skipped)",
+        "target": f"{info.path} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size})",
+        "target_layers_run": f"0..{max(c.target_layer_ids)} of {info.num_layers} (later layers, norm and LM head skipped)",
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,
         "drafter": f"{c.num_hidden_layers} layers, {params / 1e6:.1f}M trainable parameters",
-        "drafter_memory": f"{params * 16 / gib:.2f} GiB (fp32 weights + grads + AdamW moments)",
+        "message_size": f"up to {feature_bytes / 2**20:.1f} MiB of features per batch (--tokens_per_batch {cfg.tokens_per_batch})",
+        "target_rank_memory": f"~{target_params * bf16 / gib:.2f} GiB of weights (layers 0..{max(c.target_layer_ids)})",
+        "drafter_rank_memory": f"{params * 16 / gib:.2f} GiB (fp32 weights + grads + AdamW moments) "
+        f"+ {2 * info.vocab_size * info.hidden_size * bf16 / gib:.2f} GiB shared embedding/LM head",
         "logits_peak_per_sequence": f"{full / gib:.2f} GiB unchunked -> {chunked / gib:.2f} GiB with --loss_chunk_size {cfg.loss_chunk_size}",
     }
     for key, value in plan.items():
         print(f"{key:>26}: {value}")
-
-
-def batch_stream(samples: list[Sample], cfg: TrainConfig, pad_id: int, total_steps: int):
-    """(epoch, batch index in epoch, Batch) for the run, epoch after epoch, until total_steps."""
-    lengths = [len(s.input_ids) for s in samples]
-    step, epoch = 0, 0
-    while step < total_steps:
-        for index, members in enumerate(epoch_batches(lengths, cfg.tokens_per_batch, cfg.seed, epoch)):
-            if step >= total_steps:
-                return
-            yield epoch, index, collate([samples[i] for i in members], pad_id)
-            step += 1
-        epoch += 1
-
-
-def count_total_steps(samples: list[Sample], cfg: TrainConfig) -> int:
-    if cfg.max_steps > 0:
-        return cfg.max_steps
-    lengths = [len(s.input_ids) for s in samples]
-    return sum(len(epoch_batches(lengths, cfg.tokens_per_batch, cfg.seed, e)) for e in range(cfg.num_epochs))
 
 
 def refuse_existing_run(output_dir: str) -> None:
@@ -128,66 +119,151 @@ def refuse_existing_run(output_dir: str) -> None:
         )
 
 
-def run_colocated(cfg: TrainConfig, setup: RunSetup) -> dict:
-    """World size 1: target forward and drafter step in the same process. Returns the final metrics."""
-    refuse_existing_run(cfg.output_dir)
-    torch.manual_seed(cfg.seed)
-    device = setup.device
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    samples, stats = tokenize_dataset(setup.tokenizer, cfg.data, cfg.max_seq_len, cfg.block_size)
-    (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
-    report_data(stats)
-    total_steps = count_total_steps(samples, cfg)
+def build_schedule(cfg: TrainConfig, samples: list[Sample], topology: Topology) -> BatchSchedule:
+    lengths = [len(s.input_ids) for s in samples]
+    per_step = topology.num_drafters * cfg.gradient_accumulation_steps
+    if cfg.max_steps > 0:
+        return BatchSchedule(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.max_steps)
+    return BatchSchedule.for_epochs(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.num_epochs)
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = TargetFeatureExtractor(setup.info, setup.drafter_config.target_layer_ids, device, dtype)
-    head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=dtype)
+
+# --------------------------------------------------------------------------------------------- roles
+
+
+def run_target(ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule) -> None:
+    """A target rank: compute the tapped features of the batches g = rank mod T, send each to its drafter."""
+    topo = ctx.topology
+    pad_id = setup.tokenizer.pad_token_id or 0
+    extractor = TargetFeatureExtractor(
+        setup.info, setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
+    )
+    sender = ChannelSender(topo.rank, cfg.max_inflight, ctx.device)
+    for item in schedule:
+        if topo.target_of(item.g) != topo.rank:
+            continue
+        batch = collate([samples[i] for i in item.members], pad_id)
+        features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
+        sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
+    sender.close(topo.drafter_ranks)
+
+
+class LocalTarget:
+    """The colocated batch source: the target runs in this process; its compute time is the 'wait'."""
+
+    def __init__(self, extractor: TargetFeatureExtractor, samples, schedule: BatchSchedule, pad_id: int):
+        self.extractor, self.samples, self.pad_id = extractor, samples, pad_id
+        self.items = iter(schedule)
+        self.wait_s = 0.0
+        self.bytes_received = 0
+
+    def get(self) -> Message:
+        start = time.perf_counter()
+        item = next(self.items)
+        batch = collate([self.samples[i] for i in item.members], self.pad_id)
+        device = self.extractor.device
+        features = self.extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
+        self.wait_s += time.perf_counter() - start
+        return Message(item.g, item.epoch, batch, features, 0, 0.0, 0)
+
+    def close(self) -> None:
+        pass
+
+
+def run_colocated(ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule) -> None:
+    extractor = TargetFeatureExtractor(
+        setup.info, setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
+    )
+    source = LocalTarget(extractor, samples, schedule, setup.tokenizer.pad_token_id or 0)
+    train_drafter(ctx, cfg, setup, samples, schedule, source)
+
+
+def run_drafter(ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule) -> None:
+    topo = ctx.topology
+    mine = [(g, topo.target_of(g)) for g in range(schedule.total_batches) if topo.drafter_of(g) == topo.rank]
+    source = ChannelReceiver(topo.rank, mine, topo.target_ranks, ctx.device, compute_dtype(ctx.device))
+    train_drafter(ctx, cfg, setup, samples, schedule, source)
+
+
+def train_drafter(
+    ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule, source
+) -> None:
+    """The drafter's loop: take A micro-batches, one optimizer step, log and save on the leader."""
+    topo, device = ctx.topology, ctx.device
+    out = Path(cfg.output_dir)
+    head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
     drafter = build_drafter(setup.drafter_config, cfg.seed, device)
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
     settings = StepSettings(
         cfg.num_anchors, cfg.seed, cfg.max_grad_norm, cfg.loss_chunk_size, attention, cfg.loss_gamma
     )
     trainer = DrafterTrainer(
-        drafter, head, settings, cfg.learning_rate, cfg.weight_decay, total_steps, cfg.warmup_ratio
+        drafter,
+        head,
+        settings,
+        cfg.learning_rate,
+        cfg.weight_decay,
+        schedule.total_steps,
+        cfg.warmup_ratio,
+        group=ctx.drafter_group if topo.num_drafters > 1 else None,
     )
     fingerprints = {
         "target": fingerprint_files([setup.info.path / "config.json"]),
         "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
         "data": data_fingerprint(samples),
     }
-    pad_id = setup.tokenizer.pad_token_id if setup.tokenizer.pad_token_id is not None else 0
-
-    monitor = TrainingMonitor(out, total_steps)
-    tokens_seen, window_tokens, window_wait, window_start = 0, 0, 0.0, time.perf_counter()
-    metrics: dict = {}
+    monitor = TrainingMonitor(out, schedule.total_steps) if topo.is_leader else None
+    window = {
+        "start": time.perf_counter(),
+        "tokens": 0.0,
+        "wait": source.wait_s,
+        "bytes": source.bytes_received,
+    }
+    tokens_seen, senders = 0, {}
     try:
-        for epoch, index, batch in batch_stream(samples, cfg, pad_id, total_steps):
-            t0 = time.perf_counter()
-            features = target(batch.input_ids.to(device), batch.attention_mask.to(device))
-            window_wait += time.perf_counter() - t0
-            metrics = trainer.step([(batch, features)], epoch)
-            tokens_seen += batch.num_tokens
-            window_tokens += batch.num_tokens
-            step = trainer.global_step
-            if step % cfg.logging_steps == 0 or step == total_steps:
-                elapsed = time.perf_counter() - window_start
-                metrics.update(
-                    epoch=epoch,
-                    tokens_seen=tokens_seen,
-                    tokens_per_s=window_tokens / elapsed,
-                    wait_fraction=window_wait / elapsed,
+        for step in range(1, schedule.total_steps + 1):
+            messages = [source.get() for _ in range(cfg.gradient_accumulation_steps)]
+            for m in messages:
+                senders[m.source] = (m.sender_wait_s, m.sender_inflight)
+            metrics = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
+            step_tokens = trainer.sum_over_drafters(
+                torch.tensor(float(sum(m.batch.num_tokens for m in messages)))
+            )
+            tokens_seen += int(step_tokens)
+            window["tokens"] += float(step_tokens)
+            if step % cfg.logging_steps == 0 or step == schedule.total_steps:
+                elapsed = time.perf_counter() - window["start"]
+                stats = trainer.sum_over_drafters(
+                    torch.tensor([source.wait_s - window["wait"], source.bytes_received - window["bytes"]])
                 )
-                monitor.log(metrics)
-                window_tokens, window_wait, window_start = 0, 0.0, time.perf_counter()
-            if step % cfg.save_steps == 0 or step == total_steps:
+                metrics.update(
+                    epoch=messages[-1].epoch,
+                    tokens_seen=tokens_seen,
+                    tokens_per_s=window["tokens"] / elapsed,
+                    wait_fraction=float(stats[0]) / topo.num_drafters / elapsed,
+                    hidden_state_bytes_per_s=float(stats[1]) / elapsed,
+                    target_send_wait_s={str(k): round(v[0], 3) for k, v in sorted(senders.items())},
+                    target_inflight={str(k): v[1] for k, v in sorted(senders.items())},
+                )
+                if monitor:
+                    monitor.log(metrics)
+                window = {
+                    "start": time.perf_counter(),
+                    "tokens": 0.0,
+                    "wait": source.wait_s,
+                    "bytes": source.bytes_received,
+                }
+            if topo.is_leader and (step % cfg.save_steps == 0 or step == schedule.total_steps):
                 trainer_state = {
                     "global_step": step,
-                    "epoch": epoch,
-                    "batches_consumed": index + 1,
+                    "epoch": messages[-1].epoch,
+                    "batches_consumed": step * schedule.batches_per_step,
                     "tokens_seen": tokens_seen,
-                    "topology": {"world_size": 1, "target_ranks": 0, "drafter_ranks": 1, "colocated": True},
+                    "topology": {
+                        "world_size": topo.world_size,
+                        "target_ranks": topo.num_targets,
+                        "drafter_ranks": topo.num_drafters,
+                        "colocated": topo.colocated,
+                    },
                     "config": config_to_dict(cfg),
                     "fingerprints": fingerprints,
                 }
@@ -198,23 +274,23 @@ def run_colocated(cfg: TrainConfig, setup: RunSetup) -> dict:
                     trainer.optimizer,
                     trainer.scheduler,
                     trainer_state,
-                    {0: rng_state()},
+                    {topo.rank: rng_state()},
                     cfg.save_total_limit,
                 )
                 monitor.print(f"saved {path}")
+        source.close()
     finally:
-        monitor.close()
-    return metrics
+        if monitor:
+            monitor.close()
 
 
-def report_data(stats: DataStats) -> None:
-    print(
-        f"data: {stats.rows} conversations, {stats.kept} kept, {stats.truncated} truncated to --max_seq_len, "
-        f"{stats.too_short} dropped (fewer than 2*block_size response tokens)"
-    )
+ROLES = {"colocated": run_colocated, "target": run_target, "drafter": run_drafter}
 
 
-def run_final_evaluation(cfg: TrainConfig, setup: RunSetup) -> None:
+# ---------------------------------------------------------------------------------------------- main
+
+
+def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
     """Measure tau with real speculative decoding on held-out conversations, against baselines."""
     from .evaluate import evaluate, print_report
 
@@ -226,7 +302,7 @@ def run_final_evaluation(cfg: TrainConfig, setup: RunSetup) -> None:
         data_path=cfg.eval_data,
         num_prompts=cfg.eval_prompts,
         max_new_tokens=cfg.eval_max_new_tokens,
-        device=str(setup.device),
+        device=str(device),
     )
     print_report(report)
     (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -234,24 +310,47 @@ def run_final_evaluation(cfg: TrainConfig, setup: RunSetup) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    rank, world, _ = env_world()
     try:
         cfg, embedded = parse_config(argv)
-        if embedded:
+        topology = Topology(world, rank, cfg.drafter_ranks)
+        leader = topology.is_leader
+        if embedded and leader:
             print(f"no --target_model given: training the embedded default (tiny target {cfg.target_model})")
         setup = prepare(cfg)
         if cfg.plan:
-            print_plan(cfg, setup)
+            if leader:
+                print_plan(cfg, setup, topology)
             return 0
-        start = time.perf_counter()
-        run_colocated(cfg, setup)
+        refuse_existing_run(cfg.output_dir)
+        samples, stats = tokenize_dataset(setup.tokenizer, cfg.data, cfg.max_seq_len, cfg.block_size)
+        schedule = build_schedule(cfg, samples, topology)
+        ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout)
+    except ValueError as e:
+        print(f"error{'' if world == 1 else f' (rank {rank})'}: {e}", file=sys.stderr)
+        return 2
+    torch.manual_seed(cfg.seed)
+    if leader:
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+        print(
+            f"data: {stats.rows} conversations, {stats.kept} kept, {stats.truncated} truncated to --max_seq_len, "
+            f"{stats.too_short} dropped (fewer than 2*block_size response tokens); "
+            f"{schedule.total_steps} steps of {schedule.batches_per_step} batches"
+        )
+    start = time.perf_counter()
+    try:
+        ROLES[topology.role](ctx, cfg, setup, samples, schedule)
+    finally:
+        shutdown()
+    if leader:
         print(
             f"training took {time.perf_counter() - start:.0f} s; checkpoints in {cfg.output_dir}/checkpoints"
         )
         if cfg.eval_data:
-            run_final_evaluation(cfg, setup)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            run_final_evaluation(cfg, ctx.device)
     return 0
 
 

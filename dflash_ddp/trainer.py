@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
 from .data import Batch
@@ -100,8 +101,10 @@ class DrafterTrainer:
         weight_decay: float,
         total_steps: int,
         warmup_ratio: float,
+        group=None,
     ):
         self.drafter = drafter
+        self.group = group  # the drafter ranks' process group when M > 1
         self.head = head
         self.settings = settings
         self.device = next(drafter.parameters()).device
@@ -124,15 +127,32 @@ class DrafterTrainer:
             return flex_block_mask(anchors, context_len, bs)
         return dense_block_mask(anchors, context_len, bs)
 
-    def step(self, micro_batches: list[tuple[Batch, torch.Tensor]], epoch: int, reduce_sum=None) -> dict:
-        """One optimizer step over (batch, target features) pairs; returns metrics.
+    def sum_over_drafters(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of `t` over all drafter ranks (itself when there is one)."""
+        if self.group is not None:
+            t = t.clone()
+            dist.all_reduce(t, group=self.group)
+        return t
 
-        The loss is normalised by the weight sum of ALL micro-batches (and of all drafter ranks when
-        `reduce_sum` all-reduces it), so the update does not depend on how the global batch is split.
+    def _sync_gradients(self) -> None:
+        """Sum the gradients of all drafter ranks (the loss is already globally normalised)."""
+        grads = [p.grad for p in self.drafter.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def step(self, micro_batches: list[tuple[Batch, torch.Tensor, int]]) -> dict:
+        """One optimizer step over (batch, target features, epoch) micro-batches; returns metrics.
+
+        The loss is normalised by the weight sum of ALL micro-batches of ALL drafter ranks, and the
+        ranks' gradients are summed, so the update does not depend on how the global batch is split.
         """
         cfg = self.drafter.config
         prepared = []
-        for batch, features in micro_batches:
+        for batch, features, epoch in micro_batches:
             anchors = [
                 sample_anchors(
                     batch.loss_mask[b, : int(batch.attention_mask[b].sum())],
@@ -152,9 +172,7 @@ class DrafterTrainer:
                 self.settings.loss_gamma,
             )
             prepared.append((inputs, features.to(self.device)))
-        weight_sum = sum(inputs.weight_sum for inputs, _ in prepared)
-        if reduce_sum is not None:
-            weight_sum = reduce_sum(weight_sum)
+        weight_sum = self.sum_over_drafters(sum(inputs.weight_sum for inputs, _ in prepared))
         totals: LossTerms | None = None
         for inputs, features in prepared:
             with self._autocast():
@@ -168,8 +186,9 @@ class DrafterTrainer:
             (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
             terms = LossTerms(*(t.detach() for t in vars(terms).values()))
             totals = terms if totals is None else _add_terms(totals, terms)
-        if reduce_sum is not None:
-            totals = LossTerms(*(reduce_sum(t.detach()) for t in vars(totals).values()))
+        if self.group is not None:
+            self._sync_gradients()
+            totals = LossTerms(*(self.sum_over_drafters(t) for t in vars(totals).values()))
         if not math.isfinite(float(totals.loss_sum)):
             raise FloatingPointError(f"non-finite loss at step {self.global_step + 1}; lower --learning_rate")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.max_grad_norm)

@@ -1,0 +1,64 @@
+"""The job's sequence of global batches: g = 0, 1, 2, ... across epochs, the same on every rank.
+
+Batch g's content depends only on (seed, epoch, data, batching settings) - never on the number of
+ranks - so any split of the job into target and drafter ranks trains on the same batches in the same
+optimizer steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .data import epoch_batches
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    g: int  # global batch index
+    epoch: int
+    index: int  # position within its epoch
+    members: list[int]  # sample indices
+
+
+class BatchSchedule:
+    """Global batches for `total_steps` optimizer steps of `batches_per_step` batches each."""
+
+    def __init__(
+        self, lengths: list[int], tokens_per_batch: int, seed: int, batches_per_step: int, total_steps: int
+    ):
+        self.lengths = lengths
+        self.tokens_per_batch = tokens_per_batch
+        self.seed = seed
+        self.batches_per_step = batches_per_step
+        self.total_steps = total_steps
+        per_epoch = len(self.epoch(0))
+        if per_epoch < batches_per_step:
+            raise ValueError(
+                f"an epoch has only {per_epoch} batches but one optimizer step takes {batches_per_step} "
+                "(drafter ranks x gradient accumulation): lower --tokens_per_batch, --drafter_ranks or "
+                "--gradient_accumulation_steps"
+            )
+
+    @classmethod
+    def for_epochs(cls, lengths, tokens_per_batch, seed, batches_per_step, num_epochs) -> BatchSchedule:
+        """Enough whole optimizer steps to cover `num_epochs` epochs (a partial last step is dropped)."""
+        total = sum(len(epoch_batches(lengths, tokens_per_batch, seed, e)) for e in range(num_epochs))
+        return cls(lengths, tokens_per_batch, seed, batches_per_step, max(1, total // batches_per_step))
+
+    @property
+    def total_batches(self) -> int:
+        return self.total_steps * self.batches_per_step
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        return epoch_batches(self.lengths, self.tokens_per_batch, self.seed, epoch)
+
+    def __iter__(self) -> Iterator[ScheduledBatch]:
+        g, epoch = 0, 0
+        while True:
+            for index, members in enumerate(self.epoch(epoch)):
+                if g >= self.total_batches:
+                    return
+                yield ScheduledBatch(g, epoch, index, members)
+                g += 1
+            epoch += 1

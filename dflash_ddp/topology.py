@@ -1,0 +1,156 @@
+"""Who does what: the ranks' roles, their process groups, and which rank handles which global batch.
+
+With world size W and `--drafter_ranks M`, ranks 0..W-M-1 run the frozen target and ranks W-M..W-1 train
+one drafter data-parallel. Global batch g is computed by target rank g mod T and trained by drafter rank
+g mod M (T = W - M); drafter optimizer step s consumes batches s*M*A .. (s+1)*M*A - 1.
+W = 1 is the colocated case: one process does both.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The split of a job into target and drafter ranks (pure arithmetic, no process groups)."""
+
+    world_size: int
+    rank: int
+    num_drafters: int
+
+    def __post_init__(self):
+        w, m = self.world_size, self.num_drafters
+        if w == 1:
+            if m != 1:
+                raise ValueError(
+                    f"--drafter_ranks {m}: a single process trains one colocated drafter; pass 1"
+                )
+            return
+        if m < 1:
+            raise ValueError(
+                f"--drafter_ranks {m}: with {w} processes at least one rank must train the drafter"
+            )
+        if m >= w:
+            raise ValueError(
+                f"--drafter_ranks {m}: with {w} processes at least one rank must run the target; "
+                f"pass at most {w - 1}"
+            )
+
+    @property
+    def colocated(self) -> bool:
+        return self.world_size == 1
+
+    @property
+    def num_targets(self) -> int:
+        return 1 if self.colocated else self.world_size - self.num_drafters
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return [0] if self.colocated else list(range(self.num_targets))
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return [0] if self.colocated else list(range(self.num_targets, self.world_size))
+
+    @property
+    def role(self) -> str:
+        if self.colocated:
+            return "colocated"
+        return "target" if self.rank < self.num_targets else "drafter"
+
+    @property
+    def drafter_index(self) -> int:
+        """Position of this rank among the drafters (0 = the leader, which logs and saves)."""
+        return self.rank - self.drafter_ranks[0]
+
+    @property
+    def target_index(self) -> int:
+        return self.rank
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.drafter_ranks[0]
+
+    def target_of(self, g: int) -> int:
+        """The rank that computes global batch g."""
+        return self.target_ranks[g % self.num_targets]
+
+    def drafter_of(self, g: int) -> int:
+        """The rank that trains on global batch g."""
+        return self.drafter_ranks[g % self.num_drafters]
+
+    def describe(self) -> list[str]:
+        """Lines for --plan: roles and who feeds whom."""
+        if self.colocated:
+            return ["colocated: one process runs the target and trains the drafter"]
+        lines = [
+            f"world size {self.world_size}: target ranks {self.target_ranks}, drafter ranks {self.drafter_ranks}"
+            + (" (data-parallel drafter)" if self.num_drafters > 1 else ""),
+            f"drafter leader (logs, saves): rank {self.drafter_ranks[0]}",
+        ]
+        for t in self.target_ranks:
+            feeds = sorted(
+                {
+                    self.drafter_of(g)
+                    for g in range(t, t + self.num_targets * self.num_drafters, self.num_targets)
+                }
+            )
+            lines.append(
+                f"target rank {t} computes batches g = {t} mod {self.num_targets} and feeds drafter ranks {feeds}"
+            )
+        return lines
+
+
+@dataclass
+class DistributedContext:
+    """A running job's topology plus its process groups and device."""
+
+    topology: Topology
+    device: torch.device
+    drafter_group: object | None  # process group of the drafter ranks (gradient all-reduce)
+
+    def barrier(self) -> None:
+        if not self.topology.colocated:
+            dist.barrier()
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun/accelerate's environment; (0, 1, 0) without it."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def init_distributed(num_drafters: int, device_request: str, timeout_s: float) -> DistributedContext:
+    """Join the job: NCCL on CUDA, gloo on CPU (the same code). Process groups are created on every rank."""
+    rank, world, local_rank = env_world()
+    topology = Topology(world, rank, num_drafters)
+    use_cuda = torch.cuda.is_available() if device_request == "auto" else device_request == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if topology.colocated:
+        return DistributedContext(topology, device, None)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if use_cuda else None,
+    )
+    # new_group must be called by every rank, in the same order, even by ranks outside the group.
+    drafter_group = dist.new_group(topology.drafter_ranks)
+    return DistributedContext(topology, device, drafter_group)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
