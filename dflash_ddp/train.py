@@ -38,7 +38,7 @@ from .trainer import (
     resolve_mask_token_id,
     resolve_target_layer_ids,
 )
-from .transport import ChannelReceiver, ChannelSender, Message
+from .transport import ChannelError, ChannelReceiver, ChannelSender, Message
 
 
 @dataclass
@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         ROLES[topology.role](ctx, cfg, setup, samples, schedule)
+    except ChannelError as e:  # a dead or stuck peer: say which, without a traceback of our own
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         shutdown()
     if leader:

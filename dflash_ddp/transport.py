@@ -30,6 +30,10 @@ DATA, END = 1, 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+class ChannelError(RuntimeError):
+    """A peer died, got stuck past --dist_timeout, or disagrees on the schedule. Names the ranks involved."""
+
+
 @dataclass
 class Message:
     """One received batch with its provenance."""
@@ -106,7 +110,7 @@ class ChannelSender:
                 for w in works:
                     w.wait()
             except RuntimeError as e:
-                raise RuntimeError(
+                raise ChannelError(
                     f"target rank {self.rank}: sending to drafter rank {dst} failed ({e}); that rank died or is stuck"
                 ) from None
             self.wait_s += time.perf_counter() - start
@@ -156,7 +160,7 @@ class ChannelReceiver:
         try:
             dist.recv(t, src)
         except RuntimeError as e:
-            raise RuntimeError(
+            raise ChannelError(
                 f"drafter rank {self.rank}: receiving {what} from target rank {src} failed ({e}); "
                 f"target rank {src} died or is stuck (see --dist_timeout)"
             ) from None
@@ -167,7 +171,7 @@ class ChannelReceiver:
             for g, src in schedule:
                 header = self._recv((HEADER_LEN,), torch.int64, src, f"the header of batch {g}").cpu()
                 if int(header[0]) != VERSION or int(header[1]) != DATA or int(header[2]) != g:
-                    raise RuntimeError(
+                    raise ChannelError(
                         f"drafter rank {self.rank}: expected batch {g} from target rank {src}, got header "
                         f"{header[:4].tolist()}; the ranks disagree on the schedule (same config everywhere?)"
                     )
@@ -202,7 +206,7 @@ class ChannelReceiver:
         if isinstance(item, BaseException):
             raise item
         if item is None:
-            raise RuntimeError(f"drafter rank {self.rank}: the stream ended before the schedule did")
+            raise ChannelError(f"drafter rank {self.rank}: the stream ended before the schedule did")
         return item
 
     def close(self) -> None:

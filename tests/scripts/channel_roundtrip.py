@@ -1,0 +1,56 @@
+"""Run under torchrun with 2 processes: rank 0 sends batches of varying shape with the target's features,
+rank 1 receives them and compares every one with its own forward of the same target. Exit 0 if all match."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dflash_ddp.data import Batch
+from dflash_ddp.target import TargetFeatureExtractor, inspect_target
+from dflash_ddp.transport import ChannelReceiver, ChannelSender
+
+SHAPES = [(1, 5), (3, 17), (2, 64), (5, 9), (1, 120), (4, 33)]  # (batch size, longest sequence)
+
+
+def make_batch(g: int, batch_size: int, longest: int) -> Batch:
+    gen = torch.Generator().manual_seed(g)
+    lengths = torch.randint(1, longest + 1, (batch_size,), generator=gen)
+    lengths[0] = longest
+    attention = (torch.arange(longest)[None] < lengths[:, None]).long()
+    ids = torch.randint(4, 250, (batch_size, longest), generator=gen) * attention
+    loss = torch.randint(0, 2, (batch_size, longest), generator=gen) * attention
+    return Batch(ids, attention, loss, torch.arange(batch_size) + 100 * g)
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    extractor = TargetFeatureExtractor(
+        inspect_target(sys.argv[1]), [0, 2, 3], torch.device("cpu"), torch.float32
+    )
+    if dist.get_rank() == 0:
+        sender = ChannelSender(0, max_inflight=2, device=torch.device("cpu"))
+        for g, (b, s) in enumerate(SHAPES):
+            batch = make_batch(g, b, s)
+            sender.send(1, batch, extractor(batch.input_ids, batch.attention_mask), g, epoch=g // 3)
+        sender.close([1])
+    else:
+        receiver = ChannelReceiver(
+            1, [(g, 0) for g in range(len(SHAPES))], [0], torch.device("cpu"), torch.float32
+        )
+        for g, (b, s) in enumerate(SHAPES):
+            message = receiver.get()
+            expected = make_batch(g, b, s)
+            assert message.g == g and message.epoch == g // 3
+            for name in ("input_ids", "attention_mask", "loss_mask", "sample_ids"):
+                assert torch.equal(getattr(message.batch, name), getattr(expected, name)), name
+            own = extractor(expected.input_ids, expected.attention_mask)
+            assert torch.equal(message.features, own), f"batch {g}: features differ"
+        receiver.close()
+        print(f"all {len(SHAPES)} messages intact")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

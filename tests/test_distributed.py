@@ -1,0 +1,193 @@
+"""One torchrun job with target and drafter ranks (gloo on CPU, real processes): parity, the channel,
+multi-node rendezvous, failures."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_ddp.topology import Topology
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def torchrun(
+    nproc: int, args: list[str], *extra: str, timeout: float = 300, **popen
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra]
+    if not any(e.startswith("--nnodes") for e in extra):
+        cmd.append("--standalone")
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def train_args(tiny_target, chat_data, out, **overrides) -> list[str]:
+    settings = {
+        "target_model": tiny_target,
+        "data": chat_data,
+        "output_dir": out,
+        "num_draft_layers": 1,
+        "block_size": 4,
+        "num_anchors": 8,
+        "max_seq_len": 128,
+        "tokens_per_batch": 512,
+        "max_steps": 6,
+        "logging_steps": 1,
+        "save_steps": 100,
+        "seed": 1,
+    } | overrides
+    return ["-m", "dflash_ddp.train"] + [x for k, v in settings.items() for x in (f"--{k}", str(v))]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    return load_file(out / "checkpoints" / latest / "model.safetensors")
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_topology_roles_and_invalid_splits():
+    t = Topology(world_size=8, rank=7, num_drafters=1)
+    assert t.role == "drafter" and t.target_ranks == list(range(7)) and t.is_leader
+    assert [t.target_of(g) for g in range(9)] == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+    t2 = Topology(world_size=8, rank=6, num_drafters=2)
+    assert t2.drafter_ranks == [6, 7] and [t2.drafter_of(g) for g in range(4)] == [6, 7, 6, 7]
+    with pytest.raises(ValueError, match="--drafter_ranks 8: .* pass at most 7"):
+        Topology(8, 0, 8)
+    with pytest.raises(ValueError, match="--drafter_ranks 0"):
+        Topology(8, 0, 0)
+
+
+def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_path):
+    """Colocated, 1+1, 2+1 and 3+1 give the same losses and the same final weights, bit for bit."""
+    from dflash_ddp.train import main
+
+    assert main(train_args(tiny_target, chat_data, tmp_path / "colocated")[2:]) == 0
+    reference = final_weights(tmp_path / "colocated")
+    for world in (2, 3, 4):
+        out = tmp_path / f"{world - 1}+1"
+        result = torchrun(world, train_args(tiny_target, chat_data, out))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert losses(out) == losses(tmp_path / "colocated")
+        weights = final_weights(out)
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{out.name} differs"
+
+
+def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path):
+    """2+2 (data-parallel drafter) trains the same function as 1+1 accumulating 2 batches per step."""
+    one = torchrun(2, train_args(tiny_target, chat_data, tmp_path / "1+1", gradient_accumulation_steps=2))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(4, train_args(tiny_target, chat_data, tmp_path / "2+2", drafter_ranks=2))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert losses(tmp_path / "2+2") == pytest.approx(losses(tmp_path / "1+1"), rel=1e-5)
+    a, b = final_weights(tmp_path / "1+1"), final_weights(tmp_path / "2+2")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_messages_of_varying_length_arrive_intact(tiny_target):
+    result = torchrun(2, [str(SCRIPTS / "channel_roundtrip.py"), str(tiny_target)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "all 6 messages intact" in result.stdout
+
+
+def test_two_nodes_on_localhost_train_a_3_plus_1_job(tiny_target, chat_data, tmp_path):
+    port = free_port()
+    args = train_args(tiny_target, chat_data, tmp_path / "2nodes")
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[1][-3000:] + outputs[0][-3000:]
+    state = json.loads(
+        next((tmp_path / "2nodes" / "checkpoints").glob("step-*/trainer_state.json")).read_text()
+    )
+    assert state["topology"] == {"world_size": 4, "target_ranks": 3, "drafter_ranks": 1, "colocated": False}
+
+
+def _rank_pids(parent: int) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, StopIteration):
+            continue
+        if ppid == parent:
+            for var in env:
+                if var.startswith(b"RANK="):
+                    found[int(var[5:])] = int(entry.name)
+    return found
+
+
+def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, chat_data, tmp_path):
+    out = tmp_path / "killed"
+    args = train_args(tiny_target, chat_data, out, max_steps=100000, dist_timeout=30)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and time.time() < deadline:  # training is under way
+            time.sleep(0.5)
+        assert (out / "metrics.jsonl").exists(), "the job never started training"
+        ranks = _rank_pids(job.pid)
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.time()
+        output = job.communicate(timeout=90)[0]
+        assert time.time() - killed_at < 60
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    assert "rank 1" in output or "rank: 1" in output, output[-3000:]
+    leftovers = [
+        pid
+        for pid in ranks.values()
+        if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    ]
+    assert leftovers == []
