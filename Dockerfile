@@ -1,7 +1,6 @@
 # dflash_ddp on a CUDA PyTorch base: torch comes from the image, the rest from PyPI.
 #   docker build -t dflash_ddp .
-#   docker run --gpus all --ipc=host -v /models:/models -v /data:/data -v $PWD/runs:/app/runs dflash_ddp \
-#       --config configs/qwen3-8b.yaml
+#   launch/docker_run.sh --config configs/qwen3-8b.yaml   (= torchrun --nproc-per-node <GPUs> -m dflash_ddp.train ...)
 FROM pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 
 WORKDIR /app
@@ -13,4 +12,5 @@ COPY launch ./launch
 RUN pip install --no-cache-dir -e .
 
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-ENTRYPOINT ["python", "-m", "dflash_ddp.train"]
+# One process per visible GPU; the last --drafter_ranks ranks train the drafter (default 7+1 on 8 GPUs).
+ENTRYPOINT ["bash", "launch/single_node.sh"]

@@ -191,3 +191,25 @@ def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, cha
         if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
     ]
     assert leftovers == []
+
+
+def test_accelerate_launch_with_the_cpu_profile(tiny_target, chat_data, tmp_path):
+    profile = Path(__file__).parents[1] / "configs" / "accelerate" / "cpu.yaml"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(profile),
+        "--main_process_port",
+        str(free_port()),
+    ]
+    result = subprocess.run(
+        cmd + train_args(tiny_target, chat_data, tmp_path / "acc", max_steps=3),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(next((tmp_path / "acc" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
+    assert state["topology"]["world_size"] == 4 and state["topology"]["target_ranks"] == 3
