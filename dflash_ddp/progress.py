@@ -1,7 +1,8 @@
 """What the user sees and what is recorded: a rich live display on the drafter leader, metrics.jsonl always.
 
-On a terminal the display is a live progress bar with step, loss, accuracy, estimated tau, tokens/s and
-how long the drafter waited for data; in a log file (CI, Slurm) the same figures come as one line per
+On a terminal the display is a live progress bar with step, loss, accuracy, estimated tau, tokens/s,
+how long the drafter waited for data and, in split jobs, hidden-state MiB/s and each target's queue
+depth; in a log file (CI, Slurm) the same figures come as one line per
 logging step.
 """
 
@@ -46,8 +47,11 @@ class TrainingMonitor:
             f.write(json.dumps(record) + "\n")
         summary = (
             f"loss {record['loss']:.3f}  acc {record['accuracy']:.3f}  tau~{record['tau_estimate']:.2f}  "
-            f"{record.get('tokens_per_s', 0):,.0f} tok/s  wait {100 * record.get('wait_fraction', 0):.0f}%"
+            f"{record.get('tokens_per_s', 0):,.0f} tok/s  drafter waited {100 * record.get('wait_fraction', 0):.0f}%"
         )
+        if record.get("target_inflight"):  # split jobs: the channel's view of the targets
+            depth = " ".join(f"{r}:{d}" for r, d in record["target_inflight"].items())
+            summary += f"  {record['hidden_state_bytes_per_s'] / 2**20:,.0f} MiB/s  target queues {depth}"
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], summary=summary)
         else:

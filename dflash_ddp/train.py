@@ -212,19 +212,26 @@ def train_drafter(
         "data": data_fingerprint(samples),
     }
     monitor = TrainingMonitor(out, schedule.total_steps) if topo.is_leader else None
-    window = {
-        "start": time.perf_counter(),
-        "tokens": 0.0,
-        "wait": source.wait_s,
-        "bytes": source.bytes_received,
-    }
-    tokens_seen, senders = 0, {}
+    compute_s, tokens_seen, senders = 0.0, 0, {}  # compute_s: time inside trainer.step
+
+    def mark() -> dict:  # counters at the start of a logging window
+        return {
+            "start": time.perf_counter(),
+            "tokens": 0.0,
+            "wait": source.wait_s,
+            "bytes": source.bytes_received,
+            "compute": compute_s,
+        }
+
+    window = mark()
     try:
         for step in range(1, schedule.total_steps + 1):
             messages = [source.get() for _ in range(cfg.gradient_accumulation_steps)]
             for m in messages:
                 senders[m.source] = (m.sender_wait_s, m.sender_inflight)
+            step_start = time.perf_counter()
             metrics = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
+            compute_s += time.perf_counter() - step_start
             step_tokens = trainer.sum_over_drafters(
                 torch.tensor(float(sum(m.batch.num_tokens for m in messages)))
             )
@@ -241,17 +248,13 @@ def train_drafter(
                     tokens_per_s=window["tokens"] / elapsed,
                     wait_fraction=float(stats[0]) / topo.num_drafters / elapsed,
                     hidden_state_bytes_per_s=float(stats[1]) / elapsed,
+                    outside_compute_fraction=1.0 - (compute_s - window["compute"]) / elapsed,
                     target_send_wait_s={str(k): round(v[0], 3) for k, v in sorted(senders.items())},
                     target_inflight={str(k): v[1] for k, v in sorted(senders.items())},
                 )
                 if monitor:
                     monitor.log(metrics)
-                window = {
-                    "start": time.perf_counter(),
-                    "tokens": 0.0,
-                    "wait": source.wait_s,
-                    "bytes": source.bytes_received,
-                }
+                window = mark()
             if topo.is_leader and (step % cfg.save_steps == 0 or step == schedule.total_steps):
                 trainer_state = {
                     "global_step": step,

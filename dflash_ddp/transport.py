@@ -4,7 +4,9 @@ A message is three tensors sent point-to-point (NCCL on GPUs, gloo on CPU):
   header   int64[16]: version, kind (DATA/END), global batch g, epoch, batch size B, total tokens N,
            feature width, dtype code, the sender's cumulative send-wait (us) and in-flight depth
   ints     int64[2N + 2B]: token ids and response mask packed without padding, then lengths, sample ids
-  features [N, K*H] the tapped features packed without padding (bf16 on GPU, fp32 on CPU)
+  features B tensors [len_b, K*H]: each sequence's tapped features without its padding (bf16 on GPU,
+           fp32 on CPU). They are views of the target's output, received straight into the drafter's
+           padded buffer, so neither side copies features to pack or unpack them
 Each target keeps at most `max_inflight` messages outstanding (backpressure). The drafter receives on
 a background thread that pre-posts the next batch while the current one trains; both sides time their
 waits. END messages close every (target, drafter) pair so that no send is left unmatched at exit.
@@ -46,41 +48,50 @@ class Message:
     sender_wait_s: float
     sender_inflight: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.features.numel() * self.features.element_size() + self.batch.input_ids.numel() * 16
 
-
-def pack(
-    batch: Batch, features: torch.Tensor, g: int, epoch: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(header, ints, packed features) for one batch; padding is dropped."""
-    real = batch.attention_mask.bool().to(features.device)
+def pack(batch: Batch, features: torch.Tensor, g: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(header, ints, per-sequence feature views) for one batch; padding is not sent."""
     lengths = batch.attention_mask.sum(dim=1)
-    ids = batch.input_ids[batch.attention_mask.bool()]
-    mask = batch.loss_mask[batch.attention_mask.bool()]
-    ints = torch.cat([ids, mask, lengths, batch.sample_ids]).to(torch.int64)
-    packed = features[real].contiguous()
+    real = batch.attention_mask.bool()
+    ints = torch.cat([batch.input_ids[real], batch.loss_mask[real], lengths, batch.sample_ids]).to(
+        torch.int64
+    )
+    slices = [features[b, :n] for b, n in enumerate(lengths.tolist())]  # contiguous views, no copy
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[:8] = torch.tensor(
-        [VERSION, DATA, g, epoch, lengths.numel(), ids.numel(), packed.shape[1], DTYPES.index(packed.dtype)]
+        [
+            VERSION,
+            DATA,
+            g,
+            epoch,
+            lengths.numel(),
+            int(lengths.sum()),
+            features.shape[-1],
+            DTYPES.index(features.dtype),
+        ]
     )
-    return header, ints, packed
+    return header, ints, slices
 
 
-def unpack(header: torch.Tensor, ints: torch.Tensor, packed: torch.Tensor) -> tuple[Batch, torch.Tensor]:
-    """The inverse of `pack`: a right-padded Batch and [B, S, K*H] features (zeros at padding)."""
+def unpack_tokens(header: torch.Tensor, ints: torch.Tensor) -> Batch:
+    """The right-padded Batch described by a header and its ints message."""
     b, n = int(header[4]), int(header[5])
+    ints = ints.cpu()
     ids, mask, lengths, sample_ids = ints[:n], ints[n : 2 * n], ints[2 * n : 2 * n + b], ints[2 * n + b :]
-    longest = int(lengths.max())
-    attention = torch.arange(longest)[None, :] < lengths.cpu()[:, None]
-    input_ids = torch.zeros(b, longest, dtype=torch.long)
-    loss_mask = torch.zeros(b, longest, dtype=torch.long)
-    input_ids[attention] = ids.cpu()
-    loss_mask[attention] = mask.cpu()
-    features = packed.new_zeros(b, longest, packed.shape[1])
-    features[attention.to(packed.device)] = packed
-    return Batch(input_ids, attention.long(), loss_mask, sample_ids.cpu()), features
+    attention = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    input_ids = torch.zeros(attention.shape, dtype=torch.long)
+    loss_mask = torch.zeros(attention.shape, dtype=torch.long)
+    input_ids[attention] = ids
+    loss_mask[attention] = mask
+    return Batch(input_ids, attention.long(), loss_mask, sample_ids)
+
+
+def padded_feature_buffer(batch: Batch, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[B, S, width] with zeros at padding; the real positions are filled by the receives."""
+    features = torch.empty(*batch.input_ids.shape, width, dtype=dtype, device=device)
+    for b, n in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+        features[b, n:].zero_()
+    return features
 
 
 def _header(kind: int, g: int = -1) -> torch.Tensor:
@@ -96,7 +107,7 @@ class ChannelSender:
         self.rank = rank
         self.max_inflight = max_inflight
         self.device = device
-        self.inflight: deque[tuple[int, list]] = deque()
+        self.inflight: deque[tuple[int, list, list]] = deque()
         self.wait_s = 0.0
 
     def _comm(self, t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +115,7 @@ class ChannelSender:
 
     def _drain_to(self, limit: int) -> None:
         while len(self.inflight) > limit:
-            dst, works = self.inflight.popleft()
+            dst, works, _tensors = self.inflight.popleft()
             start = time.perf_counter()
             try:
                 for w in works:
@@ -118,16 +129,18 @@ class ChannelSender:
     def send(self, dst: int, batch: Batch, features: torch.Tensor, g: int, epoch: int) -> None:
         """Queue batch g for drafter rank `dst`; blocks only when max_inflight messages are outstanding."""
         self._drain_to(self.max_inflight - 1)
-        header, ints, packed = pack(batch, features, g, epoch)
+        header, ints, slices = pack(batch, features, g, epoch)
         header[8] = int(self.wait_s * 1e6)
         header[9] = len(self.inflight)
-        tensors = [self._comm(header), self._comm(ints), packed]
-        self.inflight.append((dst, [dist.isend(t, dst) for t in tensors]))
+        tensors = [self._comm(header), self._comm(ints), *slices]
+        # The tensors ride along with their works: a send buffer must outlive the send.
+        self.inflight.append((dst, [dist.isend(t, dst) for t in tensors], tensors))
 
     def close(self, drafter_ranks: Iterable[int]) -> None:
         """Send END to every drafter and wait until everything sent has been received."""
         for dst in drafter_ranks:
-            self.inflight.append((dst, [dist.isend(self._comm(_header(END)), dst)]))
+            end = self._comm(_header(END))
+            self.inflight.append((dst, [dist.isend(end, dst)], [end]))
         self._drain_to(0)
 
 
@@ -154,9 +167,7 @@ class ChannelReceiver:
         )
         self._thread.start()
 
-    def _recv(self, shape, dtype, src: int, what: str) -> torch.Tensor:
-        on = self.device if self.device.type == "cuda" else torch.device("cpu")
-        t = torch.empty(shape, dtype=dtype, device=on)
+    def _recv_into(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
         try:
             dist.recv(t, src)
         except RuntimeError as e:
@@ -167,29 +178,38 @@ class ChannelReceiver:
         return t
 
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
+        on = self.device if self.device.type == "cuda" else torch.device("cpu")
         try:
             for g, src in schedule:
-                header = self._recv((HEADER_LEN,), torch.int64, src, f"the header of batch {g}").cpu()
+                header = self._recv_into(
+                    torch.empty(HEADER_LEN, dtype=torch.int64, device=on), src, f"batch {g}"
+                )
+                header = header.cpu()
                 if int(header[0]) != VERSION or int(header[1]) != DATA or int(header[2]) != g:
                     raise ChannelError(
                         f"drafter rank {self.rank}: expected batch {g} from target rank {src}, got header "
                         f"{header[:4].tolist()}; the ranks disagree on the schedule (same config everywhere?)"
                     )
                 b, n, width, dtype = (int(x) for x in header[4:8])
-                ints = self._recv((2 * n + 2 * b,), torch.int64, src, f"the tokens of batch {g}")
-                packed = self._recv((n, width), DTYPES[dtype], src, f"the features of batch {g}")
+                ints = self._recv_into(
+                    torch.empty(2 * n + 2 * b, dtype=torch.int64, device=on), src, f"batch {g}"
+                )
+                batch = unpack_tokens(header, ints)
+                features = padded_feature_buffer(batch, width, DTYPES[dtype], on)
+                for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+                    self._recv_into(features[row, :length], src, f"the features of batch {g}")
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                batch, features = unpack(header, ints, packed.to(self.feature_dtype))
+                features = features.to(self.feature_dtype)
                 message = Message(
                     g, int(header[3]), batch, features, src, int(header[8]) / 1e6, int(header[9])
                 )
-                self.bytes_received += (
-                    packed.numel() * packed.element_size() + ints.numel() * 8 + HEADER_LEN * 8
-                )
+                self.bytes_received += n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8
                 self.queue.put(message)
             for src in end_sources:
-                header = self._recv((HEADER_LEN,), torch.int64, src, "the end of the stream")
+                header = self._recv_into(
+                    torch.empty(HEADER_LEN, dtype=torch.int64, device=on), src, "the end"
+                )
                 if int(header[1]) != END:
                     raise RuntimeError(
                         f"drafter rank {self.rank}: target rank {src} sent more batches than scheduled"
