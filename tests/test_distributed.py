@@ -213,3 +213,30 @@ def test_accelerate_launch_with_the_cpu_profile(tiny_target, chat_data, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     state = json.loads(next((tmp_path / "acc" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
     assert state["topology"]["world_size"] == 4 and state["topology"]["target_ranks"] == 3
+
+
+def test_plan_describes_the_split_on_the_drafter_leader(
+    tiny_target, chat_data, tmp_path, monkeypatch, capsys
+):
+    from dflash_ddp.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "6")  # the first drafter rank leads
+    assert main(train_args(tiny_target, chat_data, tmp_path / "plan", drafter_ranks=2)[2:] + ["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "target ranks [0, 1, 2, 3, 4, 5], drafter ranks [6, 7] (data-parallel drafter)" in out
+    assert "target rank 0 computes batches g = 0 mod 6 and feeds drafter ranks [6, 7]" in out
+    assert "message_size" in out and "target_rank_memory" in out and "drafter_rank_memory" in out
+    assert not (tmp_path / "plan").exists()
+
+
+def test_more_drafters_than_batches_per_epoch_is_refused(
+    tiny_target, chat_data, tmp_path, monkeypatch, capsys
+):
+    from dflash_ddp.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    args = train_args(tiny_target, chat_data, tmp_path / "x", drafter_ranks=2, gradient_accumulation_steps=40)
+    assert main(args[2:]) == 2
+    assert "one optimizer step takes 80" in capsys.readouterr().err
