@@ -225,7 +225,8 @@ def test_plan_describes_the_split_on_the_drafter_leader(
     assert main(train_args(tiny_target, chat_data, tmp_path / "plan", drafter_ranks=2)[2:] + ["--plan"]) == 0
     out = capsys.readouterr().out
     assert "target ranks [0, 1, 2, 3, 4, 5], drafter ranks [6, 7] (data-parallel drafter)" in out
-    assert "target rank 0 computes batches g = 0 mod 6 and feeds drafter ranks [6, 7]" in out
+    assert "target rank 0 computes batches g = 0 mod 6 and feeds drafter ranks [6]" in out
+    assert "target rank 1 computes batches g = 1 mod 6 and feeds drafter ranks [7]" in out
     assert "message_size" in out and "target_rank_memory" in out and "drafter_rank_memory" in out
     assert not (tmp_path / "plan").exists()
 
