@@ -32,6 +32,7 @@ from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspec
 from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from .trainer import (
     DrafterTrainer,
+    OptimizerSettings,
     StepSettings,
     build_drafter,
     drafter_config_for,
@@ -196,16 +197,9 @@ def train_drafter(
     settings = StepSettings(
         cfg.num_anchors, cfg.seed, cfg.max_grad_norm, cfg.loss_chunk_size, attention, cfg.loss_gamma
     )
-    trainer = DrafterTrainer(
-        drafter,
-        head,
-        settings,
-        cfg.learning_rate,
-        cfg.weight_decay,
-        schedule.total_steps,
-        cfg.warmup_ratio,
-        group=ctx.drafter_group if topo.num_drafters > 1 else None,
-    )
+    optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, schedule.total_steps)
+    group = ctx.drafter_group if topo.num_drafters > 1 else None
+    trainer = DrafterTrainer(drafter, head, settings, optim, group)
     fingerprints = {
         "target": fingerprint_files([setup.info.path / "config.json"]),
         "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),

@@ -79,7 +79,7 @@ def drafter_config_for(
 
 @dataclass
 class StepSettings:
-    """What one optimizer step needs besides the data."""
+    """What one optimizer step needs besides the data and the model."""
 
     num_anchors: int
     seed: int
@@ -87,6 +87,16 @@ class StepSettings:
     loss_chunk_size: int
     attention: str  # "sdpa" or "flex"
     loss_gamma: float | None = None
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW with a cosine schedule and linear warmup."""
+
+    learning_rate: float
+    weight_decay: float
+    warmup_ratio: float
+    total_steps: int
 
 
 class DrafterTrainer:
@@ -97,10 +107,7 @@ class DrafterTrainer:
         drafter: DFlashDraftModel,
         head: SharedTargetHead,
         settings: StepSettings,
-        learning_rate: float,
-        weight_decay: float,
-        total_steps: int,
-        warmup_ratio: float,
+        optim: OptimizerSettings,
         group=None,
     ):
         self.drafter = drafter
@@ -109,10 +116,10 @@ class DrafterTrainer:
         self.settings = settings
         self.device = next(drafter.parameters()).device
         self.optimizer = torch.optim.AdamW(
-            drafter.parameters(), lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.95)
+            drafter.parameters(), lr=optim.learning_rate, weight_decay=optim.weight_decay, betas=(0.9, 0.95)
         )
         self.scheduler = get_cosine_schedule_with_warmup(
-            self.optimizer, math.ceil(warmup_ratio * total_steps), total_steps
+            self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps
         )
         self.global_step = 0
 
