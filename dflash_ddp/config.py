@@ -221,6 +221,23 @@ def _parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
     return config_file, values
 
 
+def usage() -> str:
+    """Every flag with its type and default (the dataclass is the reference; see its comments)."""
+    lines = [
+        "usage: torchrun --nproc-per-node N -m dflash_ddp.train [--config FILE.yaml] [--key value ...]",
+        "",
+    ]
+    defaults = TrainConfig()
+    for name, hint in _field_types(TrainConfig).items():
+        type_name = getattr(hint, "__name__", str(hint).replace("typing.", ""))
+        lines.append(f"  --{name:<28} {type_name:<18} default: {getattr(defaults, name)!r}")
+    lines.append("")
+    lines.append(
+        "Without --target_model the embedded tiny target and its data are used (dflash_ddp/config.py)."
+    )
+    return "\n".join(lines)
+
+
 def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     """Build and validate the config from argv. Returns it and whether the embedded preset was used."""
     types_ = _field_types(TrainConfig)

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from .checkpoint import existing_checkpoints, rng_state, save_checkpoint
-from .config import TrainConfig, config_to_dict, parse_config
+from .config import TrainConfig, config_to_dict, parse_config, usage
 from .data import Sample, collate, data_fingerprint, tokenize_dataset
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .objective import peak_logits_bytes
@@ -307,6 +307,9 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return 0
     rank, world, _ = env_world()
     try:
         cfg, embedded = parse_config(argv)
