@@ -65,8 +65,10 @@ def save_checkpoint(
     trainer_state: dict,
     rng_states: dict[int, dict],
     save_total_limit: int,
+    protect: set[str] = frozenset(),
 ) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, and rotate old ones. Returns its path."""
+    """Write checkpoint `step` atomically, point `latest` at it, and rotate old ones (never the new one,
+    nor those named in `protect`, e.g. the checkpoint the run resumed from). Returns its path."""
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -92,9 +94,13 @@ def save_checkpoint(
         with (tmp / MANIFEST).open("rb") as f:
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if final.exists():  # an older save of the same step (e.g. a re-run): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # an older save of the same step: move it aside first, so one always exists
+            stale = root / f".stale-{final.name}-{os.getpid()}"
+            os.replace(final, stale)
+            os.replace(tmp, final)
+            shutil.rmtree(stale)
+        else:
+            os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -103,7 +109,7 @@ def save_checkpoint(
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
-    _rotate(root, keep=save_total_limit, protect={final.name})
+    _rotate(root, keep=save_total_limit, protect={final.name, *protect})
     return final
 
 

@@ -78,6 +78,8 @@ class TrainConfig:
     save_total_limit: int = 3
     logging_steps: int = 10
     plan: bool = False
+    resume: str = "auto"  # auto | never | PATH of a checkpoint directory
+    resume_override: list[str] = field(default_factory=list)  # optimisation settings allowed to change
     # evaluation with real speculative decoding at the end of training (skipped when eval_data is empty)
     eval_data: str = ""
     eval_prompts: int = 50

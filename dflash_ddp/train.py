@@ -19,14 +19,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from .checkpoint import existing_checkpoints, rng_state, save_checkpoint
+from .checkpoint import checkpoint_name, rng_state, save_checkpoint
 from .config import TrainConfig, config_to_dict, parse_config, usage
 from .data import Sample, collate, data_fingerprint, tokenize_dataset
+from .export import to_zlab_config
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .objective import peak_logits_bytes
 from .progress import TrainingMonitor
+from .resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state, load_weights
 from .schedule import BatchSchedule
 from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspect_target
 from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
@@ -110,16 +113,6 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         print(f"{key:>26}: {value}")
 
 
-def refuse_existing_run(output_dir: str) -> None:
-    found = existing_checkpoints(output_dir)
-    if found:
-        raise ValueError(
-            f"--output_dir {output_dir} already holds checkpoints (newest: {found[-1].name}). Resuming is not "
-            "implemented yet, and starting over would silently throw that work away: pass a new --output_dir, "
-            "or delete the old one if it is no longer wanted"
-        )
-
-
 def build_schedule(cfg: TrainConfig, samples: list[Sample], topology: Topology) -> BatchSchedule:
     lengths = [len(s.input_ids) for s in samples]
     per_step = topology.num_drafters * cfg.gradient_accumulation_steps
@@ -128,21 +121,52 @@ def build_schedule(cfg: TrainConfig, samples: list[Sample], topology: Topology) 
     return BatchSchedule.for_epochs(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.num_epochs)
 
 
+@dataclass
+class Run:
+    """What every role loop reads: settings, data, the batch sequence and where training starts."""
+
+    cfg: TrainConfig
+    setup: RunSetup
+    samples: list[Sample]
+    schedule: BatchSchedule
+    identity: dict  # fingerprints, drafter config and settings: stored in, and checked against, checkpoints
+    start_step: int = 0
+    resume_from: Path | None = None
+
+    @property
+    def first_batch(self) -> int:
+        return self.start_step * self.schedule.batches_per_step
+
+
+def run_identity(cfg: TrainConfig, setup: RunSetup, samples: list[Sample], topology: Topology) -> dict:
+    """The parts of trainer_state.json that decide whether a checkpoint belongs to this run."""
+    config = config_to_dict(cfg) | {"global_batch": topology.num_drafters * cfg.gradient_accumulation_steps}
+    return {
+        "config": config,
+        "fingerprints": {
+            "target": fingerprint_files([setup.info.path / "config.json"]),
+            "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
+            "data": data_fingerprint(samples),
+        },
+        "drafter": to_zlab_config(setup.drafter_config),
+    }
+
+
 # --------------------------------------------------------------------------------------------- roles
 
 
-def run_target(ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule) -> None:
+def run_target(ctx: DistributedContext, run: Run) -> None:
     """A target rank: compute the tapped features of the batches g = rank mod T, send each to its drafter."""
     topo = ctx.topology
-    pad_id = setup.tokenizer.pad_token_id or 0
     extractor = TargetFeatureExtractor(
-        setup.info, setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
+        run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
-    sender = ChannelSender(topo.rank, cfg.max_inflight, ctx.device)
-    for item in schedule:
-        if topo.target_of(item.g) != topo.rank:
+    sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.device)
+    pad_id = run.setup.tokenizer.pad_token_id or 0
+    for item in run.schedule:
+        if item.g < run.first_batch or topo.target_of(item.g) != topo.rank:
             continue
-        batch = collate([samples[i] for i in item.members], pad_id)
+        batch = collate([run.samples[i] for i in item.members], pad_id)
         features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
         sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
     sender.close(topo.drafter_ranks)
@@ -151,9 +175,10 @@ def run_target(ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, sampl
 class LocalTarget:
     """The colocated batch source: the target runs in this process; its compute time is the 'wait'."""
 
-    def __init__(self, extractor: TargetFeatureExtractor, samples, schedule: BatchSchedule, pad_id: int):
-        self.extractor, self.samples, self.pad_id = extractor, samples, pad_id
-        self.items = iter(schedule)
+    def __init__(self, extractor: TargetFeatureExtractor, run: Run):
+        self.extractor, self.samples = extractor, run.samples
+        self.pad_id = run.setup.tokenizer.pad_token_id or 0
+        self.items = (item for item in run.schedule if item.g >= run.first_batch)
         self.wait_s = 0.0
         self.bytes_received = 0
 
@@ -170,29 +195,43 @@ class LocalTarget:
         pass
 
 
-def run_colocated(ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule) -> None:
+def run_colocated(ctx: DistributedContext, run: Run) -> None:
     extractor = TargetFeatureExtractor(
-        setup.info, setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
+        run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
-    source = LocalTarget(extractor, samples, schedule, setup.tokenizer.pad_token_id or 0)
-    train_drafter(ctx, cfg, setup, samples, schedule, source)
+    train_drafter(ctx, run, LocalTarget(extractor, run))
 
 
-def run_drafter(ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule) -> None:
+def run_drafter(ctx: DistributedContext, run: Run) -> None:
     topo = ctx.topology
-    mine = [(g, topo.target_of(g)) for g in range(schedule.total_batches) if topo.drafter_of(g) == topo.rank]
+    mine = [
+        (g, topo.target_of(g))
+        for g in range(run.first_batch, run.schedule.total_batches)
+        if topo.drafter_of(g) == topo.rank
+    ]
     source = ChannelReceiver(topo.rank, mine, topo.target_ranks, ctx.device, compute_dtype(ctx.device))
-    train_drafter(ctx, cfg, setup, samples, schedule, source)
+    train_drafter(ctx, run, source)
 
 
-def train_drafter(
-    ctx: DistributedContext, cfg: TrainConfig, setup: RunSetup, samples, schedule, source
-) -> None:
+def restore(run: Run, trainer: DrafterTrainer, rank: int) -> int:
+    """Load weights, optimizer, scheduler and RNG from the resume checkpoint; returns tokens seen."""
+    path = run.resume_from
+    load_weights(path, trainer.drafter)
+    trainer.optimizer.load_state_dict(load_tensor_file(path / "optimizer.pt"))
+    trainer.scheduler.load_state_dict(load_tensor_file(path / "scheduler.pt"))
+    rng_file = path / f"rng-rank{rank}.pt"
+    if rng_file.is_file():
+        torch.set_rng_state(load_tensor_file(rng_file)["torch"])
+    trainer.global_step = run.start_step
+    return int(load_trainer_state(path)["tokens_seen"])
+
+
+def train_drafter(ctx: DistributedContext, run: Run, source) -> None:
     """The drafter's loop: take A micro-batches, one optimizer step, log and save on the leader."""
-    topo, device = ctx.topology, ctx.device
+    topo, device, cfg, schedule = ctx.topology, ctx.device, run.cfg, run.schedule
     out = Path(cfg.output_dir)
-    head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
-    drafter = build_drafter(setup.drafter_config, cfg.seed, device)
+    head = SharedTargetHead.from_target(run.setup.info).to(device=device, dtype=compute_dtype(device))
+    drafter = build_drafter(run.setup.drafter_config, cfg.seed, device)
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
     settings = StepSettings(
         cfg.num_anchors, cfg.seed, cfg.max_grad_norm, cfg.loss_chunk_size, attention, cfg.loss_gamma
@@ -200,13 +239,9 @@ def train_drafter(
     optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, schedule.total_steps)
     group = ctx.drafter_group if topo.num_drafters > 1 else None
     trainer = DrafterTrainer(drafter, head, settings, optim, group)
-    fingerprints = {
-        "target": fingerprint_files([setup.info.path / "config.json"]),
-        "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
-        "data": data_fingerprint(samples),
-    }
-    monitor = TrainingMonitor(out, schedule.total_steps) if topo.is_leader else None
-    compute_s, tokens_seen, senders = 0.0, 0, {}  # compute_s: time inside trainer.step
+    tokens_seen = restore(run, trainer, topo.rank) if run.resume_from else 0
+    monitor = TrainingMonitor(out, schedule.total_steps, run.start_step) if topo.is_leader else None
+    compute_s, senders = 0.0, {}  # compute_s: time inside trainer.step
 
     def mark() -> dict:  # counters at the start of a logging window
         return {
@@ -219,7 +254,7 @@ def train_drafter(
 
     window = mark()
     try:
-        for step in range(1, schedule.total_steps + 1):
+        for step in range(run.start_step + 1, schedule.total_steps + 1):
             messages = [source.get() for _ in range(cfg.gradient_accumulation_steps)]
             for m in messages:
                 senders[m.source] = (m.sender_wait_s, m.sender_inflight)
@@ -250,7 +285,7 @@ def train_drafter(
                     monitor.log(metrics)
                 window = mark()
             if topo.is_leader and (step % cfg.save_steps == 0 or step == schedule.total_steps):
-                trainer_state = {
+                trainer_state = run.identity | {
                     "global_step": step,
                     "epoch": messages[-1].epoch,
                     "batches_consumed": step * schedule.batches_per_step,
@@ -261,8 +296,6 @@ def train_drafter(
                         "drafter_ranks": topo.num_drafters,
                         "colocated": topo.colocated,
                     },
-                    "config": config_to_dict(cfg),
-                    "fingerprints": fingerprints,
                 }
                 path = save_checkpoint(
                     out,
@@ -273,6 +306,7 @@ def train_drafter(
                     trainer_state,
                     {topo.rank: rng_state()},
                     cfg.save_total_limit,
+                    protect={run.resume_from.name} if run.resume_from else set(),
                 )
                 monitor.print(f"saved {path}")
         source.close()
@@ -285,6 +319,57 @@ ROLES = {"colocated": run_colocated, "target": run_target, "drafter": run_drafte
 
 
 # ---------------------------------------------------------------------------------------------- main
+
+
+def decide_start(run: Run, topology: Topology) -> list[str]:
+    """On the leader: find the checkpoint to resume from and check it belongs to this run.
+
+    Sets run.start_step / run.resume_from; returns lines to print (skipped checkpoints, overrides).
+    """
+    notes: list[str] = []
+    path = find_checkpoint(run.cfg.output_dir, run.cfg.resume, notes.append)
+    if path is None:
+        return notes
+    saved = load_trainer_state(path)
+    accepted = check_same_run(saved, run.identity, run.cfg.resume_override, path)
+    notes += [f"resume override accepted: {change}" for change in accepted]
+    if saved["global_step"] > run.schedule.total_steps:
+        raise ValueError(
+            f"{path} is at step {saved['global_step']}, past this run's {run.schedule.total_steps} steps"
+        )
+    run.start_step, run.resume_from = int(saved["global_step"]), path
+    notes.append(
+        f"resuming from {path} (step {run.start_step}, batch {run.first_batch}; saved as "
+        f"{saved['topology']['target_ranks']}+{saved['topology']['drafter_ranks']}, now "
+        f"{topology.num_targets}+{topology.num_drafters})"
+    )
+    return notes
+
+
+def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
+    """Every rank learns the leader's decision (start step, or that the run must stop)."""
+    topo = ctx.topology
+    if topo.colocated:
+        if error:
+            raise ValueError(error)
+        return
+    decision = torch.tensor([run.start_step, 1 if error else 0], dtype=torch.int64)
+    dist.broadcast(decision, src=topo.drafter_ranks[0])
+    if int(decision[1]):
+        raise ValueError(error or f"rank {topo.drafter_ranks[0]} refused to start (see its message)")
+    run.start_step = int(decision[0])
+    if run.start_step and not topo.is_leader:  # other drafter ranks read the same checkpoint
+        resume = run.cfg.resume
+        root = Path(resume) if resume not in ("auto", "never") else Path(run.cfg.output_dir) / "checkpoints"
+        run.resume_from = root if resume not in ("auto", "never") else root / checkpoint_name(run.start_step)
+
+
+def prune_metrics(output_dir: str, start_step: int) -> None:
+    """Drop metrics.jsonl lines after the resume point (a killed run may have logged past its checkpoint)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
@@ -311,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     rank, world, _ = env_world()
+    where = "" if world == 1 else f" (rank {rank})"
     try:
         cfg, embedded = parse_config(argv)
         topology = Topology(world, rank, cfg.drafter_ranks)
@@ -322,17 +408,31 @@ def main(argv: list[str] | None = None) -> int:
             if leader:
                 print_plan(cfg, setup, topology)
             return 0
-        refuse_existing_run(cfg.output_dir)
         samples, stats = tokenize_dataset(setup.tokenizer, cfg.data, cfg.max_seq_len, cfg.block_size)
         schedule = build_schedule(cfg, samples, topology)
+        run = Run(cfg, setup, samples, schedule, run_identity(cfg, setup, samples, topology))
         ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout)
     except ValueError as e:
-        print(f"error{'' if world == 1 else f' (rank {rank})'}: {e}", file=sys.stderr)
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 2
+    try:
+        error = None
+        if leader:
+            try:
+                for note in decide_start(run, topology):
+                    print(note)
+            except ValueError as e:
+                error = str(e)
+        share_start(ctx, run, error)
+    except ValueError as e:
+        print(f"error{where}: {e}", file=sys.stderr)
+        shutdown()
         return 2
     torch.manual_seed(cfg.seed)
     if leader:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
+        prune_metrics(cfg.output_dir, run.start_step)
         (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
         (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
         print(
@@ -342,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     start = time.perf_counter()
     try:
-        ROLES[topology.role](ctx, cfg, setup, samples, schedule)
+        ROLES[topology.role](ctx, run)
     except ChannelError as e:  # a dead or stuck peer: say which, without a traceback of our own
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -102,5 +102,8 @@ def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data
     assert all(t.dtype == torch.float32 for t in load_file(ckpt / "model.safetensors").values())
     assert not list(root.glob(".tmp-*"))
 
-    # a second run into the same directory would throw that work away: it is refused instead
-    assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20"]) == 2
+    # running the finished job again resumes at its last step and has nothing left to do
+    assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--learning_rate", "3e-3"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    # --resume never would start over on top of that work: refused
+    assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--resume", "never"]) == 2

@@ -1,0 +1,156 @@
+"""Resuming: which checkpoint, whether it belongs to this run, and restoring every stateful part.
+
+`--resume auto` (default) takes the newest checkpoint whose manifest verifies, reporting and skipping
+corrupt or half-written ones; `never` refuses an output directory that already holds checkpoints
+(starting over there would throw that work away); a path resumes from that checkpoint. A checkpoint
+of another run (target, tokenizer, data, drafter shape, DFlash settings) is an error listing old and
+new values; changed optimisation settings are an error unless named in `--resume_override`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .checkpoint import existing_checkpoints, verify_checkpoint
+from .model import DFlashDraftModel, trainable_state_dict
+
+REQUIRED_STATE = (
+    "global_step",
+    "epoch",
+    "batches_consumed",
+    "tokens_seen",
+    "topology",
+    "config",
+    "fingerprints",
+    "drafter",
+)
+# Settings whose change makes the checkpoint belong to a different run: never overridable.
+IDENTITY = ("fingerprints.target", "fingerprints.tokenizer", "fingerprints.data", "drafter")
+# Optimisation settings: a change is refused unless the user names it in --resume_override.
+OPTIMISATION = (
+    "learning_rate",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "num_anchors",
+    "loss_gamma",
+    "tokens_per_batch",
+    "max_seq_len",
+    "seed",
+    "max_steps",
+    "num_epochs",
+    "global_batch",
+)
+
+
+def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start. `report` prints a warning line."""
+    if resume not in ("auto", "never"):
+        path = Path(resume)
+        problems = verify_checkpoint(path) if path.is_dir() else [f"{path}: not a directory"]
+        if problems:
+            raise ValueError(f"--resume {resume}: not a valid checkpoint: " + "; ".join(problems))
+        return path
+    root = Path(output_dir) / "checkpoints"
+    for tmp in sorted(root.glob(".tmp-*")) if root.is_dir() else []:
+        report(f"ignoring {tmp}: a save that never completed (the process died while writing it)")
+    found = existing_checkpoints(output_dir)
+    if resume == "never":
+        if found:
+            raise ValueError(
+                f"--resume never, but --output_dir {output_dir} already holds checkpoints (newest: "
+                f"{found[-1].name}): pass a new --output_dir, or --resume auto to continue that run"
+            )
+        return None
+    for path in reversed(found):
+        problems = verify_checkpoint(path)
+        if not problems:
+            return path
+        report(f"skipping corrupt checkpoint {path.name}: " + "; ".join(problems))
+    if found:
+        raise ValueError(
+            f"--output_dir {output_dir}: none of its {len(found)} checkpoints verifies (see above); "
+            "restore one, or pass --resume never with a new --output_dir"
+        )
+    return None
+
+
+def load_trainer_state(path: Path) -> dict:
+    """trainer_state.json with every required field present (a missing field is an error, never a default)."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    missing = [k for k in REQUIRED_STATE if k not in state]
+    if missing:
+        raise ValueError(f"{path}/trainer_state.json: missing field(s) {missing}")
+    return state
+
+
+def _lookup(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path) -> list[str]:
+    """Compare a checkpoint's state with this run's; returns the overridden changes, raises on the rest.
+
+    Both dicts have the trainer_state layout; `current["config"]` also carries `global_batch`.
+    """
+    identity = [
+        f"{key}: checkpoint {_lookup(saved, key)!r}, now {_lookup(current, key)!r}"
+        for key in IDENTITY
+        if _lookup(saved, key) != _lookup(current, key)
+    ]
+    if identity:
+        raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity))
+    missing = [k for k in OPTIMISATION if k not in saved["config"]]
+    if missing:
+        raise ValueError(f"{where}/trainer_state.json: config lacks {missing}")
+    changed = {
+        k: (saved["config"][k], current["config"][k])
+        for k in OPTIMISATION
+        if saved["config"][k] != current["config"][k]
+    }
+    refused = [
+        f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items() if k not in overrides
+    ]
+    if refused:
+        raise ValueError(
+            f"{where}: optimisation settings changed: "
+            + "; ".join(refused)
+            + " (restore them, or accept the change with --resume_override "
+            + ",".join(k for k in changed if k not in overrides)
+            + ")"
+        )
+    return [f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()]
+
+
+def load_weights(path: Path, drafter: DFlashDraftModel) -> None:
+    """Strict load: missing or unexpected keys, or wrong shapes, are an error listing them."""
+    state = load_file(path / "model.safetensors")
+    own = trainable_state_dict(drafter)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{path}/model.safetensors does not fit the drafter: missing {missing}, unexpected {unexpected}, "
+            f"shape mismatches {wrong}"
+        )
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(state[name])
+
+
+def load_tensor_file(path: Path):
+    """torch.load with weights_only=True: tensors and plain containers only, never arbitrary objects."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # an UnpicklingError for anything that would run code
+        raise ValueError(f"{path}: refused to load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
