@@ -31,6 +31,7 @@ from .objective import peak_logits_bytes
 from .progress import TrainingMonitor
 from .resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state, load_weights
 from .schedule import BatchSchedule
+from .signals import GracefulStop
 from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspect_target
 from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from .trainer import (
@@ -42,7 +43,7 @@ from .trainer import (
     resolve_mask_token_id,
     resolve_target_layer_ids,
 )
-from .transport import ChannelError, ChannelReceiver, ChannelSender, Message
+from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, StopFlag
 
 
 @dataclass
@@ -155,21 +156,29 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, samples: list[Sample], topol
 # --------------------------------------------------------------------------------------------- roles
 
 
-def run_target(ctx: DistributedContext, run: Run) -> None:
-    """A target rank: compute the tapped features of the batches g = rank mod T, send each to its drafter."""
+def run_target(ctx: DistributedContext, run: Run) -> bool:
+    """A target rank: compute the tapped features of the batches g = rank mod T, send each to its drafter.
+
+    The drafter leader decides when the job stops: a first signal here is only noted, and the loop
+    ends early when the leader raises the stop flag."""
     topo = ctx.topology
+    GracefulStop().install()
+    stop = StopFlag()
     extractor = TargetFeatureExtractor(
         run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
     sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.device)
     pad_id = run.setup.tokenizer.pad_token_id or 0
     for item in run.schedule:
+        if stop.is_set():
+            break
         if item.g < run.first_batch or topo.target_of(item.g) != topo.rank:
             continue
         batch = collate([run.samples[i] for i in item.members], pad_id)
         features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
         sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
     sender.close(topo.drafter_ranks)
+    return False
 
 
 class LocalTarget:
@@ -191,18 +200,21 @@ class LocalTarget:
         self.wait_s += time.perf_counter() - start
         return Message(item.g, item.epoch, batch, features, 0, 0.0, 0)
 
+    def drain(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
-def run_colocated(ctx: DistributedContext, run: Run) -> None:
+def run_colocated(ctx: DistributedContext, run: Run) -> bool:
     extractor = TargetFeatureExtractor(
         run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
-    train_drafter(ctx, run, LocalTarget(extractor, run))
+    return train_drafter(ctx, run, LocalTarget(extractor, run))
 
 
-def run_drafter(ctx: DistributedContext, run: Run) -> None:
+def run_drafter(ctx: DistributedContext, run: Run) -> bool:
     topo = ctx.topology
     mine = [
         (g, topo.target_of(g))
@@ -210,7 +222,7 @@ def run_drafter(ctx: DistributedContext, run: Run) -> None:
         if topo.drafter_of(g) == topo.rank
     ]
     source = ChannelReceiver(topo.rank, mine, topo.target_ranks, ctx.device, compute_dtype(ctx.device))
-    train_drafter(ctx, run, source)
+    return train_drafter(ctx, run, source)
 
 
 def restore(run: Run, trainer: DrafterTrainer, rank: int) -> int:
@@ -226,8 +238,11 @@ def restore(run: Run, trainer: DrafterTrainer, rank: int) -> int:
     return int(load_trainer_state(path)["tokens_seen"])
 
 
-def train_drafter(ctx: DistributedContext, run: Run, source) -> None:
-    """The drafter's loop: take A micro-batches, one optimizer step, log and save on the leader."""
+def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
+    """The drafter's loop: take A micro-batches, one optimizer step, log and save on the leader.
+
+    On SIGTERM/SIGINT every drafter rank finishes the step it is in, the leader saves, the targets are
+    told to stop and the channel is drained. Returns whether the run stopped early."""
     topo, device, cfg, schedule = ctx.topology, ctx.device, run.cfg, run.schedule
     out = Path(cfg.output_dir)
     head = SharedTargetHead.from_target(run.setup.info).to(device=device, dtype=compute_dtype(device))
@@ -242,6 +257,7 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> None:
     tokens_seen = restore(run, trainer, topo.rank) if run.resume_from else 0
     monitor = TrainingMonitor(out, schedule.total_steps, run.start_step) if topo.is_leader else None
     compute_s, senders = 0.0, {}  # compute_s: time inside trainer.step
+    stop, stopping = GracefulStop().install(), False
 
     def mark() -> dict:  # counters at the start of a logging window
         return {
@@ -261,11 +277,14 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> None:
             step_start = time.perf_counter()
             metrics = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
             compute_s += time.perf_counter() - step_start
-            step_tokens = trainer.sum_over_drafters(
-                torch.tensor(float(sum(m.batch.num_tokens for m in messages)))
-            )
+            # One all-reduce carries the step's tokens and whether any drafter rank was asked to stop,
+            # so that every drafter rank stops after the same step.
+            step_tokens, stop_votes = trainer.sum_over_drafters(
+                torch.tensor([float(sum(m.batch.num_tokens for m in messages)), float(stop.requested)])
+            ).tolist()
+            stopping = stop_votes > 0
             tokens_seen += int(step_tokens)
-            window["tokens"] += float(step_tokens)
+            window["tokens"] += step_tokens
             if step % cfg.logging_steps == 0 or step == schedule.total_steps:
                 elapsed = time.perf_counter() - window["start"]
                 stats = trainer.sum_over_drafters(
@@ -284,7 +303,7 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> None:
                 if monitor:
                     monitor.log(metrics)
                 window = mark()
-            if topo.is_leader and (step % cfg.save_steps == 0 or step == schedule.total_steps):
+            if topo.is_leader and (step % cfg.save_steps == 0 or step == schedule.total_steps or stopping):
                 trainer_state = run.identity | {
                     "global_step": step,
                     "epoch": messages[-1].epoch,
@@ -309,10 +328,21 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> None:
                     protect={run.resume_from.name} if run.resume_from else set(),
                 )
                 monitor.print(f"saved {path}")
+            if stopping:
+                if monitor:
+                    monitor.print(
+                        f"stop requested ({stop.signal_name or 'another rank'}): stopped after step {step}"
+                    )
+                break
+        if stopping:
+            source.drain()
+            if topo.is_leader and not topo.colocated:
+                StopFlag().set()
         source.close()
     finally:
         if monitor:
             monitor.close()
+    return stopping
 
 
 ROLES = {"colocated": run_colocated, "target": run_target, "drafter": run_drafter}
@@ -442,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     start = time.perf_counter()
     try:
-        ROLES[topology.role](ctx, run)
+        stopped = ROLES[topology.role](ctx, run)
     except ChannelError as e:  # a dead or stuck peer: say which, without a traceback of our own
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -452,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"training took {time.perf_counter() - start:.0f} s; checkpoints in {cfg.output_dir}/checkpoints"
         )
-        if cfg.eval_data:
+        if cfg.eval_data and not stopped:
             run_final_evaluation(cfg, ctx.device)
     return 0
 

@@ -145,7 +145,11 @@ class ChannelSender:
 
 
 class ChannelReceiver:
-    """A drafter rank's side: a background thread receives the scheduled batches in order."""
+    """A drafter rank's side: a background thread receives the scheduled batches in order.
+
+    After `drain()` (the job is stopping early) it discards what still arrives and ends once every
+    target has sent END, so that no target is left blocked on a send.
+    """
 
     def __init__(
         self,
@@ -160,6 +164,8 @@ class ChannelReceiver:
         self.device = device
         self.feature_dtype = feature_dtype
         self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.draining = threading.Event()
+        self.error: BaseException | None = None
         self.wait_s = 0.0
         self.bytes_received = 0
         self._thread = threading.Thread(
@@ -177,46 +183,70 @@ class ChannelReceiver:
             ) from None
         return t
 
+    def _hand_over(self, item) -> None:
+        """Queue an item for the training thread, unless the job is draining (then drop it)."""
+        while not self.draining.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _receive_batch(self, header: torch.Tensor, src: int, on: torch.device) -> Message:
+        g, (b, n, width, dtype) = int(header[2]), (int(x) for x in header[4:8])
+        ints = self._recv_into(torch.empty(2 * n + 2 * b, dtype=torch.int64, device=on), src, f"batch {g}")
+        batch = unpack_tokens(header, ints)
+        features = padded_feature_buffer(batch, width, DTYPES[dtype], on)
+        for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+            self._recv_into(features[row, :length], src, f"the features of batch {g}")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.bytes_received += n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8
+        return Message(
+            g,
+            int(header[3]),
+            batch,
+            features.to(self.feature_dtype),
+            src,
+            int(header[8]) / 1e6,
+            int(header[9]),
+        )
+
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
         on = self.device if self.device.type == "cuda" else torch.device("cpu")
+        ended: set[int] = set()
         try:
             for g, src in schedule:
+                if src in ended:
+                    continue
                 header = self._recv_into(
                     torch.empty(HEADER_LEN, dtype=torch.int64, device=on), src, f"batch {g}"
                 )
                 header = header.cpu()
-                if int(header[0]) != VERSION or int(header[1]) != DATA or int(header[2]) != g:
+                kind = int(header[1])
+                if kind == END and self.draining.is_set():  # that target stopped early, as asked
+                    ended.add(src)
+                    continue
+                if int(header[0]) != VERSION or kind != DATA or int(header[2]) != g:
                     raise ChannelError(
                         f"drafter rank {self.rank}: expected batch {g} from target rank {src}, got header "
                         f"{header[:4].tolist()}; the ranks disagree on the schedule (same config everywhere?)"
                     )
-                b, n, width, dtype = (int(x) for x in header[4:8])
-                ints = self._recv_into(
-                    torch.empty(2 * n + 2 * b, dtype=torch.int64, device=on), src, f"batch {g}"
-                )
-                batch = unpack_tokens(header, ints)
-                features = padded_feature_buffer(batch, width, DTYPES[dtype], on)
-                for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist()):
-                    self._recv_into(features[row, :length], src, f"the features of batch {g}")
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                features = features.to(self.feature_dtype)
-                message = Message(
-                    g, int(header[3]), batch, features, src, int(header[8]) / 1e6, int(header[9])
-                )
-                self.bytes_received += n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8
-                self.queue.put(message)
+                self._hand_over(self._receive_batch(header, src, on))
             for src in end_sources:
+                if src in ended:
+                    continue
                 header = self._recv_into(
                     torch.empty(HEADER_LEN, dtype=torch.int64, device=on), src, "the end"
                 )
                 if int(header[1]) != END:
-                    raise RuntimeError(
+                    raise ChannelError(
                         f"drafter rank {self.rank}: target rank {src} sent more batches than scheduled"
                     )
-            self.queue.put(None)
+            self._hand_over(None)
         except BaseException as e:  # handed to the training thread, which raises it
-            self.queue.put(e)
+            self.error = e
+            self._hand_over(e)
 
     def get(self) -> Message:
         """The next scheduled batch; the time spent waiting for it is added to `wait_s`."""
@@ -229,9 +259,36 @@ class ChannelReceiver:
             raise ChannelError(f"drafter rank {self.rank}: the stream ended before the schedule did")
         return item
 
+    def drain(self) -> None:
+        """Stop handing batches over: from now on whatever arrives is dropped until every target's END."""
+        self.draining.set()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
     def close(self) -> None:
         """Wait for the END messages (the stream's clean end)."""
+        if self.draining.is_set():
+            self._thread.join()
+            if self.error is not None:
+                raise self.error
+            return
         item = self.queue.get()
         if isinstance(item, BaseException):
             raise item
         self._thread.join()
+
+
+class StopFlag:
+    """The drafter leader's request that the targets stop early, seen by every rank through the job's
+    key-value store (a polled irecv is not an option: gloo never marks it completed without wait())."""
+
+    KEY = "dflash_ddp/stop"
+
+    def __init__(self):
+        self.store = dist.distributed_c10d._get_default_store()
+
+    def set(self) -> None:
+        self.store.set(self.KEY, "1")
+
+    def is_set(self) -> bool:
+        return self.store.check([self.KEY])
