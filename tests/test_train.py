@@ -103,7 +103,9 @@ def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data
     assert not list(root.glob(".tmp-*"))
 
     # running the finished job again resumes at its last step and has nothing left to do
-    assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--learning_rate", "3e-3"]) == 0
+    assert (
+        main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--learning_rate", "3e-3"]) == 0
+    )
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
     # --resume never would start over on top of that work: refused
     assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--resume", "never"]) == 2
