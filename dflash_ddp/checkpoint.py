@@ -24,6 +24,10 @@ from .model import DFlashDraftModel, trainable_state_dict
 MANIFEST = "manifest.json"
 
 
+class SaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions); every earlier checkpoint is untouched."""
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -85,15 +89,7 @@ def save_checkpoint(
             torch.save(state, tmp / f"rng-rank{rank}.pt")
         _write_json(tmp / "trainer_state.json", trainer_state)
         _write_json(tmp / "config.json", to_zlab_config(drafter.config))
-        files = sorted(p for p in tmp.iterdir() if p.is_file())
-        for p in files:
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-        manifest = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
-        _write_json(tmp / MANIFEST, {"step": step, "files": manifest})
-        with (tmp / MANIFEST).open("rb") as f:
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        write_manifest(tmp, step)
         if final.exists():  # an older save of the same step: move it aside first, so one always exists
             stale = root / f".stale-{final.name}-{os.getpid()}"
             os.replace(final, stale)
@@ -102,6 +98,11 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(
+            f"saving checkpoint {final.name} failed ({e}); earlier checkpoints and 'latest' are intact"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -111,6 +112,19 @@ def save_checkpoint(
     _fsync_dir(root)
     _rotate(root, keep=save_total_limit, protect={final.name, *protect})
     return final
+
+
+def write_manifest(directory: Path, step: int) -> None:
+    """fsync every file, then write manifest.json (sha256 + size of each) last, and fsync the directory."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    for p in files:
+        with p.open("rb") as f:
+            os.fsync(f.fileno())
+    manifest = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
+    _write_json(directory / MANIFEST, {"step": step, "files": manifest})
+    with (directory / MANIFEST).open("rb") as f:
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
 
 
 def _rotate(root: Path, keep: int, protect: set[str]) -> None:
@@ -150,3 +164,65 @@ def existing_checkpoints(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def _resolve(path: Path) -> Path:
+    """A checkpoint directory, or an output directory / its checkpoints/ folder (then `latest`)."""
+    for root in (path / "checkpoints", path):
+        if (root / "latest").is_file():
+            return root / (root / "latest").read_text().strip()
+    return path
+
+
+def inspect(path: Path) -> str:
+    """A human summary: step, data position, topology at save, config, file sizes, manifest status."""
+    path = _resolve(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    problems = verify_checkpoint(path)
+    topo = state.get("topology", {})
+    lines = [
+        f"checkpoint   {path}",
+        f"manifest     {'verified' if not problems else 'INVALID: ' + '; '.join(problems)}",
+        f"step         {state.get('global_step')}  (epoch {state.get('epoch')}, "
+        f"{state.get('batches_consumed')} global batches consumed, {state.get('tokens_seen')} tokens)",
+        f"topology     {topo.get('target_ranks')} target + {topo.get('drafter_ranks')} drafter rank(s) "
+        f"(world size {topo.get('world_size')})",
+        f"fingerprints {state.get('fingerprints')}",
+        "files",
+    ]
+    lines += [f"  {p.name:<22} {p.stat().st_size:>14,d} bytes" for p in sorted(path.iterdir()) if p.is_file()]
+    lines.append("config")
+    lines += [f"  {k:<28} {v!r}" for k, v in sorted(state.get("config", {}).items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dflash_ddp.checkpoint inspect|verify DIR`: verify exits 1 when the manifest fails."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in ("inspect", "verify"):
+        print(
+            "usage: python -m dflash_ddp.checkpoint inspect|verify CHECKPOINT_OR_OUTPUT_DIR", file=sys.stderr
+        )
+        return 2
+    path = _resolve(Path(argv[1]))
+    if not path.is_dir():
+        print(f"error: {path}: no such checkpoint directory", file=sys.stderr)
+        return 2
+    if argv[0] == "inspect":
+        try:
+            print(inspect(path))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: {path}: unreadable trainer_state.json ({e})", file=sys.stderr)
+            return 1
+        return 0
+    problems = verify_checkpoint(path)
+    for problem in problems:
+        print(problem)
+    print(f"{path}: {'OK' if not problems else 'FAILED'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

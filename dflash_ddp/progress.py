@@ -55,11 +55,13 @@ class TrainingMonitor:
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], summary=summary)
         else:
-            self.console.print(f"step {record['step']}/{self.total_steps}  {summary}", highlight=False)
+            self.console.print(
+                f"step {record['step']}/{self.total_steps}  {summary}", highlight=False, soft_wrap=True
+            )
 
     def print(self, message: str) -> None:
         """A message above the live display (or a plain line)."""
-        self.console.print(message, highlight=False)
+        self.console.print(message, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

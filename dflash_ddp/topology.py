@@ -141,14 +141,35 @@ def init_distributed(num_drafters: int, device_request: str, timeout_s: float) -
         torch.cuda.set_device(device)
     if topology.colocated:
         return DistributedContext(topology, device, None)
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if use_cuda else None,
+        **_store_for_this_attempt(rank, world, timeout),
     )
     # new_group must be called by every rank, in the same order, even by ranks outside the group.
     drafter_group = dist.new_group(topology.drafter_ranks)
     return DistributedContext(topology, device, drafter_group)
+
+
+def _store_for_this_attempt(rank: int, world: int, timeout: datetime.timedelta) -> dict:
+    """Under torchrun, the agent's store with a prefix per restart attempt.
+
+    After `torchrun --max-restarts` restarts the workers, the agent's store still holds the previous
+    attempt's addresses (seen with torch 2.13), and gloo then tries to connect to processes that no
+    longer exist. A prefix per attempt gives every attempt a clean namespace."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    return {
+        "store": dist.PrefixStore(f"dflash_ddp/attempt_{attempt}", store),
+        "rank": rank,
+        "world_size": world,
+    }
 
 
 def shutdown() -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from .checkpoint import checkpoint_name, rng_state, save_checkpoint
+from .checkpoint import SaveError, checkpoint_name, rng_state, save_checkpoint
 from .config import TrainConfig, config_to_dict, parse_config, usage
 from .data import Sample, collate, data_fingerprint, tokenize_dataset
 from .export import to_zlab_config
@@ -272,8 +272,8 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
     try:
         for step in range(run.start_step + 1, schedule.total_steps + 1):
             messages = [source.get() for _ in range(cfg.gradient_accumulation_steps)]
-            for m in messages:
-                senders[m.source] = (m.sender_wait_s, m.sender_inflight)
+            if not topo.colocated:
+                senders.update({m.source: (m.sender_wait_s, m.sender_inflight) for m in messages})
             step_start = time.perf_counter()
             metrics = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
             compute_s += time.perf_counter() - step_start
@@ -473,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         stopped = ROLES[topology.role](ctx, run)
-    except ChannelError as e:  # a dead or stuck peer: say which, without a traceback of our own
-        print(f"error: {e}", file=sys.stderr)
+    except (ChannelError, SaveError) as e:  # a dead or stuck peer, a full disk: say so, no traceback
+        print(f"error{where}: {e}", file=sys.stderr)
         return 1
     finally:
         shutdown()

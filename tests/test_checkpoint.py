@@ -1,0 +1,241 @@
+"""Checkpoint files: the contract layout, corruption detection, refusals, pickles, a full disk, the CLI."""
+
+import errno
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_ddp.checkpoint import SaveError, save_checkpoint, verify_checkpoint, write_manifest
+from dflash_ddp.resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state
+from dflash_ddp.train import main
+
+
+def args(tiny_target, chat_data, out, *extra):
+    return [
+        "--target_model",
+        str(tiny_target),
+        "--data",
+        str(chat_data),
+        "--output_dir",
+        str(out),
+        "--num_draft_layers",
+        "1",
+        "--block_size",
+        "4",
+        "--num_anchors",
+        "8",
+        "--max_seq_len",
+        "128",
+        "--tokens_per_batch",
+        "512",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "3",
+        "--max_steps",
+        "6",
+        "--save_total_limit",
+        "5",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def finished_run(tiny_target, chat_data, tmp_path):
+    out = tmp_path / "run"
+    assert main(args(tiny_target, chat_data, out)) == 0
+    return out
+
+
+def _newest(out):
+    return out / "checkpoints" / "step-00000006"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate_weights", "flip_optimizer_byte", "remove_manifest"],
+)
+def test_corrupt_newest_checkpoint_is_reported_and_skipped(finished_run, damage):
+    ckpt = _newest(finished_run)
+    if damage == "truncate_weights":
+        data = (ckpt / "model.safetensors").read_bytes()
+        (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "flip_optimizer_byte":
+        data = bytearray((ckpt / "optimizer.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (ckpt / "optimizer.pt").write_bytes(bytes(data))
+    else:
+        (ckpt / "manifest.json").unlink()
+    assert verify_checkpoint(ckpt)
+    notes = []
+    assert find_checkpoint(finished_run, "auto", notes.append).name == "step-00000003"
+    assert any("skipping corrupt checkpoint step-00000006" in n for n in notes)
+
+
+def test_half_written_temporary_directory_is_ignored(finished_run):
+    tmp = finished_run / "checkpoints" / ".tmp-step-00000009-1234"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"partial")
+    notes = []
+    assert find_checkpoint(finished_run, "auto", notes.append).name == "step-00000006"
+    assert any(".tmp-step-00000009" in n and "never completed" in n for n in notes)
+
+
+def test_no_valid_checkpoint_is_an_error(finished_run):
+    for ckpt in (finished_run / "checkpoints").glob("step-*"):
+        (ckpt / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="none of its 2 checkpoints verifies"):
+        find_checkpoint(finished_run, "auto", print)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [
+        ("--mask_token_id", "5", "drafter"),
+        ("--block_size", "8", "drafter"),
+        ("--target_layer_ids", "0,1,2", "drafter"),
+        ("--num_draft_layers", "2", "drafter"),
+        ("--max_seq_len", "120", "fingerprints.data"),
+    ],
+)
+def test_identity_changes_are_refused_naming_the_field(
+    finished_run, tiny_target, chat_data, capsys, flag, value, field
+):
+    assert main(args(tiny_target, chat_data, finished_run, flag, value, "--max_steps", "9")) == 2
+    err = capsys.readouterr().err
+    assert "belongs to a different run" in err and field in err
+
+
+def test_other_target_or_tokenizer_is_refused(finished_run):
+    saved = load_trainer_state(_newest(finished_run))
+    for key in ("target", "tokenizer", "data"):
+        current = json.loads(json.dumps(saved))
+        current["fingerprints"][key] = "something-else"
+        with pytest.raises(ValueError, match=f"fingerprints.{key}: checkpoint"):
+            check_same_run(saved, current, [], _newest(finished_run))
+
+
+def test_optimisation_change_needs_an_override(finished_run, tiny_target, chat_data, capsys):
+    assert (
+        main(args(tiny_target, chat_data, finished_run, "--learning_rate", "1e-2", "--max_steps", "6")) == 2
+    )
+    assert "learning_rate: checkpoint 0.0006, now 0.01" in capsys.readouterr().err
+    assert (
+        main(
+            args(
+                tiny_target,
+                chat_data,
+                finished_run,
+                "--learning_rate",
+                "1e-2",
+                "--resume_override",
+                "learning_rate",
+            )
+        )
+        == 0
+    )
+    assert "resume override accepted: learning_rate: 0.0006 -> 0.01" in capsys.readouterr().out
+
+
+def test_missing_trainer_state_field_is_an_error(finished_run):
+    ckpt = _newest(finished_run)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["batches_consumed"]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="missing field\\(s\\) \\['batches_consumed'\\]"):
+        load_trainer_state(ckpt)
+
+
+def test_extra_or_missing_weight_keys_are_refused(finished_run, tiny_target, chat_data, capsys):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _newest(finished_run)
+    state = load_file(ckpt / "model.safetensors")
+    state["lm_head.weight"] = torch.zeros(2, 2)
+    del state["norm.weight"]
+    save_file(state, ckpt / "model.safetensors")
+    write_manifest(ckpt, 6)  # a consistent manifest: the content itself must be refused
+    with pytest.raises(Exception, match="missing \\['norm.weight'\\], unexpected \\['lm_head.weight'\\]"):
+        main(args(tiny_target, chat_data, finished_run, "--max_steps", "9", "--resume_override", "max_steps"))
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("open('PWNED_MARKER', 'w').write('x')",))
+
+
+def test_pickled_code_in_optimizer_state_is_refused_without_running(finished_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = _newest(finished_run)
+    with (ckpt / "optimizer.pt").open("wb") as f:
+        pickle.dump({"state": _RunsCode()}, f, protocol=2)
+    write_manifest(ckpt, 6)
+    with pytest.raises(ValueError, match="optimizer.pt: refused to load"):
+        load_tensor_file(ckpt / "optimizer.pt")
+    assert not (tmp_path / "PWNED_MARKER").exists()
+
+
+def test_a_failed_save_leaves_earlier_checkpoints_and_latest_intact(finished_run, monkeypatch):
+    from dflash_ddp.export import from_zlab_config
+    from dflash_ddp.model import DFlashDraftModel
+
+    ckpt = _newest(finished_run)
+    drafter = DFlashDraftModel(from_zlab_config(json.loads((ckpt / "config.json").read_text())))
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    def disk_full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(SaveError, match="saving checkpoint step-00000009 failed .*No space left.*intact"):
+        save_checkpoint(finished_run, 9, drafter, optimizer, scheduler, {}, {0: {}}, 5)
+    root = finished_run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-00000006"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003", "step-00000006"]
+    assert all(verify_checkpoint(p) == [] for p in root.glob("step-*"))
+
+
+def test_rotation_keeps_the_limit_and_the_resumed_checkpoint(tiny_target, chat_data, tmp_path):
+    out = tmp_path / "run"
+    assert main(args(tiny_target, chat_data, out, "--save_steps", "1", "--save_total_limit", "2")) == 0
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000005", "step-00000006"]
+    resumed = out / "checkpoints" / "step-00000005"
+    assert (
+        main(
+            args(
+                tiny_target,
+                chat_data,
+                out,
+                "--save_steps",
+                "1",
+                "--save_total_limit",
+                "2",
+                "--max_steps",
+                "9",
+                "--resume",
+                str(resumed),
+                "--resume_override",
+                "max_steps",
+            )
+        )
+        == 0
+    )
+    names = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert names == ["step-00000005", "step-00000008", "step-00000009"]
+
+
+def test_inspect_and_verify_cli(finished_run):
+    run = [sys.executable, "-m", "dflash_ddp.checkpoint"]
+    shown = subprocess.run([*run, "inspect", str(finished_run)], capture_output=True, text=True)
+    assert (
+        shown.returncode == 0 and "step         6" in shown.stdout and "manifest     verified" in shown.stdout
+    )
+    assert subprocess.run([*run, "verify", str(_newest(finished_run))], capture_output=True).returncode == 0
+    (_newest(finished_run) / "scheduler.pt").write_bytes(b"garbage")
+    bad = subprocess.run([*run, "verify", str(_newest(finished_run))], capture_output=True, text=True)
+    assert bad.returncode == 1 and "FAILED" in bad.stdout

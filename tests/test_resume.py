@@ -1,0 +1,164 @@
+"""Interrupted jobs continue exactly where they stopped: SIGKILL, a change of target ranks, SIGTERM,
+torchrun restarts. Real torchrun processes on CPU/gloo."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+STEPS = 24
+
+
+def train_args(tiny_target, chat_data, out, **overrides):
+    settings = {
+        "target_model": tiny_target,
+        "data": chat_data,
+        "output_dir": out,
+        "num_draft_layers": 1,
+        "block_size": 4,
+        "num_anchors": 8,
+        "max_seq_len": 128,
+        "tokens_per_batch": 512,
+        "max_steps": STEPS,
+        "logging_steps": 1,
+        "save_steps": 4,
+        "seed": 3,
+        "dist_timeout": 60,
+    } | overrides
+    return ["-m", "dflash_ddp.train"] + [x for k, v in settings.items() for x in (f"--{k}", str(v))]
+
+
+def torchrun(nproc, args, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *extra,
+        *args,
+    ]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "checkpoints" / f"step-{STEPS:08d}" / "model.safetensors")
+
+
+def metrics(out: Path) -> list[dict]:
+    keep = ("step", "loss", "accuracy", "tau_estimate", "grad_norm", "lr", "tokens_seen", "epoch")
+    return [
+        {k: r[k] for k in keep} for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    ]
+
+
+def assert_same_run(a: Path, b: Path):
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "final weights differ"
+    assert metrics(a) == metrics(b)
+
+
+def reference(tiny_target, chat_data, tmp_path_factory, cache={}):  # noqa: B006 - one uninterrupted run per session
+    if "out" not in cache:
+        out = tmp_path_factory.mktemp("reference") / "run"
+        result = subprocess.run(
+            torchrun(4, train_args(tiny_target, chat_data, out)), capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        cache["out"] = out
+    return cache["out"]
+
+
+def wait_for_checkpoint(out: Path, step: int, job: subprocess.Popen, timeout=120):
+    deadline = time.time() + timeout
+    while not (out / "checkpoints" / f"step-{step:08d}").exists():
+        assert job.poll() is None and time.time() < deadline, "the job ended or stalled before the checkpoint"
+        time.sleep(0.05)
+
+
+def test_sigkill_then_resume_is_bit_identical(tiny_target, chat_data, tmp_path, tmp_path_factory):
+    ref = reference(tiny_target, chat_data, tmp_path_factory)
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        torchrun(4, train_args(tiny_target, chat_data, out)),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_checkpoint(out, 8, job)
+    os.killpg(job.pid, signal.SIGKILL)  # every process of the job, without warning
+    job.wait()
+    assert not (out / "checkpoints" / f"step-{STEPS:08d}").exists()
+    result = subprocess.run(
+        torchrun(4, train_args(tiny_target, chat_data, out)), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert_same_run(out, ref)
+
+
+def test_sigterm_saves_exits_0_and_resumes_as_2_plus_1(tiny_target, chat_data, tmp_path, tmp_path_factory):
+    """A 3+1 job stopped with SIGTERM saves the step it was at; resumed as 2+1 it ends like the 3+1 run."""
+    ref = reference(tiny_target, chat_data, tmp_path_factory)
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        torchrun(4, train_args(tiny_target, chat_data, out, save_steps=1000)),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 5:
+        assert time.time() < deadline and job.poll() is None
+        time.sleep(0.05)
+    workers = [
+        int(p)
+        for p in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+    ]
+    for pid in workers:  # what torchrun does with a SIGTERM it receives: forward it to every worker
+        os.kill(pid, signal.SIGTERM)
+    output = job.communicate(timeout=60)[0]
+    assert job.returncode == 0, output[-3000:]
+    saved = sorted((out / "checkpoints").glob("step-*"))
+    assert len(saved) == 1
+    stopped_at = int(saved[0].name.split("-")[1])
+    assert 5 <= stopped_at < STEPS and f"stopped after step {stopped_at}" in output
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == stopped_at  # no step lost, none extra
+    result = subprocess.run(
+        torchrun(3, train_args(tiny_target, chat_data, out)), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "saved as 3+1, now 2+1" in result.stdout
+    assert_same_run(out, ref)
+
+
+def test_torchrun_restarts_after_a_killed_target_rank_and_finishes_identically(
+    tiny_target, chat_data, tmp_path, tmp_path_factory
+):
+    ref = reference(tiny_target, chat_data, tmp_path_factory)
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        torchrun(4, train_args(tiny_target, chat_data, out), "--max-restarts", "1"),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_checkpoint(out, 8, job)
+    target = next(
+        int(p)
+        for p in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes()
+    )
+    os.kill(target, signal.SIGKILL)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, output[-3000:]
+    assert "resuming from" in output
+    assert_same_run(out, ref)
