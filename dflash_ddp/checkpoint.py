@@ -13,6 +13,9 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,35 +63,68 @@ def rng_state() -> dict:
     return state
 
 
-def save_checkpoint(
-    output_dir: str | Path,
-    step: int,
-    drafter: DFlashDraftModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    trainer_state: dict,
-    rng_states: dict[int, dict],
-    save_total_limit: int,
-    protect: set[str] = frozenset(),
+@dataclass
+class Snapshot:
+    """Everything a checkpoint holds, copied to CPU at a step boundary (training may go on meanwhile)."""
+
+    step: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    scheduler: dict
+    trainer_state: dict
+    drafter_config: dict
+    rng_states: dict[int, dict]
+
+
+def _cpu_copy(obj):
+    """A deep copy with every tensor on the CPU and detached from the live training state."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.clone() if t.device.type == "cpu" else t.to("cpu")
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def snapshot(
+    step, drafter: DFlashDraftModel, optimizer, scheduler, trainer_state: dict, rng_states
+) -> Snapshot:
+    """Copy the trainable weights (fp32), optimizer, scheduler and RNG states to CPU memory."""
+    weights = {k: v.float().contiguous() for k, v in _cpu_copy(trainable_state_dict(drafter)).items()}
+    return Snapshot(
+        step,
+        weights,
+        _cpu_copy(optimizer.state_dict()),
+        _cpu_copy(scheduler.state_dict()),
+        json.loads(json.dumps(trainer_state)),
+        to_zlab_config(drafter.config),
+        _cpu_copy(rng_states),
+    )
+
+
+def write_checkpoint(
+    output_dir: str | Path, snap: Snapshot, save_total_limit: int, protect=frozenset()
 ) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, and rotate old ones (never the new one,
-    nor those named in `protect`, e.g. the checkpoint the run resumed from). Returns its path."""
+    """Write a snapshot atomically, point `latest` at it, and rotate old ones (never the new one, nor
+    those named in `protect`, e.g. the checkpoint the run resumed from). Returns its path."""
+    step = snap.step
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
     try:
-        weights = {k: v.float().contiguous().cpu() for k, v in trainable_state_dict(drafter).items()}
-        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        for rank, state in sorted(rng_states.items()):
+        tmp.mkdir()
+        save_file(snap.weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        torch.save(snap.optimizer, tmp / "optimizer.pt")
+        torch.save(snap.scheduler, tmp / "scheduler.pt")
+        for rank, state in sorted(snap.rng_states.items()):
             torch.save(state, tmp / f"rng-rank{rank}.pt")
-        _write_json(tmp / "trainer_state.json", trainer_state)
-        _write_json(tmp / "config.json", to_zlab_config(drafter.config))
+        _write_json(tmp / "trainer_state.json", snap.trainer_state)
+        _write_json(tmp / "config.json", snap.drafter_config)
         write_manifest(tmp, step)
         if final.exists():  # an older save of the same step: move it aside first, so one always exists
             stale = root / f".stale-{final.name}-{os.getpid()}"
@@ -98,6 +134,10 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
+        latest_tmp = root / f".latest-{os.getpid()}"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise SaveError(
@@ -106,12 +146,70 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = root / f".latest-{os.getpid()}"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
-    _fsync_dir(root)
     _rotate(root, keep=save_total_limit, protect={final.name, *protect})
     return final
+
+
+def save_checkpoint(
+    output_dir,
+    step,
+    drafter,
+    optimizer,
+    scheduler,
+    trainer_state,
+    rng_states,
+    save_total_limit,
+    protect=frozenset(),
+) -> Path:
+    """Snapshot and write in the calling thread (the simple, blocking form of `CheckpointWriter`)."""
+    snap = snapshot(step, drafter, optimizer, scheduler, trainer_state, rng_states)
+    return write_checkpoint(output_dir, snap, save_total_limit, protect)
+
+
+class CheckpointWriter:
+    """Saves in the background: the copy to CPU happens at the step boundary (the only stall training
+    sees), the files are written by a thread while training continues. One save at a time; a failed
+    write is raised at the next save or at `wait()`."""
+
+    def __init__(self, output_dir: str | Path, save_total_limit: int, protect=frozenset(), report=print):
+        self.output_dir, self.save_total_limit, self.protect, self.report = (
+            output_dir,
+            save_total_limit,
+            protect,
+            report,
+        )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.stall_s = 0.0  # total time training waited for snapshots (and for a previous write to end)
+
+    def save(self, step, drafter, optimizer, scheduler, trainer_state: dict, rng_states) -> None:
+        start = time.perf_counter()
+        self.wait()
+        snap = snapshot(step, drafter, optimizer, scheduler, trainer_state, rng_states)
+        stall = time.perf_counter() - start
+        self.stall_s += stall
+        self._thread = threading.Thread(target=self._write, args=(snap, stall), name="checkpoint-writer")
+        self._thread.start()
+
+    def _write(self, snap: Snapshot, stall: float) -> None:
+        start = time.perf_counter()
+        try:
+            path = write_checkpoint(self.output_dir, snap, self.save_total_limit, self.protect)
+        except BaseException as e:  # raised in the training thread by the next save() or wait()
+            self._error = e
+            return
+        self.report(
+            f"saved {path} (training paused {stall * 1e3:.0f} ms; written in {time.perf_counter() - start:.2f} s in the background)"
+        )
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until the save in flight is on disk; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None and raise_error:
+            error, self._error = self._error, None
+            raise error
 
 
 def write_manifest(directory: Path, step: int) -> None:

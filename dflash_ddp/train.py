@@ -11,6 +11,7 @@ function in both training roles; only where its batches come from differs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from .checkpoint import SaveError, checkpoint_name, rng_state, save_checkpoint
+from .checkpoint import CheckpointWriter, SaveError, checkpoint_name, rng_state
 from .config import TrainConfig, config_to_dict, parse_config, usage
 from .data import Sample, collate, data_fingerprint, tokenize_dataset
 from .export import to_zlab_config
@@ -137,6 +138,12 @@ class Run:
     @property
     def first_batch(self) -> int:
         return self.start_step * self.schedule.batches_per_step
+
+    def set_accumulation(self, steps: int, topology: Topology) -> None:
+        """Change gradient accumulation (to keep a resumed run's global batch); schedule and identity follow."""
+        self.cfg = dataclasses.replace(self.cfg, gradient_accumulation_steps=steps)
+        self.schedule = build_schedule(self.cfg, self.samples, topology)
+        self.identity = run_identity(self.cfg, self.setup, self.samples, topology)
 
 
 def run_identity(cfg: TrainConfig, setup: RunSetup, samples: list[Sample], topology: Topology) -> dict:
@@ -256,6 +263,8 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
     trainer = DrafterTrainer(drafter, head, settings, optim, group)
     tokens_seen = restore(run, trainer, topo.rank) if run.resume_from else 0
     monitor = TrainingMonitor(out, schedule.total_steps, run.start_step) if topo.is_leader else None
+    protect = {run.resume_from.name} if run.resume_from else set()
+    writer = CheckpointWriter(out, cfg.save_total_limit, protect, monitor.print) if monitor else None
     compute_s, senders = 0.0, {}  # compute_s: time inside trainer.step
     stop, stopping = GracefulStop().install(), False
 
@@ -316,18 +325,14 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                         "colocated": topo.colocated,
                     },
                 }
-                path = save_checkpoint(
-                    out,
+                writer.save(
                     step,
                     drafter,
                     trainer.optimizer,
                     trainer.scheduler,
                     trainer_state,
                     {topo.rank: rng_state()},
-                    cfg.save_total_limit,
-                    protect={run.resume_from.name} if run.resume_from else set(),
                 )
-                monitor.print(f"saved {path}")
             if stopping:
                 if monitor:
                     monitor.print(
@@ -339,7 +344,12 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
             if topo.is_leader and not topo.colocated:
                 StopFlag().set()
         source.close()
+        if writer:
+            writer.wait()  # the last checkpoint is on disk before the job reports success
+            monitor.print(f"checkpoint saves paused training for {writer.stall_s:.2f} s in total")
     finally:
+        if writer:
+            writer.wait(raise_error=False)
         if monitor:
             monitor.close()
     return stopping
@@ -361,6 +371,18 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
     if path is None:
         return notes
     saved = load_trainer_state(path)
+    saved_batch, drafters = saved["config"].get("global_batch"), topology.num_drafters
+    if (
+        isinstance(saved_batch, int)
+        and saved_batch != run.identity["config"]["global_batch"]
+        and "global_batch" not in run.cfg.resume_override
+        and saved_batch % drafters == 0
+    ):  # another number of drafter ranks: keep the global batch by changing the accumulation
+        run.set_accumulation(saved_batch // drafters, topology)
+        notes.append(
+            f"keeping the checkpoint's global batch of {saved_batch} batches: {drafters} drafter rank(s) x "
+            f"--gradient_accumulation_steps {run.cfg.gradient_accumulation_steps}"
+        )
     accepted = check_same_run(saved, run.identity, run.cfg.resume_override, path)
     notes += [f"resume override accepted: {change}" for change in accepted]
     if saved["global_step"] > run.schedule.total_steps:
@@ -377,16 +399,20 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
 
 
 def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
-    """Every rank learns the leader's decision (start step, or that the run must stop)."""
+    """Every rank learns the leader's decision (start step and accumulation, or that the run must stop)."""
     topo = ctx.topology
     if topo.colocated:
         if error:
             raise ValueError(error)
         return
-    decision = torch.tensor([run.start_step, 1 if error else 0], dtype=torch.int64)
+    decision = torch.tensor(
+        [run.start_step, 1 if error else 0, run.cfg.gradient_accumulation_steps], dtype=torch.int64
+    )
     dist.broadcast(decision, src=topo.drafter_ranks[0])
     if int(decision[1]):
         raise ValueError(error or f"rank {topo.drafter_ranks[0]} refused to start (see its message)")
+    if int(decision[2]) != run.cfg.gradient_accumulation_steps:
+        run.set_accumulation(int(decision[2]), topo)
     run.start_step = int(decision[0])
     if run.start_step and not topo.is_leader:  # other drafter ranks read the same checkpoint
         resume = run.cfg.resume
@@ -464,11 +490,11 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         prune_metrics(cfg.output_dir, run.start_step)
         (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
-        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(config_to_dict(run.cfg), indent=2) + "\n")
         print(
             f"data: {stats.rows} conversations, {stats.kept} kept, {stats.truncated} truncated to --max_seq_len, "
             f"{stats.too_short} dropped (fewer than 2*block_size response tokens); "
-            f"{schedule.total_steps} steps of {schedule.batches_per_step} batches"
+            f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"
         )
     start = time.perf_counter()
     try:

@@ -162,3 +162,53 @@ def test_torchrun_restarts_after_a_killed_target_rank_and_finishes_identically(
     assert job.returncode == 0, output[-3000:]
     assert "resuming from" in output
     assert_same_run(out, ref)
+
+
+def test_fewer_drafter_ranks_keep_the_global_batch(tiny_target, chat_data, tmp_path):
+    """A 2+2 job killed and resumed as 1+1 accumulates 2 batches per step: same global batch, same model."""
+    args = {"max_steps": 12, "save_steps": 4}
+    ref = tmp_path / "ref"
+    done = subprocess.run(
+        torchrun(4, train_args(tiny_target, chat_data, ref, drafter_ranks=2, **args)),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "run"
+    job = subprocess.Popen(
+        torchrun(4, train_args(tiny_target, chat_data, out, drafter_ranks=2, **args)),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_checkpoint(out, 4, job)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    result = subprocess.run(
+        torchrun(2, train_args(tiny_target, chat_data, out, **args)), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "keeping the checkpoint's global batch of 2 batches: 1 drafter rank(s) x --gradient_accumulation_steps 2"
+        in result.stdout
+    )
+    a = load_file(ref / "checkpoints" / "step-00000012" / "model.safetensors")
+    b = load_file(out / "checkpoints" / "step-00000012" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_a_second_signal_ends_the_process_at_once():
+    code = (
+        "import os, signal, time\n"
+        "from dflash_ddp.signals import GracefulStop\n"
+        "stop = GracefulStop().install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('first signal noted:', stop.requested, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(10)\n"
+        "print('still running')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.stdout == "first signal noted: True\n"
+    assert result.returncode == -signal.SIGTERM
