@@ -26,7 +26,8 @@ from .transport import ChannelReceiver, ChannelSender, pack
 # (batch size, tokens per sequence, feature width): features of 5 tapped layers of a 1024-wide target,
 # then of a 4096-wide one (Qwen3-8B's width) at a smaller batch; fp32 on CPU.
 SHAPES = [(4, 512, 5 * 1024), (2, 512, 5 * 4096)]
-REPEATS = 24
+REPEATS = 16
+ROUNDS = 3
 
 
 def _message(batch_size: int, seq: int, width: int) -> tuple[Batch, torch.Tensor]:
@@ -37,8 +38,40 @@ def _message(batch_size: int, seq: int, width: int) -> tuple[Batch, torch.Tensor
     )
 
 
+def _time(fn, *args) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn(*args)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _raw_round(rank: int, tensors: list[torch.Tensor]) -> None:
+    for _ in range(REPEATS):
+        for t in tensors:
+            if rank == 0:
+                dist.send(t, 1)
+            else:
+                dist.recv(torch.empty_like(t), 0)
+
+
+def _channel_round(rank: int, batch: Batch, features: torch.Tensor) -> None:
+    if rank == 0:
+        sender = ChannelSender(0, max_inflight=2, device=torch.device("cpu"))
+        for g in range(REPEATS):
+            sender.send(1, batch, features, g, 0)
+        sender.close([1])
+    else:
+        receiver = ChannelReceiver(
+            1, [(g, 0) for g in range(REPEATS)], [0], torch.device("cpu"), torch.float32
+        )
+        for _ in range(REPEATS):
+            receiver.get()
+        receiver.close()
+
+
 def _channel_worker() -> None:
-    """rank 0 sends, rank 1 receives; raw send/recv first, then the channel, for each message size."""
+    """rank 0 sends, rank 1 receives: raw send/recv and the channel in alternating rounds, per message size."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = []
@@ -47,31 +80,11 @@ def _channel_worker() -> None:
         header, ints, _ = pack(batch, features, 0, 0)
         tensors = [header, ints, features.reshape(-1, width)]  # the same bytes in the fewest messages
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(REPEATS):
-            for t in tensors:
-                if rank == 0:
-                    dist.send(t, 1)
-                else:
-                    dist.recv(torch.empty_like(t), 0)
-        dist.barrier()
-        raw_s = time.perf_counter() - start
-        start = time.perf_counter()
-        if rank == 0:
-            sender = ChannelSender(0, max_inflight=2, device=torch.device("cpu"))
-            for g in range(REPEATS):
-                sender.send(1, batch, features, g, 0)
-            sender.close([1])
-        else:
-            receiver = ChannelReceiver(
-                1, [(g, 0) for g in range(REPEATS)], [0], torch.device("cpu"), torch.float32
-            )
-            for _ in range(REPEATS):
-                receiver.get()
-            receiver.close()
-        dist.barrier()
-        channel_s = time.perf_counter() - start
+        raw_s, channel_s = [], []
+        for _ in range(ROUNDS):  # alternate the two, keep each one's best round: the machine is noisy
+            raw_s.append(_time(_raw_round, rank, tensors))
+            channel_s.append(_time(_channel_round, rank, batch, features))
+        raw_s, channel_s = min(raw_s), min(channel_s)
         results.append(
             {
                 "message_mib": nbytes / 2**20,
@@ -132,7 +145,7 @@ def bench_job(steps: int) -> None:
     tokens = sum(r["tokens_per_s"] for r in records) / len(records)
     print(f"(b,c) 3+1 job on the embedded tiny target, {steps} steps ({wall:.0f} s wall):")
     print(
-        f"    drafter wait fraction {100 * wait:.1f}%, time outside the training step {100 * outside:.1f}%, {tokens:,.0f} tokens/s"
+        f"    drafter wait fraction {100 * wait:.2f}%, time outside the training step {100 * outside:.2f}%, {tokens:,.0f} tokens/s"
     )
 
 
