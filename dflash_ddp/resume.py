@@ -83,6 +83,12 @@ def load_trainer_state(path: Path) -> dict:
     """trainer_state.json with every required field present (a missing field is an error, never a default)."""
     state = json.loads((path / "trainer_state.json").read_text())
     missing = [k for k in REQUIRED_STATE if k not in state]
+    missing += [
+        f"fingerprints.{k}" for k in ("target", "tokenizer", "data") if k not in state.get("fingerprints", {})
+    ]
+    missing += [
+        f"topology.{k}" for k in ("target_ranks", "drafter_ranks") if k not in state.get("topology", {})
+    ]
     if missing:
         raise ValueError(f"{path}/trainer_state.json: missing field(s) {missing}")
     return state

@@ -53,12 +53,20 @@ class BatchSchedule:
     def epoch(self, epoch: int) -> list[list[int]]:
         return epoch_batches(self.lengths, self.tokens_per_batch, self.seed, epoch)
 
-    def __iter__(self) -> Iterator[ScheduledBatch]:
+    def batches(self, start: int, stop: int) -> Iterator[ScheduledBatch]:
+        """Global batches start..stop-1 (across epochs as needed), computing only the epochs they touch."""
         g, epoch = 0, 0
-        while True:
-            for index, members in enumerate(self.epoch(epoch)):
-                if g >= self.total_batches:
-                    return
-                yield ScheduledBatch(g, epoch, index, members)
+        while g < stop:
+            members_of_epoch = self.epoch(epoch)
+            if g + len(members_of_epoch) <= start:  # an epoch entirely before the start: skip it whole
+                g += len(members_of_epoch)
+                epoch += 1
+                continue
+            for index, members in enumerate(members_of_epoch):
+                if start <= g < stop:
+                    yield ScheduledBatch(g, epoch, index, members)
                 g += 1
             epoch += 1
+
+    def __iter__(self) -> Iterator[ScheduledBatch]:
+        return self.batches(0, self.total_batches)

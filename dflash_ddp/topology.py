@@ -143,7 +143,8 @@ def init_distributed(num_drafters: int, device_request: str, timeout_s: float) -
         return DistributedContext(topology, device, None)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
+        # NCCL for CUDA tensors; small CPU tensors (decisions, votes, metrics) need gloo beside it.
+        backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
         timeout=timeout,
         device_id=device if use_cuda else None,
         **_store_for_this_attempt(rank, world, timeout),

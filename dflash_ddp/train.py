@@ -133,11 +133,15 @@ class Run:
     schedule: BatchSchedule
     identity: dict  # fingerprints, drafter config and settings: stored in, and checked against, checkpoints
     start_step: int = 0
+    first_batch: int = 0  # the checkpoint's data cursor: global batches already consumed
     resume_from: Path | None = None
 
     @property
-    def first_batch(self) -> int:
-        return self.start_step * self.schedule.batches_per_step
+    def end_batch(self) -> int:
+        """One past the last global batch this run consumes: the remaining steps' worth after the cursor."""
+        return (
+            self.first_batch + (self.schedule.total_steps - self.start_step) * self.schedule.batches_per_step
+        )
 
     def set_accumulation(self, steps: int, topology: Topology) -> None:
         """Change gradient accumulation (to keep a resumed run's global batch); schedule and identity follow."""
@@ -176,11 +180,11 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
     )
     sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.device)
     pad_id = run.setup.tokenizer.pad_token_id or 0
-    for item in run.schedule:
+    for item in run.schedule.batches(run.first_batch, run.end_batch):
+        if topo.target_of(item.g) != topo.rank:
+            continue
         if stop.is_set():
             break
-        if item.g < run.first_batch or topo.target_of(item.g) != topo.rank:
-            continue
         batch = collate([run.samples[i] for i in item.members], pad_id)
         features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
         sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
@@ -194,7 +198,7 @@ class LocalTarget:
     def __init__(self, extractor: TargetFeatureExtractor, run: Run):
         self.extractor, self.samples = extractor, run.samples
         self.pad_id = run.setup.tokenizer.pad_token_id or 0
-        self.items = (item for item in run.schedule if item.g >= run.first_batch)
+        self.items = run.schedule.batches(run.first_batch, run.end_batch)
         self.wait_s = 0.0
         self.bytes_received = 0
 
@@ -225,7 +229,7 @@ def run_drafter(ctx: DistributedContext, run: Run) -> bool:
     topo = ctx.topology
     mine = [
         (g, topo.target_of(g))
-        for g in range(run.first_batch, run.schedule.total_batches)
+        for g in range(run.first_batch, run.end_batch)
         if topo.drafter_of(g) == topo.rank
     ]
     source = ChannelReceiver(topo.rank, mine, topo.target_ranks, ctx.device, compute_dtype(ctx.device))
@@ -238,6 +242,13 @@ def restore(run: Run, trainer: DrafterTrainer, rank: int) -> int:
     load_weights(path, trainer.drafter)
     trainer.optimizer.load_state_dict(load_tensor_file(path / "optimizer.pt"))
     trainer.scheduler.load_state_dict(load_tensor_file(path / "scheduler.pt"))
+    # The loaded states carry the checkpoint's lr and weight decay; this run's settings win (they differ
+    # only when the user accepted the change with --resume_override).
+    cfg, scheduler = run.cfg, trainer.scheduler
+    scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
+    for group, schedule_fn in zip(trainer.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group.update(initial_lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        group["lr"] = cfg.learning_rate * schedule_fn(scheduler.last_epoch)
     rng_file = path / f"rng-rank{rank}.pt"
     if rng_file.is_file():
         torch.set_rng_state(load_tensor_file(rng_file)["torch"])
@@ -341,6 +352,8 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                 break
         if stopping:
             source.drain()
+            if group is not None:  # every drafter rank drops incoming batches before any target stops
+                dist.barrier(group=group)
             if topo.is_leader and not topo.colocated:
                 StopFlag().set()
         source.close()
@@ -389,7 +402,11 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
         raise ValueError(
             f"{path} is at step {saved['global_step']}, past this run's {run.schedule.total_steps} steps"
         )
-    run.start_step, run.resume_from = int(saved["global_step"]), path
+    run.start_step, run.first_batch, run.resume_from = (
+        int(saved["global_step"]),
+        int(saved["batches_consumed"]),
+        path,
+    )
     notes.append(
         f"resuming from {path} (step {run.start_step}, batch {run.first_batch}; saved as "
         f"{saved['topology']['target_ranks']}+{saved['topology']['drafter_ranks']}, now "
@@ -406,14 +423,15 @@ def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
             raise ValueError(error)
         return
     decision = torch.tensor(
-        [run.start_step, 1 if error else 0, run.cfg.gradient_accumulation_steps], dtype=torch.int64
+        [run.start_step, 1 if error else 0, run.cfg.gradient_accumulation_steps, run.first_batch],
+        dtype=torch.int64,
     )
     dist.broadcast(decision, src=topo.drafter_ranks[0])
     if int(decision[1]):
         raise ValueError(error or f"rank {topo.drafter_ranks[0]} refused to start (see its message)")
     if int(decision[2]) != run.cfg.gradient_accumulation_steps:
         run.set_accumulation(int(decision[2]), topo)
-    run.start_step = int(decision[0])
+    run.start_step, run.first_batch = int(decision[0]), int(decision[3])
     if run.start_step and not topo.is_leader:  # other drafter ranks read the same checkpoint
         resume = run.cfg.resume
         root = Path(resume) if resume not in ("auto", "never") else Path(run.cfg.output_dir) / "checkpoints"
@@ -477,8 +495,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for note in decide_start(run, topology):
                     print(note)
-            except ValueError as e:
-                error = str(e)
+            except (
+                ValueError,
+                KeyError,
+                OSError,
+                json.JSONDecodeError,
+            ) as e:  # refuse on every rank, not only here
+                error = str(e) if isinstance(e, ValueError) else f"cannot resume: {type(e).__name__}: {e}"
         share_start(ctx, run, error)
     except ValueError as e:
         print(f"error{where}: {e}", file=sys.stderr)

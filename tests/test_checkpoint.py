@@ -13,35 +13,12 @@ from dflash_ddp.checkpoint import SaveError, save_checkpoint, verify_checkpoint,
 from dflash_ddp.resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state
 from dflash_ddp.train import main
 
+from helpers import train_flags
+
 
 def args(tiny_target, chat_data, out, *extra):
-    return [
-        "--target_model",
-        str(tiny_target),
-        "--data",
-        str(chat_data),
-        "--output_dir",
-        str(out),
-        "--num_draft_layers",
-        "1",
-        "--block_size",
-        "4",
-        "--num_anchors",
-        "8",
-        "--max_seq_len",
-        "128",
-        "--tokens_per_batch",
-        "512",
-        "--logging_steps",
-        "1",
-        "--save_steps",
-        "3",
-        "--max_steps",
-        "6",
-        "--save_total_limit",
-        "5",
-        *extra,
-    ]
+    settings = {"save_steps": 3, "max_steps": 6, "save_total_limit": 5}
+    return train_flags(tiny_target, chat_data, out, **settings) + list(extra)
 
 
 @pytest.fixture

@@ -16,34 +16,18 @@ from safetensors.torch import load_file
 
 from dflash_ddp.topology import Topology
 
+from helpers import torchrun_cmd, train_flags
+
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def torchrun(
-    nproc: int, args: list[str], *extra: str, timeout: float = 300, **popen
-) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra]
-    if not any(e.startswith("--nnodes") for e in extra):
-        cmd.append("--standalone")
-    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, **popen)
+def torchrun(nproc: int, args: list[str], *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_cmd(nproc, *extra) + args, capture_output=True, text=True, timeout=timeout)
 
 
 def train_args(tiny_target, chat_data, out, **overrides) -> list[str]:
-    settings = {
-        "target_model": tiny_target,
-        "data": chat_data,
-        "output_dir": out,
-        "num_draft_layers": 1,
-        "block_size": 4,
-        "num_anchors": 8,
-        "max_seq_len": 128,
-        "tokens_per_batch": 512,
-        "max_steps": 6,
-        "logging_steps": 1,
-        "save_steps": 100,
-        "seed": 1,
-    } | overrides
-    return ["-m", "dflash_ddp.train"] + [x for k, v in settings.items() for x in (f"--{k}", str(v))]
+    settings = {"max_steps": 6, "save_steps": 100, "seed": 1} | overrides
+    return ["-m", "dflash_ddp.train", *train_flags(tiny_target, chat_data, out, **settings)]
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:

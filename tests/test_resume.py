@@ -12,39 +12,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from helpers import torchrun_cmd, train_flags
+
 STEPS = 24
 
 
 def train_args(tiny_target, chat_data, out, **overrides):
-    settings = {
-        "target_model": tiny_target,
-        "data": chat_data,
-        "output_dir": out,
-        "num_draft_layers": 1,
-        "block_size": 4,
-        "num_anchors": 8,
-        "max_seq_len": 128,
-        "tokens_per_batch": 512,
-        "max_steps": STEPS,
-        "logging_steps": 1,
-        "save_steps": 4,
-        "seed": 3,
-        "dist_timeout": 60,
-    } | overrides
-    return ["-m", "dflash_ddp.train"] + [x for k, v in settings.items() for x in (f"--{k}", str(v))]
+    settings = {"max_steps": STEPS, "save_steps": 4, "seed": 3, "dist_timeout": 60} | overrides
+    return ["-m", "dflash_ddp.train", *train_flags(tiny_target, chat_data, out, **settings)]
 
 
 def torchrun(nproc, args, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        *extra,
-        *args,
-    ]
+    return [*torchrun_cmd(nproc, *extra), *args]
 
 
 def weights(out: Path) -> dict:

@@ -10,30 +10,11 @@ from safetensors.torch import load_file
 from dflash_ddp.checkpoint import verify_checkpoint
 from dflash_ddp.train import main
 
+from helpers import train_flags
+
 
 def base_args(tiny_target, chat_data, out):
-    return [
-        "--target_model",
-        str(tiny_target),
-        "--data",
-        str(chat_data),
-        "--output_dir",
-        str(out),
-        "--num_draft_layers",
-        "1",
-        "--block_size",
-        "4",
-        "--num_anchors",
-        "8",
-        "--max_seq_len",
-        "128",
-        "--tokens_per_batch",
-        "1024",
-        "--logging_steps",
-        "5",
-        "--save_steps",
-        "10",
-    ]
+    return train_flags(tiny_target, chat_data, out, tokens_per_batch=1024, logging_steps=5, save_steps=10)
 
 
 @pytest.mark.parametrize(
