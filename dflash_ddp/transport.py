@@ -120,6 +120,8 @@ class ChannelSender:
             try:
                 for w in works:
                     w.wait()
+                if self.device.type == "cuda":  # NCCL's wait() only orders the stream: block for backpressure
+                    torch.cuda.current_stream(self.device).synchronize()
             except RuntimeError as e:
                 raise ChannelError(
                     f"target rank {self.rank}: sending to drafter rank {dst} failed ({e}); that rank died or is stuck"
@@ -200,7 +202,7 @@ class ChannelReceiver:
         for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist()):
             self._recv_into(features[row, :length], src, f"the features of batch {g}")
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(self.device).synchronize()  # the receiver thread's own stream
         self.bytes_received += n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8
         return Message(
             g,
@@ -214,6 +216,16 @@ class ChannelReceiver:
 
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
         on = self.device if self.device.type == "cuda" else torch.device("cpu")
+        if on.type == "cuda":  # receive on a stream of our own, so that receives overlap the training step
+            torch.cuda.set_device(on)
+            with torch.cuda.stream(torch.cuda.Stream(on)):
+                self._receive_loop(schedule, end_sources, on)
+        else:
+            self._receive_loop(schedule, end_sources, on)
+
+    def _receive_loop(
+        self, schedule: list[tuple[int, int]], end_sources: list[int], on: torch.device
+    ) -> None:
         ended: set[int] = set()
         try:
             for g, src in schedule:
@@ -257,6 +269,8 @@ class ChannelReceiver:
             raise item
         if item is None:
             raise ChannelError(f"drafter rank {self.rank}: the stream ended before the schedule did")
+        if item.features.is_cuda:  # received on the receiver's stream, used on this one: tell the allocator
+            item.features.record_stream(torch.cuda.current_stream(item.features.device))
         return item
 
     def drain(self) -> None:
