@@ -156,8 +156,9 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk]
-            logits = (h @ head_weight.to(h.dtype).T).float()
+            # In the head's dtype (bf16 on GPU): casting the chunk is cheap, casting the V x H head is not.
+            h = hidden[start : start + chunk].to(head_weight.dtype)
+            logits = (h @ head_weight.T).float()
             lab = labels[start : start + chunk]
             nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, lab[:, None]).squeeze(1)
             loss_sum += (nll * weights[start : start + chunk]).sum()
@@ -172,13 +173,14 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         hidden, head_weight, labels, weights = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         for start in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[start : start + ctx.chunk]
-            w_head = head_weight.to(h.dtype)
-            probs = torch.softmax((h @ w_head.T).float(), dim=-1)
+            h = hidden[start : start + ctx.chunk].to(head_weight.dtype)
+            probs = torch.softmax((h @ head_weight.T).float(), dim=-1)
             lab = labels[start : start + ctx.chunk]
             probs[torch.arange(lab.numel(), device=lab.device), lab] -= 1.0
             scale = (weights[start : start + ctx.chunk] * grad_loss)[:, None]
-            grad_hidden[start : start + ctx.chunk] = ((probs * scale).to(h.dtype) @ w_head).to(hidden.dtype)
+            grad_hidden[start : start + ctx.chunk] = ((probs * scale).to(h.dtype) @ head_weight).to(
+                hidden.dtype
+            )
         return grad_hidden, None, None, None, None
 
 
