@@ -54,6 +54,7 @@ class TrainConfig:
     num_anchors: int = 512
     loss_gamma: float | None = None
     # data
+    skip_bad_rows: bool = False  # skip and count unusable rows instead of stopping at the first
     max_seq_len: int = 3072
     tokens_per_batch: int = 32768
     # optimisation

@@ -6,10 +6,11 @@ The order contract (design.md): the list of global batches of an epoch is a pure
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,9 +52,15 @@ class DataStats:
     """Counts printed at start and stored in the run directory."""
 
     rows: int = 0
+    bad_rows: int = 0  # skipped with --skip_bad_rows
     truncated: int = 0
     too_short: int = 0
     kept: int = 0
+    bad_row_examples: list[str] = field(default_factory=list)
+
+
+class BadRow(ValueError):
+    """A row that cannot be used; `--skip_bad_rows` skips and counts these instead of stopping."""
 
 
 def _normalise_messages(row: dict, where: str) -> list[dict]:
@@ -64,68 +71,103 @@ def _normalise_messages(row: dict, where: str) -> list[dict]:
         turns = row["conversations"]
         role_key, text_key = "from", "value"
     else:
-        raise ValueError(f"{where}: the row has neither 'messages' nor 'conversations'")
+        raise BadRow(f"{where}: the row has neither 'messages' nor 'conversations'")
     if not isinstance(turns, list) or not turns:
-        raise ValueError(f"{where}: the conversation is empty or not a list")
+        raise BadRow(f"{where}: the conversation is empty or not a list")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise ValueError(f"{where}: turn {i} needs '{role_key}' and '{text_key}'")
+            raise BadRow(f"{where}: turn {i} needs '{role_key}' and '{text_key}'")
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
-            raise ValueError(f"{where}: turn {i} has unknown role '{turn[role_key]}'")
+            raise BadRow(f"{where}: turn {i} has unknown role '{turn[role_key]}'")
         if not isinstance(turn[text_key], str):
-            raise ValueError(f"{where}: turn {i} '{text_key}' must be a string")
+            raise BadRow(f"{where}: turn {i} '{text_key}' must be a string")
+        if role == "assistant" and not turn[text_key].strip():
+            raise BadRow(f"{where}: turn {i} is an empty assistant turn")
         messages.append({"role": role, "content": turn[text_key]})
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: the conversation has no assistant turn")
+        raise BadRow(f"{where}: the conversation has no assistant turn")
     return messages
 
 
-def read_conversations(paths: list[str]) -> list[tuple[str, list[dict]]]:
-    """Rows of jsonl/json files as (where, messages), where = 'file:line'. Bad rows raise with their place."""
-    rows = []
+def expand_paths(paths: list[str]) -> list[Path]:
+    """Files named directly or through glob patterns, in a stable order."""
+    files = []
     for path in paths:
-        p = Path(path)
-        if not p.is_file():
+        if glob.has_magic(path):
+            matched = sorted(glob.glob(path))
+            if not matched:
+                raise ValueError(f"--data {path}: the pattern matches no file")
+            files += [Path(m) for m in matched]
+        elif not Path(path).is_file():
             raise ValueError(f"--data {path}: file not found")
-        if p.suffix == ".jsonl":
-            with p.open("rb") as f:
-                for line_no, raw in enumerate(f, start=1):
-                    where = f"{path}:{line_no}"
-                    if not raw.strip():
-                        continue
-                    try:
-                        row = json.loads(raw.decode("utf-8"))
-                    except UnicodeDecodeError:
-                        raise ValueError(f"{where}: not valid UTF-8") from None
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
-                    rows.append((where, _normalise_messages(row, where)))
-        elif p.suffix == ".json":
-            data = json.loads(p.read_text(encoding="utf-8"))
-            if not isinstance(data, list):
-                raise ValueError(f"--data {path}: a .json file must hold a list of rows")
-            rows.extend(
-                (f"{path}:row {i}", _normalise_messages(r, f"{path}:row {i}")) for i, r in enumerate(data)
-            )
         else:
-            raise ValueError(f"--data {path}: unsupported file type '{p.suffix}' (use .jsonl or .json)")
+            files.append(Path(path))
+    return files
+
+
+def _jsonl_rows(path: Path):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            if not raw.strip():
+                continue
+            try:
+                yield where, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield where, BadRow(f"{where}: not valid UTF-8")
+            except json.JSONDecodeError as e:
+                yield where, BadRow(f"{where}: malformed JSON ({e.msg})")
+
+
+def _json_rows(path: Path):
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--data {path}: not a valid UTF-8 JSON file ({e})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--data {path}: a .json file must hold a list of rows")
+    yield from ((f"{path}:row {i}", row) for i, row in enumerate(data))
+
+
+def read_conversations(paths: list[str], skip_bad_rows: bool = False, stats: DataStats | None = None):
+    """Rows of jsonl/json files as (where, messages), where = 'file:line'.
+
+    A bad row raises BadRow naming its place and the reason, or with `skip_bad_rows` is counted in
+    `stats` and skipped. Problems of a whole file (missing, wrong type) always raise."""
+    stats = stats if stats is not None else DataStats()
+    rows = []
+    for path in expand_paths(paths):
+        if path.suffix not in (".jsonl", ".json"):
+            raise ValueError(f"--data {path}: unsupported file type '{path.suffix}' (use .jsonl or .json)")
+        for where, row in _jsonl_rows(path) if path.suffix == ".jsonl" else _json_rows(path):
+            stats.rows += 1
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                if not isinstance(row, dict):
+                    raise BadRow(f"{where}: a row must be a JSON object")
+                rows.append((where, _normalise_messages(row, where)))
+            except BadRow as e:
+                if not skip_bad_rows:
+                    raise
+                stats.bad_rows += 1
+                if len(stats.bad_row_examples) < 10:
+                    stats.bad_row_examples.append(str(e))
     if not rows:
-        raise ValueError(f"--data {paths}: no rows")
+        raise ValueError(f"--data {paths}: no usable rows")
     return rows
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
     """Token ids and assistant mask from the tokenizer's own chat template (its generation markers)."""
-    if not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer of --target_model has no chat template (needed for {where})")
     out = tokenizer.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     if not any(mask):
-        raise ValueError(
+        raise BadRow(
             f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens "
             "({% generation %} markers are needed)"
         )
@@ -133,14 +175,25 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str) -> tuple[
 
 
 def tokenize_dataset(
-    tokenizer, paths: list[str], max_seq_len: int, block_size: int
+    tokenizer, paths: list[str], max_seq_len: int, block_size: int, skip_bad_rows: bool = False
 ) -> tuple[list[Sample], DataStats]:
     """Tokenize, truncate to max_seq_len, and drop samples with fewer than 2*block_size response tokens."""
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "the tokenizer of --target_model has no chat template: add one to its tokenizer_config.json"
+        )
     stats = DataStats()
     samples = []
-    for where, messages in read_conversations(paths):
-        stats.rows += 1
-        ids, mask = tokenize_conversation(tokenizer, messages, where)
+    for where, messages in read_conversations(paths, skip_bad_rows, stats):
+        try:
+            ids, mask = tokenize_conversation(tokenizer, messages, where)
+        except BadRow as e:
+            if not skip_bad_rows:
+                raise
+            stats.bad_rows += 1
+            if len(stats.bad_row_examples) < 10:
+                stats.bad_row_examples.append(str(e))
+            continue
         if len(ids) > max_seq_len:
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
             stats.truncated += 1

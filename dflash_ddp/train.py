@@ -482,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
             if leader:
                 print_plan(cfg, setup, topology)
             return 0
-        samples, stats = tokenize_dataset(setup.tokenizer, cfg.data, cfg.max_seq_len, cfg.block_size)
+        samples, stats = tokenize_dataset(
+            setup.tokenizer, cfg.data, cfg.max_seq_len, cfg.block_size, cfg.skip_bad_rows
+        )
         schedule = build_schedule(cfg, samples, topology)
         run = Run(cfg, setup, samples, schedule, run_identity(cfg, setup, samples, topology))
         ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout)
@@ -515,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
         (out / "config.json").write_text(json.dumps(config_to_dict(run.cfg), indent=2) + "\n")
         print(
-            f"data: {stats.rows} conversations, {stats.kept} kept, {stats.truncated} truncated to --max_seq_len, "
+            f"data: {stats.rows} rows, {stats.bad_rows} bad rows skipped, {stats.kept} kept, "
+            f"{stats.truncated} truncated to --max_seq_len, "
             f"{stats.too_short} dropped (fewer than 2*block_size response tokens); "
             f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"
         )

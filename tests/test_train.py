@@ -90,3 +90,14 @@ def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
     # --resume never would start over on top of that work: refused
     assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--resume", "never"]) == 2
+
+
+def test_skip_bad_rows_through_the_cli(tiny_target, chat_data, tmp_path, capsys):
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(chat_data.read_text() + '{"messages": [\n' + '{"messages": []}\n')
+    out = tmp_path / "run"
+    assert main(base_args(tiny_target, data, out) + ["--max_steps", "2"]) == 2
+    assert f"{data}:49: malformed JSON" in capsys.readouterr().err
+    assert main(base_args(tiny_target, data, out) + ["--max_steps", "2", "--skip_bad_rows"]) == 0
+    stats = json.loads((out / "data_stats.json").read_text())
+    assert stats["rows"] == 50 and stats["bad_rows"] == 2 and stats["kept"] == 48
