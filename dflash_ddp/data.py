@@ -58,6 +58,12 @@ class DataStats:
     kept: int = 0
     bad_row_examples: list[str] = field(default_factory=list)
 
+    def skip(self, error: BadRow) -> None:
+        """Count a skipped row (--skip_bad_rows), keeping the first few reasons for data_stats.json."""
+        self.bad_rows += 1
+        if len(self.bad_row_examples) < 10:
+            self.bad_row_examples.append(str(error))
+
 
 class BadRow(ValueError):
     """A row that cannot be used; `--skip_bad_rows` skips and counts these instead of stopping."""
@@ -152,9 +158,7 @@ def read_conversations(paths: list[str], skip_bad_rows: bool = False, stats: Dat
             except BadRow as e:
                 if not skip_bad_rows:
                     raise
-                stats.bad_rows += 1
-                if len(stats.bad_row_examples) < 10:
-                    stats.bad_row_examples.append(str(e))
+                stats.skip(e)
     if not rows:
         raise ValueError(f"--data {paths}: no usable rows")
     return rows
@@ -190,9 +194,7 @@ def tokenize_dataset(
         except BadRow as e:
             if not skip_bad_rows:
                 raise
-            stats.bad_rows += 1
-            if len(stats.bad_row_examples) < 10:
-                stats.bad_row_examples.append(str(e))
+            stats.skip(e)
             continue
         if len(ids) > max_seq_len:
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
