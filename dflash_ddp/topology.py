@@ -65,15 +65,6 @@ class Topology:
         return "target" if self.rank < self.num_targets else "drafter"
 
     @property
-    def drafter_index(self) -> int:
-        """Position of this rank among the drafters (0 = the leader, which logs and saves)."""
-        return self.rank - self.drafter_ranks[0]
-
-    @property
-    def target_index(self) -> int:
-        return self.rank
-
-    @property
     def is_leader(self) -> bool:
         return self.rank == self.drafter_ranks[0]
 
@@ -114,10 +105,6 @@ class DistributedContext:
     topology: Topology
     device: torch.device
     drafter_group: object | None  # process group of the drafter ranks (gradient all-reduce)
-
-    def barrier(self) -> None:
-        if not self.topology.colocated:
-            dist.barrier()
 
 
 def env_world() -> tuple[int, int, int]:

@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ddp.config import ASSETS, EMBEDDED_PRESET, EMBEDDED_TARGET
 
+from helpers import torchrun_cmd
+
 
 def test_assets_are_small_and_load_offline():
     total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
@@ -26,12 +28,7 @@ def test_no_argument_job_runs_as_7_plus_1(tmp_path):
     """`torchrun --nproc-per-node 8 -m dflash_ddp.train` with only the step count and evaluation reduced."""
     out = tmp_path / "run"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "8",
+        *torchrun_cmd(8),
         "-m",
         "dflash_ddp.train",
         "--max_steps",
