@@ -69,7 +69,7 @@ class BadRow(ValueError):
     """A row that cannot be used; `--skip_bad_rows` skips and counts these instead of stopping."""
 
 
-def _normalise_messages(row: dict, where: str) -> list[dict]:
+def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -> list[dict]:
     if "messages" in row:
         turns = row["messages"]
         role_key, text_key = "role", "content"
@@ -92,7 +92,7 @@ def _normalise_messages(row: dict, where: str) -> list[dict]:
         if role == "assistant" and not turn[text_key].strip():
             raise BadRow(f"{where}: turn {i} is an empty assistant turn")
         messages.append({"role": role, "content": turn[text_key]})
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadRow(f"{where}: the conversation has no assistant turn")
     return messages
 
@@ -137,8 +137,15 @@ def _json_rows(path: Path):
     yield from ((f"{path}:row {i}", row) for i, row in enumerate(data))
 
 
-def read_conversations(paths: list[str], skip_bad_rows: bool = False, stats: DataStats | None = None):
+def read_conversations(
+    paths: list[str],
+    skip_bad_rows: bool = False,
+    stats: DataStats | None = None,
+    require_assistant: bool = True,
+):
     """Rows of jsonl/json files as (where, messages), where = 'file:line'.
+
+    `require_assistant=False` accepts prompt-only rows (for regeneration).
 
     A bad row raises BadRow naming its place and the reason, or with `skip_bad_rows` is counted in
     `stats` and skipped. Problems of a whole file (missing, wrong type) always raise."""
@@ -154,7 +161,7 @@ def read_conversations(paths: list[str], skip_bad_rows: bool = False, stats: Dat
                     raise row
                 if not isinstance(row, dict):
                     raise BadRow(f"{where}: a row must be a JSON object")
-                rows.append((where, _normalise_messages(row, where)))
+                rows.append((where, _normalise_messages(row, where, require_assistant)))
             except BadRow as e:
                 if not skip_bad_rows:
                     raise
