@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,9 +55,15 @@ class TrainConfig:
     num_anchors: int = 512
     loss_gamma: float | None = None
     # data
+    chat_template: str = ""  # a jinja file replacing the tokenizer's chat template
+    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. '{"enable_thinking": false}'
+    train_last_turn_only: bool = False  # the loss covers only the last assistant turn
     skip_bad_rows: bool = False  # skip and count unusable rows instead of stopping at the first
     max_seq_len: int = 3072
+    overlength: str = "truncate"  # truncate | drop: what happens to sequences longer than max_seq_len
     tokens_per_batch: int = 32768
+    cache_dir: str = ""  # tokenized data cache; default OUTPUT_DIR/cache
+    num_proc: int = 1  # tokenization processes
     # optimisation
     num_epochs: int = 6
     max_steps: int = -1
@@ -104,6 +111,7 @@ class TrainConfig:
             "loss_chunk_size",
             "gradient_accumulation_steps",
             "max_inflight",
+            "num_proc",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} {getattr(self, name)}: must be a positive integer")
@@ -122,6 +130,8 @@ class TrainConfig:
             raise ValueError(f"--warmup_ratio {self.warmup_ratio}: must be in [0, 1)")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate {self.learning_rate}: must be positive")
+        if self.overlength not in ("truncate", "drop"):
+            raise ValueError(f"--overlength {self.overlength}: choose truncate or drop")
         if self.attention not in ("auto", "sdpa", "flex"):
             raise ValueError(f"--attention {self.attention}: choose auto, sdpa or flex")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -154,6 +164,11 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
         hint = next(a for a in args if a is not type(None))
         args = typing.get_args(hint)
     try:
+        if hint is dict:
+            parsed = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(parsed, dict):
+                raise ValueError
+            return parsed
         if typing.get_origin(hint) is list:
             items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
             return [_convert(v.strip() if isinstance(v, str) else v, args[0], where) for v in items]

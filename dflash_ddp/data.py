@@ -1,15 +1,14 @@
-"""Conversations -> token ids with an assistant-only loss mask -> token-budget batches in a seeded order.
+"""Conversations from jsonl/json/parquet files or `save_to_disk` directories, checked row by row.
 
-The order contract (design.md): the list of global batches of an epoch is a pure function of
-(seed, epoch, the tokenized data, the batching settings), independent of how many ranks consume it.
+Every unusable row raises BadRow naming its place ('file:line' or 'file:row N') and the reason, or with
+`--skip_bad_rows` is counted in DataStats and skipped. Problems of a whole input (missing, unreadable,
+empty) always raise ValueError.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,15 +21,6 @@ ROLE_ALIASES = {
     "assistant": "assistant",
     "system": "system",
 }
-
-
-@dataclass
-class Sample:
-    """One tokenized conversation."""
-
-    sample_id: int
-    input_ids: list[int]
-    loss_mask: list[int]
 
 
 @dataclass
@@ -53,9 +43,12 @@ class DataStats:
 
     rows: int = 0
     bad_rows: int = 0  # skipped with --skip_bad_rows
-    truncated: int = 0
-    too_short: int = 0
+    truncated: int = 0  # longer than --max_seq_len, cut (--overlength truncate)
+    overlength_dropped: int = 0  # longer than --max_seq_len, dropped (--overlength drop)
+    too_short: int = 0  # fewer than 2*block_size response tokens
     kept: int = 0
+    tokens: int = 0  # of the kept samples
+    response_tokens: int = 0  # of the kept samples: tokens the loss covers
     bad_row_examples: list[str] = field(default_factory=list)
 
     def skip(self, error: BadRow) -> None:
@@ -63,6 +56,14 @@ class DataStats:
         self.bad_rows += 1
         if len(self.bad_row_examples) < 10:
             self.bad_row_examples.append(str(error))
+
+    def summary(self) -> str:
+        return (
+            f"{self.rows} rows, {self.bad_rows} bad rows skipped, {self.truncated} truncated and "
+            f"{self.overlength_dropped} dropped for --max_seq_len, {self.too_short} dropped with fewer than "
+            f"2*block_size response tokens, {self.kept} kept ({self.tokens} tokens, "
+            f"{self.response_tokens} in the loss)"
+        )
 
 
 class BadRow(ValueError):
@@ -97,20 +98,31 @@ def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -
     return messages
 
 
-def expand_paths(paths: list[str]) -> list[Path]:
-    """Files named directly or through glob patterns, in a stable order."""
-    files = []
+def data_files(paths: list[str]) -> list[Path]:
+    """Files and `save_to_disk` directories named directly or through glob patterns, in a stable order."""
+    found = []
     for path in paths:
         if glob.has_magic(path):
             matched = sorted(glob.glob(path))
             if not matched:
                 raise ValueError(f"--data {path}: the pattern matches no file")
-            files += [Path(m) for m in matched]
-        elif not Path(path).is_file():
+            found += [Path(m) for m in matched]
+        elif not Path(path).exists():
             raise ValueError(f"--data {path}: file not found")
         else:
-            files.append(Path(path))
-    return files
+            found.append(Path(path))
+    for p in found:
+        if p.is_dir() and not (p / "state.json").is_file():
+            hint = " (a DatasetDict: pass one split's directory, e.g. DIR/train)"
+            raise ValueError(
+                f"--data {p}: a directory must be written by datasets' save_to_disk"
+                + (hint if (p / "dataset_dict.json").is_file() else "")
+            )
+        if p.is_file() and p.suffix not in (".jsonl", ".json", ".parquet"):
+            raise ValueError(
+                f"--data {p}: unsupported file type '{p.suffix}' (use .jsonl, .json or .parquet)"
+            )
+    return found
 
 
 def _jsonl_rows(path: Path):
@@ -137,13 +149,40 @@ def _json_rows(path: Path):
     yield from ((f"{path}:row {i}", row) for i, row in enumerate(data))
 
 
+def _arrow_rows(path: Path):
+    """Rows of a parquet file (streamed in record batches) or a save_to_disk directory (memory-mapped)."""
+    try:
+        if path.is_dir():
+            import datasets
+
+            yield from ((f"{path}:row {i}", row) for i, row in enumerate(datasets.load_from_disk(str(path))))
+            return
+        import pyarrow.parquet as pq
+
+        i = 0
+        for record_batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in record_batch.to_pylist():
+                yield f"{path}:row {i}", row
+                i += 1
+    except (OSError, ValueError) as e:  # pyarrow's errors derive from these; name the file, no traceback
+        raise ValueError(f"--data {path}: cannot be read as a data set ({type(e).__name__}: {e})") from None
+
+
+def _rows(path: Path):
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path)
+    if path.suffix == ".json":
+        return _json_rows(path)
+    return _arrow_rows(path)
+
+
 def read_conversations(
     paths: list[str],
     skip_bad_rows: bool = False,
     stats: DataStats | None = None,
     require_assistant: bool = True,
 ):
-    """Rows of jsonl/json files as (where, messages), where = 'file:line'.
+    """Rows of the --data inputs as (where, messages), where = 'file:line' or 'file:row N'.
 
     `require_assistant=False` accepts prompt-only rows (for regeneration).
 
@@ -151,10 +190,8 @@ def read_conversations(
     `stats` and skipped. Problems of a whole file (missing, wrong type) always raise."""
     stats = stats if stats is not None else DataStats()
     rows = []
-    for path in expand_paths(paths):
-        if path.suffix not in (".jsonl", ".json"):
-            raise ValueError(f"--data {path}: unsupported file type '{path.suffix}' (use .jsonl or .json)")
-        for where, row in _jsonl_rows(path) if path.suffix == ".jsonl" else _json_rows(path):
+    for path in data_files(paths):
+        for where, row in _rows(path):
             stats.rows += 1
             try:
                 if isinstance(row, BadRow):
@@ -169,98 +206,3 @@ def read_conversations(
     if not rows:
         raise ValueError(f"--data {paths}: no usable rows")
     return rows
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-    """Token ids and assistant mask from the tokenizer's own chat template (its generation markers)."""
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    if not any(mask):
-        raise BadRow(
-            f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens "
-            "({% generation %} markers are needed)"
-        )
-    return ids, mask
-
-
-def tokenize_dataset(
-    tokenizer, paths: list[str], max_seq_len: int, block_size: int, skip_bad_rows: bool = False
-) -> tuple[list[Sample], DataStats]:
-    """Tokenize, truncate to max_seq_len, and drop samples with fewer than 2*block_size response tokens."""
-    if not tokenizer.chat_template:
-        raise ValueError(
-            "the tokenizer of --target_model has no chat template: add one to its tokenizer_config.json"
-        )
-    stats = DataStats()
-    samples = []
-    for where, messages in read_conversations(paths, skip_bad_rows, stats):
-        try:
-            ids, mask = tokenize_conversation(tokenizer, messages, where)
-        except BadRow as e:
-            if not skip_bad_rows:
-                raise
-            stats.skip(e)
-            continue
-        if len(ids) > max_seq_len:
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-            stats.truncated += 1
-        if sum(mask[1:]) < 2 * block_size:
-            stats.too_short += 1
-            continue
-        samples.append(Sample(sample_id=len(samples), input_ids=ids, loss_mask=mask))
-    stats.kept = len(samples)
-    if not samples:
-        raise ValueError(f"--data {paths}: no sample has at least {2 * block_size} response tokens")
-    return samples, stats
-
-
-def data_fingerprint(samples: list[Sample]) -> str:
-    """A content hash of the tokenized data (ids and masks), stored with checkpoints."""
-    h = hashlib.sha256()
-    for s in samples:
-        h.update(json.dumps([s.input_ids, s.loss_mask]).encode())
-    return h.hexdigest()[:16]
-
-
-def epoch_batches(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int) -> list[list[int]]:
-    """The global batches of one epoch, as lists of sample indices.
-
-    A seeded permutation, then buckets of similar length (sorting within windows of the permutation),
-    then greedy packing under the padded-token budget B * max_len <= tokens_per_batch, then a seeded
-    shuffle of the batches. A new epoch gives a new permutation, so batch composition changes too.
-    """
-    rng = random.Random(f"dflash-batches:{seed}:{epoch}")
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    window = 64 * max(1, tokens_per_batch // max(1, max(lengths)))
-    batches = []
-    for start in range(0, len(order), window):
-        bucket = sorted(order[start : start + window], key=lambda i: (lengths[i], i))
-        current, longest = [], 0
-        for i in bucket:
-            longest_if_added = max(longest, lengths[i])
-            if current and longest_if_added * (len(current) + 1) > tokens_per_batch:
-                batches.append(current)
-                current, longest_if_added = [], lengths[i]
-            current.append(i)
-            longest = longest_if_added
-        if current:
-            batches.append(current)
-    rng.shuffle(batches)
-    return batches
-
-
-def collate(samples: list[Sample], pad_id: int) -> Batch:
-    """Right-pad samples into a Batch."""
-    longest = max(len(s.input_ids) for s in samples)
-    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), longest), dtype=torch.long)
-    loss = torch.zeros((len(samples), longest), dtype=torch.long)
-    for b, s in enumerate(samples):
-        n = len(s.input_ids)
-        ids[b, :n] = torch.tensor(s.input_ids)
-        attn[b, :n] = 1
-        loss[b, :n] = torch.tensor(s.loss_mask)
-    return Batch(ids, attn, loss, torch.tensor([s.sample_id for s in samples]))

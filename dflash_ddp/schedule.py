@@ -7,10 +7,37 @@ optimizer steps.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .data import epoch_batches
+
+def epoch_batches(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """The global batches of one epoch, as lists of sample indices.
+
+    A seeded permutation, then buckets of similar length (sorting within windows of the permutation),
+    then greedy packing under the padded-token budget B * max_len <= tokens_per_batch, then a seeded
+    shuffle of the batches. A new epoch gives a new permutation, so batch composition changes too.
+    """
+    rng = random.Random(f"dflash-batches:{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = 64 * max(1, tokens_per_batch // max(1, max(lengths)))
+    batches = []
+    for start in range(0, len(order), window):
+        bucket = sorted(order[start : start + window], key=lambda i: (lengths[i], i))
+        current, longest = [], 0
+        for i in bucket:
+            longest_if_added = max(longest, lengths[i])
+            if current and longest_if_added * (len(current) + 1) > tokens_per_batch:
+                batches.append(current)
+                current, longest_if_added = [], lengths[i]
+            current.append(i)
+            longest = longest_if_added
+        if current:
+            batches.append(current)
+    rng.shuffle(batches)
+    return batches
 
 
 @dataclass(frozen=True)

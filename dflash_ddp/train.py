@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from .chat_template import ChatTokenizer, load_chat_template
 from .checkpoint import CheckpointWriter, SaveError, checkpoint_name, rng_state
 from .config import TrainConfig, config_to_dict, parse_config, usage
-from .data import Sample, collate, data_fingerprint, tokenize_dataset
+from .data import DataStats
+from .dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
 from .export import to_zlab_config
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .objective import peak_logits_bytes
@@ -60,10 +62,27 @@ def prepare(cfg: TrainConfig) -> RunSetup:
     """Read the target's config and tokenizer and size the drafter; no weights are loaded."""
     info = inspect_target(cfg.target_model)
     tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
+    load_chat_template(tokenizer, cfg.chat_template)
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
     drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
     return RunSetup(info, tokenizer, drafter_config)
+
+
+def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedDataset, DataStats]:
+    """The tokenized --data, from the cache when files, tokenizer, template and settings are unchanged."""
+    chat = ChatTokenizer(setup.tokenizer, cfg.chat_template_kwargs, cfg.train_last_turn_only)
+    settings = TokenizeSettings(
+        max_seq_len=cfg.max_seq_len,
+        block_size=cfg.block_size,
+        overlength=cfg.overlength,
+        skip_bad_rows=cfg.skip_bad_rows,
+    )
+    cache_dir = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
+    data, stats, _ = load_or_tokenize(
+        chat, setup.info.path, cfg.data, settings, cache_dir, cfg.num_proc, log=lambda m: print(m + where)
+    )
+    return data, stats
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -115,8 +134,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         print(f"{key:>26}: {value}")
 
 
-def build_schedule(cfg: TrainConfig, samples: list[Sample], topology: Topology) -> BatchSchedule:
-    lengths = [len(s.input_ids) for s in samples]
+def build_schedule(cfg: TrainConfig, data: TokenizedDataset, topology: Topology) -> BatchSchedule:
+    lengths = data.lengths
     per_step = topology.num_drafters * cfg.gradient_accumulation_steps
     if cfg.max_steps > 0:
         return BatchSchedule(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.max_steps)
@@ -129,7 +148,7 @@ class Run:
 
     cfg: TrainConfig
     setup: RunSetup
-    samples: list[Sample]
+    data: TokenizedDataset
     schedule: BatchSchedule
     identity: dict  # fingerprints, drafter config and settings: stored in, and checked against, checkpoints
     start_step: int = 0
@@ -146,11 +165,11 @@ class Run:
     def set_accumulation(self, steps: int, topology: Topology) -> None:
         """Change gradient accumulation (to keep a resumed run's global batch); schedule and identity follow."""
         self.cfg = dataclasses.replace(self.cfg, gradient_accumulation_steps=steps)
-        self.schedule = build_schedule(self.cfg, self.samples, topology)
-        self.identity = run_identity(self.cfg, self.setup, self.samples, topology)
+        self.schedule = build_schedule(self.cfg, self.data, topology)
+        self.identity = run_identity(self.cfg, self.setup, self.data, topology)
 
 
-def run_identity(cfg: TrainConfig, setup: RunSetup, samples: list[Sample], topology: Topology) -> dict:
+def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topology: Topology) -> dict:
     """The parts of trainer_state.json that decide whether a checkpoint belongs to this run."""
     config = config_to_dict(cfg) | {"global_batch": topology.num_drafters * cfg.gradient_accumulation_steps}
     return {
@@ -158,7 +177,7 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, samples: list[Sample], topol
         "fingerprints": {
             "target": fingerprint_files([setup.info.path / "config.json"]),
             "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
-            "data": data_fingerprint(samples),
+            "data": data.fingerprint(),
         },
         "drafter": to_zlab_config(setup.drafter_config),
     }
@@ -185,7 +204,7 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
             continue
         if stop.is_set():
             break
-        batch = collate([run.samples[i] for i in item.members], pad_id)
+        batch = run.data.batch(item.members, pad_id)
         features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
         sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
     sender.close(topo.drafter_ranks)
@@ -196,7 +215,7 @@ class LocalTarget:
     """The colocated batch source: the target runs in this process; its compute time is the 'wait'."""
 
     def __init__(self, extractor: TargetFeatureExtractor, run: Run):
-        self.extractor, self.samples = extractor, run.samples
+        self.extractor, self.data = extractor, run.data
         self.pad_id = run.setup.tokenizer.pad_token_id or 0
         self.items = run.schedule.batches(run.first_batch, run.end_batch)
         self.wait_s = 0.0
@@ -205,7 +224,7 @@ class LocalTarget:
     def get(self) -> Message:
         start = time.perf_counter()
         item = next(self.items)
-        batch = collate([self.samples[i] for i in item.members], self.pad_id)
+        batch = self.data.batch(item.members, self.pad_id)
         device = self.extractor.device
         features = self.extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
         self.wait_s += time.perf_counter() - start
@@ -482,11 +501,9 @@ def main(argv: list[str] | None = None) -> int:
             if leader:
                 print_plan(cfg, setup, topology)
             return 0
-        samples, stats = tokenize_dataset(
-            setup.tokenizer, cfg.data, cfg.max_seq_len, cfg.block_size, cfg.skip_bad_rows
-        )
-        schedule = build_schedule(cfg, samples, topology)
-        run = Run(cfg, setup, samples, schedule, run_identity(cfg, setup, samples, topology))
+        data, stats = load_data(cfg, setup, where)
+        schedule = build_schedule(cfg, data, topology)
+        run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))
         ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout)
     except ValueError as e:
         print(f"error{where}: {e}", file=sys.stderr)
@@ -517,9 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
         (out / "config.json").write_text(json.dumps(config_to_dict(run.cfg), indent=2) + "\n")
         print(
-            f"data: {stats.rows} rows, {stats.bad_rows} bad rows skipped, {stats.kept} kept, "
-            f"{stats.truncated} truncated to --max_seq_len, "
-            f"{stats.too_short} dropped (fewer than 2*block_size response tokens); "
+            f"data: {stats.summary()}; "
             f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"
         )
     start = time.perf_counter()

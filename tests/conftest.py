@@ -77,23 +77,31 @@ def conversation(i: int) -> dict:
     return {"messages": [{"role": "user", "content": f"What is {q}?"}, {"role": "assistant", "content": a}]}
 
 
-def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+def build_tokenizer(
+    out: Path | None,
+    specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"),
+    template: str = CHATML_TEMPLATE,
+    **special_roles: str,
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on WORDS, with `specials` as special tokens and a chat template.
+
+    `special_roles` (eos_token=..., pad_token=..., ...) default to the ChatML tokenizer's."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=300, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator([" ".join(WORDS)] * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        mask_token="<|mask|>",
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    fast.save_pretrained(out)
+    roles = special_roles or {
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "mask_token": "<|mask|>",
+    }
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **roles)
+    fast.chat_template = template
+    if out is not None:
+        fast.save_pretrained(out)
     return fast
 
 

@@ -1,12 +1,11 @@
 """Reading conversations: every kind of bad input names its file, line and reason, or is skipped and
-counted with --skip_bad_rows; globs; the loss mask covers assistant tokens only."""
+counted with --skip_bad_rows; globs; jsonl, json, parquet and save_to_disk inputs."""
 
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
-from dflash_ddp.data import BadRow, DataStats, read_conversations, tokenize_dataset
+from dflash_ddp.data import BadRow, DataStats, read_conversations
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
 
@@ -75,35 +74,39 @@ def test_sharegpt_rows_are_accepted(tmp_path):
     assert rows[0][1] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
-def test_tokenizer_without_chat_template_is_an_error(tiny_target, chat_data):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    tokenizer.chat_template = None
-    with pytest.raises(ValueError, match="has no chat template"):
-        tokenize_dataset(tokenizer, [str(chat_data)], 256, 4)
+def test_parquet_and_save_to_disk_inputs_give_the_same_rows_as_jsonl(tmp_path):
+    import datasets
+
+    rows = [GOOD, {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}]
+    jsonl = write(tmp_path / "d.jsonl", [json.dumps(r).encode() for r in rows])
+    # one schema per file, as datasets requires: messages rows in one, ShareGPT rows in the other
+    datasets.Dataset.from_list(rows[:1]).to_parquet(tmp_path / "a.parquet")
+    datasets.Dataset.from_list(rows[1:]).save_to_disk(tmp_path / "b_disk")
+    expected = [messages for _, messages in read_conversations([str(jsonl)])]
+    got = read_conversations([str(tmp_path / "a.parquet"), str(tmp_path / "b_disk")])
+    assert [messages for _, messages in got] == expected
+    assert [where.split("/")[-1] for where, _ in got] == ["a.parquet:row 0", "b_disk:row 0"]
 
 
-def test_template_without_generation_markers_gives_an_all_zero_mask_error(tiny_target, chat_data):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    tokenizer.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace(
-        "{% endgeneration %}", ""
-    )
-    with pytest.raises(BadRow, match=f"{chat_data}:1: the loss mask is all zeros"):
-        tokenize_dataset(tokenizer, [str(chat_data)], 256, 4)
+def test_bad_rows_in_parquet_name_the_row(tmp_path):
+    import datasets
+
+    bad = {"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}
+    datasets.Dataset.from_list([GOOD, bad]).to_parquet(tmp_path / "d.parquet")
+    with pytest.raises(BadRow, match=r"d.parquet:row 1: turn 0 has unknown role 'robot'"):
+        read_conversations([str(tmp_path / "d.parquet")])
 
 
-def test_loss_mask_covers_exactly_the_assistant_text(tiny_target, tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    row = {
-        "messages": [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": "the quick fox"},
-            {"role": "assistant", "content": "the lazy dog " * 4},
-        ]
-    }
-    samples, stats = tokenize_dataset(
-        tokenizer, [str(write(tmp_path / "r.jsonl", [json.dumps(row).encode()]))], 256, 2
-    )
-    sample = samples[0]
-    masked = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m])
-    assert masked == "the lazy dog " * 4 + "<|im_end|>"
-    assert stats.kept == 1 and stats.bad_rows == 0
+def test_unreadable_or_unsupported_inputs_are_clear_errors(tmp_path):
+    import datasets
+
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="broken.parquet: cannot be read as a data set"):
+        read_conversations([str(tmp_path / "broken.parquet")])
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt: unsupported file type '.txt'"):
+        read_conversations([str(tmp_path / "notes.txt")])
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD])}).save_to_disk(tmp_path / "dd")
+    with pytest.raises(ValueError, match="a DatasetDict: pass one split's directory, e.g. DIR/train"):
+        read_conversations([str(tmp_path / "dd")])
+    assert len(read_conversations([str(tmp_path / "dd" / "train")])) == 1

@@ -2,8 +2,7 @@
 
 import random
 
-from dflash_ddp.data import epoch_batches
-from dflash_ddp.schedule import BatchSchedule
+from dflash_ddp.schedule import BatchSchedule, epoch_batches
 
 LENGTHS = [random.Random(i).randint(20, 300) for i in range(200)]
 

@@ -1,0 +1,130 @@
+"""A conversation -> token ids and the assistant-only loss mask, with the target's own chat template.
+
+The mask covers what the model itself generates after the generation prompt: the assistant's text up to
+and including its end-of-turn token. Two ways to find it:
+
+- the template has `{% generation %}` markers: transformers' `return_assistant_tokens_mask` reads them;
+- it has none (the official Qwen3 and Llama-3 templates): each assistant turn i starts where the
+  rendering of the conversation before it, with the generation prompt, stops matching the rendering of the
+  whole conversation, and ends after the template's end-of-turn text (learned once by rendering a probe
+  conversation). Templates that rewrite earlier turns (Qwen3 drops old thinking blocks) are handled
+  because both ends are found in the whole conversation's own rendering.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import TemplateError
+
+from .data import BadRow
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+PROBE = "\u2063dflash-probe\u2063"  # invisible separator: never part of real text
+
+
+def load_chat_template(tokenizer, template_file: str) -> None:
+    """Replace the tokenizer's chat template with the jinja file `--chat_template` names (if any)."""
+    if template_file:
+        path = Path(template_file)
+        if not path.is_file():
+            raise ValueError(f"--chat_template {template_file}: file not found")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "the tokenizer of --target_model has no chat template: add one to its tokenizer_config.json "
+            "or pass --chat_template FILE.jinja"
+        )
+
+
+@dataclass
+class ChatTokenizer:
+    """Renders and tokenizes conversations; picklable, so tokenization can run in worker processes."""
+
+    tokenizer: object
+    template_kwargs: dict
+    last_turn_only: bool = False
+
+    def __post_init__(self):
+        self.has_generation_markers = bool(GENERATION_MARKER.search(self.tokenizer.chat_template))
+        if not self.has_generation_markers and not self.tokenizer.is_fast:
+            raise ValueError(
+                "the chat template has no {% generation %} markers and the tokenizer is not a fast "
+                "tokenizer: the assistant spans need character offsets (use a tokenizer.json tokenizer)"
+            )
+        self.end_of_turn = self._end_of_turn_text()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+        )
+
+    def _end_of_turn_text(self) -> str:
+        """What the template writes after an assistant's text (e.g. '<|im_end|>'), whitespace stripped."""
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}]
+        try:
+            text = self.render(probe)
+        except TemplateError as e:
+            raise ValueError(f"the chat template cannot render a user/assistant exchange: {e}") from None
+        if PROBE not in text:
+            raise ValueError("the chat template does not render the assistant's content verbatim")
+        return text.split(PROBE, 1)[1].strip()
+
+    def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+        """Token ids and the 0/1 assistant mask of one conversation; BadRow when it cannot be masked."""
+        try:
+            if self.has_generation_markers:
+                ids, mask = self._marked(messages)
+            else:
+                ids, mask = self._by_prefixes(messages, where)
+        except TemplateError as e:
+            raise BadRow(f"{where}: the chat template refuses this conversation: {e}") from None
+        if not any(mask):
+            raise BadRow(f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens")
+        return ids, mask
+
+    def _marked(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        out = self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **self.template_kwargs,
+        )
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        if self.last_turn_only and any(mask):
+            last_start = max(i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
+            mask = [m if i >= last_start else 0 for i, m in enumerate(mask)]
+        return ids, mask
+
+    def _by_prefixes(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+        text = self.render(messages)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if self.last_turn_only:
+            turns = turns[-1:]
+        spans = [self._span(messages, i, text, where) for i in turns]
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+
+    def _span(self, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int]:
+        """Character span of assistant turn i inside `text`, the rendering of the whole conversation."""
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        start = 0
+        while start < min(len(prompt), len(text)) and prompt[start] == text[start]:
+            start += 1
+        if self.end_of_turn:
+            end = text.find(self.end_of_turn, start)
+            if end < 0:
+                raise BadRow(f"{where}: turn {i}: no '{self.end_of_turn}' after the assistant's text")
+            return start, end + len(self.end_of_turn)
+        upto = self.render(messages[: i + 1])
+        if not text.startswith(upto):
+            raise BadRow(
+                f"{where}: turn {i}: the chat template renders this turn differently inside the whole "
+                "conversation and writes no end-of-turn text: add {% generation %} markers to it "
+                "(--chat_template FILE)"
+            )
+        return start, len(upto.rstrip())

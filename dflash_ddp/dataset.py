@@ -1,0 +1,227 @@
+"""The tokenized training set: built once per (files, tokenizer, template, settings), cached on disk.
+
+Samples live in three flat tensors (ids, mask, offsets) rather than Python lists: a 1B-token data set
+takes 5 GB per process this way, instead of tens of GB of int objects. The cache is one safetensors
+file (no pickle) named by a fingerprint of everything that decides its content; the first process to
+take the cache's file lock tokenizes, the others of the job wait and then read the same file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .chat_template import ChatTokenizer
+from .data import BadRow, Batch, DataStats, data_files, read_conversations
+
+CACHE_VERSION = 1  # bump when tokenization or masking changes, so that old caches are not reused
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges*",
+    "chat_template*",
+)
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """The settings that decide the tokenized data besides the ChatTokenizer (all part of the cache key)."""
+
+    max_seq_len: int
+    block_size: int
+    overlength: str = "truncate"  # truncate | drop
+    skip_bad_rows: bool = False
+
+
+class TokenizedDataset:
+    """Samples 0..n-1 as token ids and assistant masks; `batch` right-pads a list of them."""
+
+    def __init__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor):
+        self.input_ids, self.loss_mask, self.offsets = input_ids, loss_mask, offsets
+        self.lengths = (offsets[1:] - offsets[:-1]).tolist()
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[lo:hi], self.loss_mask[lo:hi]
+
+    def batch(self, indices: list[int], pad_id: int) -> Batch:
+        longest = max(self.lengths[i] for i in indices)
+        ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(indices), longest), dtype=torch.long)
+        loss = torch.zeros((len(indices), longest), dtype=torch.long)
+        for b, i in enumerate(indices):
+            sample_ids, sample_mask = self.sample(i)
+            n = len(sample_ids)
+            ids[b, :n], attn[b, :n], loss[b, :n] = sample_ids, 1, sample_mask
+        return Batch(ids, attn, loss, torch.tensor(indices))
+
+    def fingerprint(self) -> str:
+        """A content hash of ids and masks, stored with checkpoints."""
+        h = hashlib.sha256()
+        for t in (self.offsets, self.input_ids, self.loss_mask):
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[list[int], list[int]]]) -> TokenizedDataset:
+        lengths = torch.tensor([0] + [len(ids) for ids, _ in samples], dtype=torch.int64)
+        return cls(
+            torch.tensor([t for ids, _ in samples for t in ids], dtype=torch.int32),
+            torch.tensor([m for _, mask in samples for m in mask], dtype=torch.uint8),
+            torch.cumsum(lengths, 0),
+        )
+
+
+# ----------------------------------------------------------------------------------- tokenization
+
+_worker: ChatTokenizer | None = None
+
+
+def _start_worker(chat: ChatTokenizer) -> None:
+    global _worker
+    _worker = chat
+
+
+def _tokenize_rows(rows: list[tuple[str, list[dict]]]) -> list[tuple[list[int], list[int]] | BadRow]:
+    """Runs in a worker process (or inline): one result or one BadRow per row, in order."""
+    out = []
+    for where, messages in rows:
+        try:
+            out.append(_worker(messages, where))
+        except BadRow as e:
+            out.append(e)
+    return out
+
+
+def _tokenize_all(chat: ChatTokenizer, rows: list, num_proc: int):
+    chunk = 256
+    chunks = [rows[i : i + chunk] for i in range(0, len(rows), chunk)]
+    if num_proc <= 1 or len(chunks) == 1:
+        _start_worker(chat)
+        for c in chunks:
+            yield from _tokenize_rows(c)
+        return
+    # spawn, not fork: the parent may hold torch threads and locks that a forked child would inherit
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        num_proc, mp_context=context, initializer=_start_worker, initargs=(chat,)
+    ) as pool:
+        for results in pool.map(_tokenize_rows, chunks):
+            yield from results
+
+
+def tokenize_dataset(
+    chat: ChatTokenizer, paths: list[str], settings: TokenizeSettings, num_proc: int = 1
+) -> tuple[TokenizedDataset, DataStats]:
+    """Tokenize every row, apply --overlength, and drop samples with < 2*block_size response tokens."""
+    stats = DataStats()
+    rows = read_conversations(paths, settings.skip_bad_rows, stats)
+    samples = []
+    for result in _tokenize_all(chat, rows, num_proc):
+        if isinstance(result, BadRow):
+            if not settings.skip_bad_rows:
+                raise result
+            stats.skip(result)
+            continue
+        ids, mask = result
+        if len(ids) > settings.max_seq_len:
+            if settings.overlength == "drop":
+                stats.overlength_dropped += 1
+                continue
+            ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
+            stats.truncated += 1
+        if sum(mask[1:]) < 2 * settings.block_size:  # position 0 is never a label
+            stats.too_short += 1
+            continue
+        samples.append((ids, mask))
+        stats.tokens += len(ids)
+        stats.response_tokens += sum(mask[1:])
+    stats.kept = len(samples)
+    if not samples:
+        raise ValueError(
+            f"--data {' '.join(paths)}: no sample is left with at least {2 * settings.block_size} response "
+            f"tokens within --max_seq_len {settings.max_seq_len} ({stats.summary()})"
+        )
+    return TokenizedDataset.from_samples(samples), stats
+
+
+# ---------------------------------------------------------------------------------------- caching
+
+
+def _hash_file(h, path: Path) -> None:
+    h.update(f"{path.name}:{path.stat().st_size}\n".encode())
+    with path.open("rb") as f:
+        h.update(hashlib.file_digest(f, "sha256").digest())
+
+
+def cache_key(chat: ChatTokenizer, tokenizer_dir: Path, paths: list[str], settings: TokenizeSettings) -> str:
+    """sha256 over the data files' bytes, the tokenizer files, the template and the settings."""
+    h = hashlib.sha256(f"dflash_ddp tokenized v{CACHE_VERSION}\n".encode())
+    for path in data_files(paths):
+        for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+            _hash_file(h, f)
+    for pattern in TOKENIZER_FILES:
+        for f in sorted(tokenizer_dir.glob(pattern)):
+            _hash_file(h, f)
+    h.update(chat.tokenizer.chat_template.encode())
+    chat_settings = {"template_kwargs": chat.template_kwargs, "last_turn_only": chat.last_turn_only}
+    h.update(json.dumps([asdict(settings), chat_settings], sort_keys=True).encode())
+    return h.hexdigest()[:20]
+
+
+def _write_cache(path: Path, data: TokenizedDataset, stats: DataStats) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tensors = {"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets}
+    save_file(tensors, tmp, metadata={"stats": json.dumps(asdict(stats))})
+    with tmp.open("rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_cache(path: Path) -> tuple[TokenizedDataset, DataStats]:
+    with safe_open(path, framework="pt") as f:
+        stats = DataStats(**json.loads(f.metadata()["stats"]))
+        data = TokenizedDataset(f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets"))
+    return data, stats
+
+
+def load_or_tokenize(
+    chat: ChatTokenizer,
+    tokenizer_dir: Path,
+    paths: list[str],
+    settings: TokenizeSettings,
+    cache_dir: Path,
+    num_proc: int = 1,
+    log=print,
+) -> tuple[TokenizedDataset, DataStats, bool]:
+    """The tokenized data from the cache, or tokenized now and cached. Returns (data, stats, from_cache)."""
+    key = cache_key(chat, tokenizer_dir, paths, settings)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"tokenized-{key}.safetensors"
+    with (cache_dir / f"tokenized-{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process of the job tokenizes; the others wait for its file
+        if path.is_file():
+            data, stats = _read_cache(path)
+            return data, stats, True
+        log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
+        start = time.perf_counter()
+        data, stats = tokenize_dataset(chat, paths, settings, num_proc)
+        _write_cache(path, data, stats)
+        log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
+    return data, stats, False

@@ -1,0 +1,140 @@
+"""Golden assistant masks: the exact text the loss covers, for a ChatML/Qwen3-style template (with and
+without thinking, with and without generation markers) and a Llama-3-style one, on local tokenizers."""
+
+from pathlib import Path
+
+import pytest
+from conftest import build_tokenizer
+from transformers import AutoTokenizer
+
+from dflash_ddp.chat_template import ChatTokenizer, load_chat_template
+from dflash_ddp.data import BadRow
+
+TEMPLATES = Path(__file__).parent / "templates"
+QWEN3 = (TEMPLATES / "qwen3_style.jinja").read_text()
+QWEN3_UNMARKED = QWEN3.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+LLAMA3 = (TEMPLATES / "llama3_style.jinja").read_text()
+
+QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def qwen3_tokenizer(template: str):
+    return build_tokenizer(None, QWEN3_SPECIALS, template, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def llama3_tokenizer():
+    return build_tokenizer(
+        None, LLAMA3_SPECIALS, LLAMA3, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
+
+
+def masked_spans(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
+    """The decoded runs of masked tokens, in order."""
+    runs, current = [], []
+    for token, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run) for run in runs]
+
+
+def spans(tokenizer, messages, **options) -> list[str]:
+    kwargs = options.pop("template_kwargs", {})
+    ids, mask = ChatTokenizer(tokenizer, kwargs, **options)(messages, "row 1")
+    assert (
+        ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
+    )
+    return masked_spans(tokenizer, ids, mask)
+
+
+SYSTEM = {"role": "system", "content": "be brief"}
+USER_1 = {"role": "user", "content": "what does the parser read"}
+USER_2 = {"role": "user", "content": "and the dog"}
+THINK_1 = {"role": "assistant", "content": "<think>\nthe file\n</think>\n\neach line of the file"}
+THINK_2 = {"role": "assistant", "content": "<think>\nlazy\n</think>\n\nthe lazy dog"}
+PLAIN_1 = {"role": "assistant", "content": "each line of the file"}
+PLAIN_2 = {"role": "assistant", "content": "the lazy dog"}
+
+
+@pytest.mark.parametrize("template", [QWEN3, QWEN3_UNMARKED], ids=["markers", "growing prefixes"])
+def test_qwen3_style_with_thinking(template):
+    tokenizer = qwen3_tokenizer(template)
+    multi_turn = [SYSTEM, USER_1, THINK_1, USER_2, THINK_2]
+    # the first answer lost its thinking block (it precedes the last user turn); the last one keeps it
+    assert spans(tokenizer, multi_turn) == [
+        "each line of the file<|im_end|>",
+        "<think>\nlazy\n</think>\n\nthe lazy dog<|im_end|>",
+    ]
+    assert spans(tokenizer, multi_turn, last_turn_only=True) == [
+        "<think>\nlazy\n</think>\n\nthe lazy dog<|im_end|>"
+    ]
+
+
+def test_qwen3_style_without_thinking():
+    off = {"template_kwargs": {"enable_thinking": False}}
+    messages = [USER_1, PLAIN_1, USER_2, PLAIN_2]
+    # growing prefixes: the empty thinking block belongs to the generation prompt, so it is not learned
+    assert spans(qwen3_tokenizer(QWEN3_UNMARKED), messages, **off) == [
+        "each line of the file<|im_end|>",
+        "the lazy dog<|im_end|>",
+    ]
+    # with markers the template's author decides: this one puts the empty block inside {% generation %}
+    assert spans(qwen3_tokenizer(QWEN3), messages, **off) == [
+        "each line of the file<|im_end|>",
+        "<think>\n\n</think>\n\nthe lazy dog<|im_end|>",
+    ]
+
+
+def test_llama3_style_without_generation_markers():
+    tokenizer = llama3_tokenizer()
+    messages = [SYSTEM, USER_1, PLAIN_1, USER_2, {"role": "assistant", "content": "  the lazy dog \n"}]
+    assert spans(tokenizer, messages) == ["each line of the file<|eot_id|>", "the lazy dog<|eot_id|>"]
+    assert spans(tokenizer, messages, last_turn_only=True) == ["the lazy dog<|eot_id|>"]
+
+
+def test_chatml_template_of_the_test_target(tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    assert spans(tokenizer, [SYSTEM, USER_1, PLAIN_1]) == ["each line of the file<|im_end|>"]
+
+
+def test_chat_template_file_replaces_the_tokenizers(tiny_target, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    load_chat_template(tokenizer, str(TEMPLATES / "qwen3_style.jinja"))
+    assert tokenizer.chat_template == QWEN3
+    with pytest.raises(ValueError, match="--chat_template .*nowhere.jinja: file not found"):
+        load_chat_template(tokenizer, str(tmp_path / "nowhere.jinja"))
+
+
+def test_tokenizer_without_chat_template_is_an_error(tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template.*--chat_template"):
+        load_chat_template(tokenizer, "")
+
+
+def test_a_template_that_marks_nothing_gives_an_all_zero_mask_error(tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% generation %}{% endgeneration %}{% endfor %}"
+    )
+    with pytest.raises(BadRow, match="data.jsonl:7: the loss mask is all zeros"):
+        ChatTokenizer(tokenizer, {})([USER_1, PLAIN_1], "data.jsonl:7")
+
+
+def test_a_conversation_the_template_refuses_names_the_row():
+    tokenizer = qwen3_tokenizer(
+        QWEN3_UNMARKED.replace(
+            "{%- set ns",
+            "{%- if messages[0].role == 'assistant' -%}{{ raise_exception('no user query') }}{%- endif -%}{%- set ns",
+            1,
+        )
+    )
+    with pytest.raises(
+        BadRow, match="data.jsonl:3: the chat template refuses this conversation: no user query"
+    ):
+        ChatTokenizer(tokenizer, {})([PLAIN_1, USER_1, PLAIN_2], "data.jsonl:3")

@@ -1,0 +1,139 @@
+"""The tokenized data set: filtering with counts, several processes, and a cache that is reused exactly
+when files, tokenizer, template and settings are unchanged."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import conversation
+from transformers import AutoTokenizer
+
+from dflash_ddp import dataset
+from dflash_ddp.chat_template import ChatTokenizer
+from dflash_ddp.dataset import TokenizeSettings, load_or_tokenize, tokenize_dataset
+
+SETTINGS = TokenizeSettings(max_seq_len=256, block_size=4)
+
+
+def chat(tokenizer_dir, **template_kwargs) -> ChatTokenizer:
+    return ChatTokenizer(AutoTokenizer.from_pretrained(tokenizer_dir), template_kwargs)
+
+
+def write_rows(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_samples_match_their_conversations_and_batches_pad_on_the_right(tiny_target, chat_data):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    data, stats = tokenize_dataset(chat(tiny_target), [str(chat_data)], SETTINGS)
+    assert len(data) == stats.kept == stats.rows == 48
+    ids, mask = data.sample(5)
+    expected = tokenizer.apply_chat_template(conversation(5)["messages"], tokenize=True, return_dict=True)
+    assert ids.tolist() == expected["input_ids"]
+    assert tokenizer.decode(ids[mask.bool()]) == conversation(5)["messages"][1]["content"] + "<|im_end|>"
+    batch = data.batch([5, 0], pad_id=0)
+    assert batch.input_ids.shape == (2, max(data.lengths[5], data.lengths[0]))
+    assert batch.sample_ids.tolist() == [5, 0] and batch.num_tokens == data.lengths[5] + data.lengths[0]
+    assert stats.tokens == sum(data.lengths) and stats.response_tokens == int(data.loss_mask.sum()) - sum(
+        int(data.sample(i)[1][0]) for i in range(len(data))
+    )
+
+
+def test_overlength_truncate_or_drop_and_too_short_samples_are_counted(tiny_target, chat_data):
+    lengths = tokenize_dataset(chat(tiny_target), [str(chat_data)], SETTINGS)[0].lengths
+    limit = sorted(lengths)[len(lengths) // 2]  # half the samples are longer
+    longer = sum(n > limit for n in lengths)
+    cut, cut_stats = tokenize_dataset(
+        chat(tiny_target), [str(chat_data)], TokenizeSettings(max_seq_len=limit, block_size=4)
+    )
+    assert cut_stats.truncated == longer and len(cut) == 48 and max(cut.lengths) == limit
+    kept, drop_stats = tokenize_dataset(
+        chat(tiny_target), [str(chat_data)], TokenizeSettings(limit, 4, overlength="drop")
+    )
+    assert drop_stats.overlength_dropped == longer and len(kept) == 48 - longer
+    assert max(kept.lengths) <= limit
+    # a block size so large that only the longest answers have 2 * block_size response tokens
+    full, _ = tokenize_dataset(chat(tiny_target), [str(chat_data)], SETTINGS)
+    responses = sorted(int(full.sample(i)[1][1:].sum()) for i in range(len(full)))
+    block_size = responses[len(responses) // 2] // 2 + 1
+    _, short_stats = tokenize_dataset(chat(tiny_target), [str(chat_data)], TokenizeSettings(256, block_size))
+    assert short_stats.too_short == sum(r < 2 * block_size for r in responses) > 0
+    assert short_stats.kept == 48 - short_stats.too_short
+    with pytest.raises(ValueError, match="no sample is left with at least 400 response tokens"):
+        tokenize_dataset(chat(tiny_target), [str(chat_data)], TokenizeSettings(256, 200))
+
+
+def test_several_processes_give_the_same_data(tiny_target, tmp_path):
+    rows = [conversation(i) for i in range(600)]
+    rows[300] = {"messages": [{"role": "user", "content": "no answer"}]}
+    path = write_rows(tmp_path / "many.jsonl", rows)
+    settings = TokenizeSettings(256, 4, skip_bad_rows=True)
+    one, one_stats = tokenize_dataset(chat(tiny_target), [str(path)], settings, num_proc=1)
+    two, two_stats = tokenize_dataset(chat(tiny_target), [str(path)], settings, num_proc=2)
+    assert one.fingerprint() == two.fingerprint() and one_stats == two_stats
+    assert one_stats.bad_rows == 1 and len(one) == 599
+
+
+def test_the_cache_is_reused_only_when_nothing_changed(tiny_target, chat_data, tmp_path, monkeypatch):
+    tokenizer_dir = tmp_path / "tokenizer"
+    shutil.copytree(tiny_target, tokenizer_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    data_file = tmp_path / "chat.jsonl"
+    shutil.copy(chat_data, data_file)
+    cache = tmp_path / "cache"
+
+    def load(settings=SETTINGS, **kwargs):
+        return load_or_tokenize(
+            chat(tokenizer_dir, **kwargs),
+            tokenizer_dir,
+            [str(data_file)],
+            settings,
+            cache,
+            log=lambda _: None,
+        )
+
+    first, stats, from_cache = load()
+    assert not from_cache
+    tokenize = dataset.tokenize_dataset
+    monkeypatch.setattr(dataset, "tokenize_dataset", lambda *a, **k: pytest.fail("tokenized again"))
+    again, again_stats, from_cache = load()
+    assert from_cache and again.fingerprint() == first.fingerprint() and again_stats == stats
+    assert torch.equal(again.offsets, first.offsets)
+    monkeypatch.setattr(dataset, "tokenize_dataset", tokenize)
+
+    assert not load(TokenizeSettings(max_seq_len=128, block_size=4))[2]  # a setting
+    assert not load(enable_thinking=False)[2]  # the template's arguments
+    config = tokenizer_dir / "tokenizer_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"model_max_length": 4096}))
+    assert not load()[2]  # the tokenizer's files
+    with data_file.open("a") as f:
+        f.write(json.dumps(conversation(100)) + "\n")
+    changed, _, from_cache = load()  # the data's content
+    assert not from_cache and len(changed) == len(first) + 1
+    assert load()[2]
+    assert not list(cache.glob("*.tmp*"))  # no half-written cache left behind
+
+
+CONCURRENT = """
+import sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from dflash_ddp.chat_template import ChatTokenizer
+from dflash_ddp.dataset import TokenizeSettings, load_or_tokenize
+target, data, cache = sys.argv[1:]
+chat = ChatTokenizer(AutoTokenizer.from_pretrained(target), {})
+data, stats, from_cache = load_or_tokenize(chat, Path(target), [data], TokenizeSettings(256, 4), Path(cache))
+print("FROM_CACHE" if from_cache else "TOKENIZED", data.fingerprint())
+"""
+
+
+def test_processes_of_one_job_tokenize_once(tiny_target, chat_data, tmp_path):
+    cmd = [sys.executable, "-c", CONCURRENT, str(tiny_target), str(chat_data), str(tmp_path / "cache")]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [p.communicate(timeout=120)[0].split("\n")[-2].split() for p in procs]
+    assert sorted(kind for kind, _ in outputs) == ["FROM_CACHE", "FROM_CACHE", "TOKENIZED"]
+    assert len({fingerprint for _, fingerprint in outputs}) == 1
