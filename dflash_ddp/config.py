@@ -184,7 +184,7 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
             raise ValueError
         return hint(value)
     except (ValueError, TypeError):
-        name = getattr(hint, "__name__", str(hint))
+        name = "a JSON object" if hint is dict else getattr(hint, "__name__", str(hint))
         raise ValueError(f"{where}: expected {name}, got {value!r}") from None
 
 

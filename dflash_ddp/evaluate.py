@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, DynamicCache
 
+from .chat_template import load_chat_template
 from .data import read_conversations
 from .export import load_drafter
 from .model import DFlashDraftConfig, DFlashDraftModel
@@ -261,18 +262,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_prompts(tokenizer, data_path: str | Path, num_prompts: int) -> list[tuple[str, list[int]]]:
+def load_prompts(
+    tokenizer, data_path: str | Path, num_prompts: int, template_kwargs: dict | None = None
+) -> list[tuple[str, list[int]]]:
     """The first `num_prompts` rows of a conversation file as (where, prompt ids): each conversation up to its
     last assistant turn, rendered with the tokenizer's chat template and the generation prompt."""
-    if not tokenizer.chat_template:
-        raise ValueError("the tokenizer of --target_model has no chat template")
     prompts = []
     for where, messages in read_conversations([str(data_path)])[:num_prompts]:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if last == 0:
             raise ValueError(f"{where}: nothing precedes the assistant turn, so there is no prompt")
         rendered = tokenizer.apply_chat_template(
-            messages[:last], add_generation_prompt=True, tokenize=True, return_dict=True
+            messages[:last],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(template_kwargs or {}),
         )
         prompts.append((where, list(rendered["input_ids"])))
     return prompts
@@ -304,8 +309,12 @@ def prepare_evaluation(
     data_path: str | Path,
     num_prompts: int,
     device: str,
+    chat_template: str = "",
+    template_kwargs: dict | None = None,
 ) -> EvalSetup:
-    """Load and cross-check target, tokenizer, drafter and prompts. Bad input raises ValueError."""
+    """Load and cross-check target, tokenizer, drafter and prompts. Bad input raises ValueError.
+
+    `chat_template` (a jinja file) and `template_kwargs` render the prompts as training rendered its data."""
     if num_prompts < 1:
         raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
     torch_device = resolve_device(device)
@@ -317,7 +326,8 @@ def prepare_evaluation(
         tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"--target_model {info.path}: cannot load its tokenizer ({e})") from None
-    prompts = load_prompts(tokenizer, data_path, num_prompts)
+    load_chat_template(tokenizer, chat_template)
+    prompts = load_prompts(tokenizer, data_path, num_prompts, template_kwargs)
     # fp32 on CPU (bf16 matmuls are slow there); bf16 on CUDA, as the target is served.
     dtype = torch.bfloat16 if torch_device.type == "cuda" else torch.float32
     target = load_causal_lm(info, torch_device, dtype)
@@ -421,6 +431,8 @@ def evaluate(
     num_prompts: int = 50,
     max_new_tokens: int = 128,
     device: str = "auto",
+    chat_template: str = "",
+    template_kwargs: dict | None = None,
 ) -> dict:
     """Real speculative decoding of the first `num_prompts` prompts of `data_path` with `drafter` (a model,
     which is not modified, or an exported directory) on the target in `target_dir`.
@@ -430,7 +442,9 @@ def evaluate(
     (plus `accept_histogram` for the first two); `mismatched` (method, prompt, first differing token index);
     `lossless` (every output equals greedy); and the settings used. Bad input raises ValueError.
     """
-    setup = prepare_evaluation(target_dir, drafter, data_path, num_prompts, device)
+    setup = prepare_evaluation(
+        target_dir, drafter, data_path, num_prompts, device, chat_template, template_kwargs
+    )
     return run_evaluation(setup, max_new_tokens)
 
 
@@ -490,6 +504,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"enable_thinking\": false}}', got {text!r}"
+        )
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 when every speculative output equals greedy, 1 on a mismatch, 2 on bad input."""
     parser = argparse.ArgumentParser(
@@ -503,10 +529,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num_prompts", type=_positive_int, default=50)
     parser.add_argument("--max_new_tokens", type=_positive_int, default=128)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--chat_template", default="", help="jinja file replacing the tokenizer's template")
+    parser.add_argument(
+        "--chat_template_kwargs", type=_json_object, default={}, help="e.g. '{\"enable_thinking\": false}'"
+    )
     parser.add_argument("--json", help="also write the report to this JSON file")
     args = parser.parse_args(argv)
     try:
-        setup = prepare_evaluation(args.target_model, args.drafter, args.data, args.num_prompts, args.device)
+        setup = prepare_evaluation(
+            args.target_model,
+            args.drafter,
+            args.data,
+            args.num_prompts,
+            args.device,
+            args.chat_template,
+            args.chat_template_kwargs,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

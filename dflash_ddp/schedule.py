@@ -11,23 +11,27 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+WINDOW_BATCHES = 1024  # length-sorting window, in batches of longest samples
+LENGTH_JITTER = 0.05  # sort keys are lengths times 1..1.05: ~2% padding buys new batch neighbours each epoch
+
 
 def epoch_batches(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int) -> list[list[int]]:
     """The global batches of one epoch, as lists of sample indices.
 
-    A seeded permutation, then buckets of similar length (sorting within windows of the permutation),
-    then greedy packing under the padded-token budget B * max_len <= tokens_per_batch, then a seeded
-    shuffle of the batches. A new epoch gives a new permutation, so batch composition changes too.
+    A seeded permutation, cut into windows; each window sorted by length (randomly jittered by up to 5%,
+    so that samples of similar length meet different neighbours every epoch even when the whole data set
+    is one window) and packed greedily under the padded-token budget B * max_len <= tokens_per_batch;
+    then a seeded shuffle of all batches. Every sample appears once per epoch.
     """
     rng = random.Random(f"dflash-batches:{seed}:{epoch}")
     order = list(range(len(lengths)))
     rng.shuffle(order)
-    window = 64 * max(1, tokens_per_batch // max(1, max(lengths)))
+    window = WINDOW_BATCHES * max(1, tokens_per_batch // max(1, max(lengths)))
     batches = []
     for start in range(0, len(order), window):
-        bucket = sorted(order[start : start + window], key=lambda i: (lengths[i], i))
+        keys = {i: lengths[i] * (1 + LENGTH_JITTER * rng.random()) for i in order[start : start + window]}
         current, longest = [], 0
-        for i in bucket:
+        for i in sorted(keys, key=lambda i: (keys[i], i)):
             longest_if_added = max(longest, lengths[i])
             if current and longest_if_added * (len(current) + 1) > tokens_per_batch:
                 batches.append(current)

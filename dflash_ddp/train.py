@@ -33,7 +33,7 @@ from .model import DFlashDraftConfig, DFlashDraftModel
 from .objective import peak_logits_bytes
 from .progress import TrainingMonitor
 from .resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state, load_weights
-from .schedule import BatchSchedule
+from .schedule import BatchSchedule, ScheduledBatch
 from .signals import GracefulStop
 from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspect_target
 from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
@@ -275,6 +275,17 @@ def restore(run: Run, trainer: DrafterTrainer, rank: int) -> int:
     return int(load_trainer_state(path)["tokens_seen"])
 
 
+def check_batch(message: Message, item: ScheduledBatch, rank: int) -> Message:
+    """Lockstep safety: the batch that arrived must be the one this rank's schedule says comes next."""
+    if message.g != item.g or message.batch.sample_ids.tolist() != item.members:
+        raise ChannelError(
+            f"drafter rank {rank}: expected global batch {item.g} with samples {item.members[:8]}..., got batch "
+            f"{message.g} with samples {message.batch.sample_ids.tolist()[:8]}... from rank {message.source}: "
+            "the ranks disagree about the data (different --data files or settings per rank?)"
+        )
+    return message
+
+
 def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
     """The drafter's loop: take A micro-batches, one optimizer step, log and save on the leader.
 
@@ -308,9 +319,17 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
         }
 
     window = mark()
+    expected = (
+        item
+        for item in schedule.batches(run.first_batch, run.end_batch)
+        if topo.drafter_of(item.g) == topo.rank
+    )
     try:
         for step in range(run.start_step + 1, schedule.total_steps + 1):
-            messages = [source.get() for _ in range(cfg.gradient_accumulation_steps)]
+            messages = [
+                check_batch(source.get(), next(expected), topo.rank)
+                for _ in range(cfg.gradient_accumulation_steps)
+            ]
             if not topo.colocated:
                 senders.update({m.source: (m.sender_wait_s, m.sender_inflight) for m in messages})
             step_start = time.perf_counter()
@@ -478,6 +497,8 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
         num_prompts=cfg.eval_prompts,
         max_new_tokens=cfg.eval_max_new_tokens,
         device=str(device),
+        chat_template=cfg.chat_template,
+        template_kwargs=cfg.chat_template_kwargs,
     )
     print_report(report)
     (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -22,3 +22,29 @@ def test_each_epoch_reshuffles_and_is_reproducible():
     assert first != second
     assert sorted(i for b in first for i in b) == list(range(len(LENGTHS)))  # every sample once per epoch
     assert all(max(LENGTHS[i] for i in b) * len(b) <= 1200 for b in first)  # the padded-token budget holds
+
+
+def test_no_two_epochs_repeat_their_batches():
+    epochs = [epoch_batches(LENGTHS, 1200, 5, e) for e in range(8)]
+    compositions = [{tuple(sorted(b)) for b in batches} for batches in epochs]
+    for e in range(1, 8):
+        assert epochs[e] != epochs[e - 1]
+        # the data set fits in one length-sorting window: the random first cut still moves the boundaries
+        recurring = len(compositions[e] & compositions[e - 1]) / len(compositions[e])
+        assert recurring < 0.2, f"epoch {e}: {recurring:.0%} of its batches also appear in epoch {e - 1}"
+
+
+def test_padding_efficiency_on_a_chat_like_length_mix():
+    rng = random.Random(0)
+    lengths = [min(3072, max(32, int(rng.lognormvariate(6.4, 0.8)))) for _ in range(50_000)]
+    batches = epoch_batches(lengths, 32768, 0, 0)
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    assert sum(lengths) / padded >= 0.95
+
+
+def test_the_batch_list_does_not_depend_on_how_many_target_ranks_compute_it():
+    schedule = BatchSchedule(LENGTHS, tokens_per_batch=1200, seed=5, batches_per_step=2, total_steps=40)
+    reference = [(b.g, b.members) for b in schedule]
+    for targets in (1, 2, 3):  # each target rank takes g mod T; together they compute every batch once
+        per_rank = [[(b.g, b.members) for b in schedule if b.g % targets == r] for r in range(targets)]
+        assert sorted(x for rank in per_rank for x in rank) == reference
