@@ -38,6 +38,12 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--max_steps", "0"], "--max_steps 0"),
         (["--tokens_per_batch", "100"], "smaller than --max_seq_len"),
         (["--attention", "fast"], "--attention fast"),
+        (["--overlength", "cut"], "--overlength cut: choose truncate or drop"),
+        (
+            ["--chat_template_kwargs", "enable_thinking=false"],
+            "--chat_template_kwargs: expected a JSON object",
+        ),
+        (["--num_proc", "0"], "--num_proc 0: must be a positive integer"),
         (["stray"], "unexpected argument 'stray'"),
     ],
 )
@@ -56,3 +62,13 @@ def test_yaml_errors_name_the_file_and_key(tmp_path):
         parse_config(["--config", str(path)])
     with pytest.raises(ValueError, match="file not found"):
         parse_config(["--config", str(tmp_path / "nope.yaml")])
+
+
+def test_template_arguments_from_the_command_line_and_yaml(tmp_path):
+    config, _ = parse_config(
+        ["--target_model", "t", "--data", "d", "--chat_template_kwargs", '{"enable_thinking": false}']
+    )
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    path = tmp_path / "c.yaml"
+    path.write_text("target_model: t\ndata: [d]\nchat_template_kwargs: {enable_thinking: true}\n")
+    assert parse_config(["--config", str(path)])[0].chat_template_kwargs == {"enable_thinking": True}

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,26 @@ def test_skip_bad_rows_through_the_cli(tiny_target, chat_data, tmp_path, capsys)
     assert main(base_args(tiny_target, data, out) + ["--max_steps", "2", "--skip_bad_rows"]) == 0
     stats = json.loads((out / "data_stats.json").read_text())
     assert stats["rows"] == 50 and stats["bad_rows"] == 2 and stats["kept"] == 48
+
+
+def test_data_settings_through_the_cli_and_the_tokenization_cache(tiny_target, chat_data, tmp_path, capsys):
+    template = Path(__file__).parent / "templates" / "qwen3_style.jinja"
+    flags = [
+        "--max_steps", "1",
+        "--chat_template", str(template),
+        "--chat_template_kwargs", '{"enable_thinking": false}',
+        "--max_seq_len", "228",
+        "--overlength", "drop",
+        "--cache_dir", str(tmp_path / "cache"),
+        "--num_proc", "2",
+    ]  # fmt: skip
+    assert main(base_args(tiny_target, chat_data, tmp_path / "a") + flags) == 0
+    stats = json.loads((tmp_path / "a" / "data_stats.json").read_text())
+    assert 0 < stats["overlength_dropped"] < 48 and stats["truncated"] == 0
+    assert stats["kept"] + stats["overlength_dropped"] + stats["too_short"] == 48
+    first = capsys.readouterr().out
+    assert "tokenizing" in first and f"{stats['overlength_dropped']} dropped for --max_seq_len" in first
+    # another run with the same data and settings reads the cache; the counts come with it
+    assert main(base_args(tiny_target, chat_data, tmp_path / "b") + flags) == 0
+    assert "tokenizing" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "b" / "data_stats.json").read_text()) == stats
