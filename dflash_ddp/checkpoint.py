@@ -35,7 +35,8 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -43,7 +44,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -133,11 +135,11 @@ def write_checkpoint(
             shutil.rmtree(stale)
         else:
             os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         latest_tmp = root / f".latest-{os.getpid()}"
         latest_tmp.write_text(final.name + "\n")
         os.replace(latest_tmp, root / "latest")
-        _fsync_dir(root)
+        fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise SaveError(
@@ -218,11 +220,11 @@ def write_manifest(directory: Path, step: int) -> None:
     for p in files:
         with p.open("rb") as f:
             os.fsync(f.fileno())
-    manifest = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in files}
+    manifest = {p.name: {"sha256": file_sha256(p), "size": p.stat().st_size} for p in files}
     _write_json(directory / MANIFEST, {"step": step, "files": manifest})
     with (directory / MANIFEST).open("rb") as f:
         os.fsync(f.fileno())
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _rotate(root: Path, keep: int, protect: set[str]) -> None:
@@ -251,7 +253,7 @@ def verify_checkpoint(path: str | Path) -> list[str]:
             problems.append(f"{p}: missing")
         elif p.stat().st_size != meta["size"]:
             problems.append(f"{p}: size {p.stat().st_size}, manifest says {meta['size']}")
-        elif _sha256(p) != meta["sha256"]:
+        elif file_sha256(p) != meta["sha256"]:
             problems.append(f"{p}: sha256 does not match the manifest")
     return problems
 

@@ -504,7 +504,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """argparse type of --chat_template_kwargs: a JSON object, or a usage error showing one."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -531,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--chat_template", default="", help="jinja file replacing the tokenizer's template")
     parser.add_argument(
-        "--chat_template_kwargs", type=_json_object, default={}, help="e.g. '{\"enable_thinking\": false}'"
+        "--chat_template_kwargs", type=json_object, default={}, help="e.g. '{\"enable_thinking\": false}'"
     )
     parser.add_argument("--json", help="also write the report to this JSON file")
     args = parser.parse_args(argv)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 # A job small enough for a 2-core CI machine: one drafter layer, short sequences, small batches.
 SMALL_JOB = {
@@ -25,3 +31,31 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
     """`torchrun --nproc-per-node N` on this machine (standalone rendezvous unless --nnodes is given)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra]
     return cmd if any(e.startswith("--nnodes") for e in extra) else [*cmd, "--standalone"]
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        return ") Z " not in Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def kill_job(job: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGKILL a torchrun job started with start_new_session=True: the agent and every worker.
+
+    torchrun (2.13) starts each worker in a session of its own, so killing the agent's process group
+    leaves the workers running until their connections break; kill each one and wait until it is gone."""
+    workers = [
+        int(p)
+        for p in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+    ]
+    for pid in [job.pid, *workers]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.time() + timeout
+    for pid in workers:
+        while _running(pid):
+            assert time.time() < deadline, f"worker {pid} survived SIGKILL"
+            time.sleep(0.01)

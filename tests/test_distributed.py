@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from dflash_ddp.topology import Topology
 
-from helpers import torchrun_cmd, train_flags
+from helpers import kill_job, torchrun_cmd, train_flags
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -166,7 +166,7 @@ def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, cha
         assert time.time() - killed_at < 60
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            kill_job(job)
     assert job.returncode != 0
     assert "rank 1" in output or "rank: 1" in output, output[-3000:]
     leftovers = [

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from helpers import torchrun_cmd, train_flags
+from helpers import kill_job, torchrun_cmd, train_flags
 
 STEPS = 24
 
@@ -71,8 +71,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_target, chat_data, tmp_path, 
         stderr=subprocess.DEVNULL,
     )
     wait_for_checkpoint(out, 8, job)
-    os.killpg(job.pid, signal.SIGKILL)  # every process of the job, without warning
-    job.wait()
+    kill_job(job)  # every process of the job, without warning
     assert not (out / "checkpoints" / f"step-{STEPS:08d}").exists()
     result = subprocess.run(
         torchrun(4, train_args(tiny_target, chat_data, out)), capture_output=True, text=True
@@ -161,8 +160,7 @@ def test_fewer_drafter_ranks_keep_the_global_batch(tiny_target, chat_data, tmp_p
         stderr=subprocess.DEVNULL,
     )
     wait_for_checkpoint(out, 4, job)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait()
+    kill_job(job)
     result = subprocess.run(
         torchrun(2, train_args(tiny_target, chat_data, out, **args)), capture_output=True, text=True
     )

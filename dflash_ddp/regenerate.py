@@ -1,0 +1,568 @@
+"""Regenerate the assistant turns of chat data with the frozen target (the DFlash paper trains on these).
+
+    python -m dflash_ddp.regenerate --target_model DIR --data IN.jsonl [IN2 ...] --out OUT.jsonl
+    torchrun --nproc-per-node 8 -m dflash_ddp.regenerate --target_model DIR --data IN.jsonl --out OUT.jsonl
+
+Each row keeps its system and user turns. Every assistant turn is replaced by what the target generates
+given the conversation before it (earlier turns already regenerated), and a row that ends with a user turn
+gets one generated assistant turn appended. Multi-turn rows go in rounds: round j generates the j-th
+assistant turn of every row of the batch that has one.
+
+Determinism and resume contract:
+- Global batch k is rows [k*B, (k+1)*B) in input order (rows skipped by --skip_bad_rows do not count);
+  rank r of W (torchrun's RANK/WORLD_SIZE; no process group is created) does batches k = r, r+W, ...
+  The RNG is seeded from (seed, k) before each batch, so a row's answer depends on the data, the target,
+  the settings and B, not on the number of processes or on what ran before.
+- Finished rows are appended as JSON lines {"row", "messages", "hit_max_new_tokens", "new_tokens"} to
+  OUT.parts/rank{r}-of-{W}.jsonl, flushed and fsynced after each batch. A restart, with any number of
+  processes, reads every part file, ignores a last line cut short by a kill, and skips finished rows; a
+  batch finished only in part is recomputed whole (same rows, same seed) and only its missing rows are written.
+- OUT.parts/settings.json records the data (size + sha256 of each file), the target, the chat template and
+  every generation setting; a run with other ones is refused, never mixed in.
+- The process that finds every row finished writes OUT atomically (temporary file, fsync, rename), rows in
+  input order, each once, as {"messages": [...]}, then removes OUT.parts. Rows with an empty generated
+  answer are left out and counted: the trainer refuses empty assistant turns.
+- OUT.lock (an flock, removed at the end) makes the start-up checks and the merge of the ranks run one at a
+  time. Run one job per OUT at a time (each rank holds an flock on its own part file, so a second job of
+  the same size stops with an error).
+- OUT existing without OUT.parts is a finished run: running again says so and exits 0 without comparing
+  settings (there is nothing left to compare against); delete OUT or pick another --out to regenerate.
+
+Sampling settings come from the flags only (greedy unless --temperature > 0): the target's
+generation_config contributes its EOS ids, never its recommended temperature or penalties, so that
+settings.json describes the output completely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from jinja2 import TemplateError
+from transformers import AutoTokenizer, GenerationConfig
+from transformers import logging as hf_logging
+
+from .chat_template import load_chat_template
+from .checkpoint import file_sha256, fsync_dir
+from .data import BadRow, DataStats, data_files, read_conversations
+from .evaluate import eos_token_ids, json_object, resolve_device
+from .target import TargetInfo, inspect_target, load_causal_lm
+from .topology import env_world
+
+PROGRESS_EVERY_S = 30.0
+
+
+@dataclass
+class RegenerateConfig:
+    """Every setting of a regeneration run; the ones that change the output go into settings.json."""
+
+    target_model: str
+    data: list[str]
+    out: str
+    batch_size: int = 16
+    max_new_tokens: int = 1024
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off; sampling only
+    top_k: int = 0  # 0 = off; sampling only
+    seed: int = 0
+    chat_template: str = ""  # a jinja file replacing the tokenizer's template
+    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": false}
+    skip_bad_rows: bool = False
+    device: str = "auto"
+
+    def validate(self) -> None:
+        """Reject impossible settings with the flag name and what to pass instead."""
+        for name in ("batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)}: must be a positive integer")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"--top_k {self.top_k}: must be >= 0 (0 = off)")
+        if self.temperature == 0 and (self.top_p < 1 or self.top_k > 0):
+            raise ValueError("--top_p / --top_k only apply when sampling: also pass --temperature > 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
+        out = Path(self.out).resolve()
+        if out in {p.resolve() for p in data_files(self.data)}:
+            raise ValueError(f"--out {self.out} is one of the --data files: pick another output path")
+        if out.is_dir():
+            raise ValueError(f"--out {self.out} is a directory: give a file path such as OUT.jsonl")
+
+
+def parse_args(argv: list[str] | None) -> RegenerateConfig:
+    """The command line as a validated config; bad flags exit 2 with argparse's message."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_ddp.regenerate",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("--target_model", required=True, help="local Hugging Face model directory")
+    parser.add_argument(
+        "--data", required=True, nargs="+", help="jsonl/json/parquet files, globs, save_to_disk dirs"
+    )
+    parser.add_argument("--out", required=True, help="output jsonl, one {'messages': [...]} per row")
+    defaults = RegenerateConfig("", [], "")
+    for name, kind, text in (
+        ("batch_size", int, "rows per generate call (rows of a batch share a seed)"),
+        ("max_new_tokens", int, "per generated turn"),
+        ("temperature", float, "0 = greedy, > 0 samples"),
+        ("top_p", float, "nucleus sampling, 1 = off (needs --temperature > 0)"),
+        ("top_k", int, "top-k sampling, 0 = off (needs --temperature > 0)"),
+        ("seed", int, "batch k is seeded from (seed, k)"),
+        ("chat_template", str, "jinja file replacing the tokenizer's chat template"),
+        ("device", str, "auto | cpu | cuda (cuda:LOCAL_RANK in bf16; the CPU runs fp32)"),
+    ):
+        default = getattr(defaults, name)
+        parser.add_argument(
+            f"--{name}",
+            type=kind,
+            default=default,
+            help=f"{text}; default {default}" if default != "" else text,
+        )
+    parser.add_argument(
+        "--chat_template_kwargs",
+        type=json_object,
+        default={},
+        help="JSON object for the template, e.g. '{\"enable_thinking\": false}'",
+    )
+    parser.add_argument("--skip_bad_rows", action="store_true", help="skip and count unusable rows")
+    config = RegenerateConfig(**vars(parser.parse_args(argv)))
+    config.validate()
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rows: which turns are generated
+
+
+@dataclass
+class Row:
+    """One input conversation and the positions of the assistant turns to generate, in order."""
+
+    index: int
+    where: str
+    messages: list[dict]
+    targets: list[int]  # message positions; len(messages) means "append a turn"
+
+
+def plan_row(index: int, where: str, messages: list[dict]) -> Row:
+    """Every assistant turn is regenerated; a trailing user turn gets a reply. BadRow if nothing is left."""
+    targets = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if messages[-1]["role"] == "user":
+        targets.append(len(messages))
+    if not targets:
+        raise BadRow(
+            f"{where}: nothing to generate (no assistant turn, and the last turn is not a user turn)"
+        )
+    if targets[0] == 0:
+        raise BadRow(f"{where}: turn 0 is an assistant turn, so there is no prompt to answer")
+    return Row(index, where, messages, targets)
+
+
+def load_rows(cfg: RegenerateConfig) -> tuple[list[Row], DataStats]:
+    """The input rows in order, numbered after bad rows are skipped (so the numbers are stable per input)."""
+    stats = DataStats()
+    conversations = read_conversations(cfg.data, cfg.skip_bad_rows, stats, require_assistant=False)
+    rows = []
+    for where, messages in conversations:
+        try:
+            rows.append(plan_row(len(rows), where, messages))
+        except BadRow as e:
+            if not cfg.skip_bad_rows:
+                raise
+            stats.skip(e)
+    if not rows:
+        raise ValueError(f"--data {cfg.data}: no row has anything to generate")
+    stats.kept = len(rows)
+    return rows, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation
+
+
+@dataclass
+class Answer:
+    text: str
+    new_tokens: int  # generated tokens, EOS included
+    hit_max_new_tokens: bool  # stopped by --max_new_tokens before any EOS
+
+
+class TargetGenerator:
+    """The target and its tokenizer: chat-template rendering and batched, left-padded `generate`."""
+
+    def __init__(self, model, tokenizer, cfg: RegenerateConfig):
+        self.model, self.tokenizer = model, tokenizer
+        self.template_kwargs = cfg.chat_template_kwargs
+        self.eos = set(eos_token_ids(tokenizer, model))
+        if not self.eos:
+            raise ValueError(
+                f"--target_model {cfg.target_model}: neither the tokenizer nor generation_config has an EOS"
+            )
+        # Pad positions are masked out, so any id works; the tokenizer's pad id keeps the batch readable.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos)
+        # A fresh generation config: the model's own (recommended temperature, repetition penalty...) would
+        # silently fill every setting not given here and make the output depend on more than settings.json.
+        model.generation_config = GenerationConfig()
+        self.kwargs = {
+            "max_new_tokens": cfg.max_new_tokens,
+            "do_sample": cfg.temperature > 0,
+            "eos_token_id": sorted(self.eos),
+            "pad_token_id": self.pad_id,
+        }
+        if cfg.temperature > 0:
+            self.kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+
+    def prompt_ids(self, row: Row, messages: list[dict]) -> list[int]:
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.template_kwargs
+            )
+        # e.g. a template's raise_exception on a role order it does not accept
+        except (TemplateError, ValueError) as e:
+            raise ValueError(f"{row.where}: the chat template failed on this conversation ({e})") from None
+        return list(rendered["input_ids"])
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list[list[int]]) -> list[Answer]:
+        longest = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for b, prompt in enumerate(prompts):  # left padding: every row's next token is at the same column
+            ids[b, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[b, longest - len(prompt) :] = 1
+        device = self.model.device
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **self.kwargs)
+        answers = []
+        for generated in out[:, longest:].tolist():
+            end = next((i for i, t in enumerate(generated) if t in self.eos), None)
+            tokens = generated if end is None else generated[:end]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            # Without an EOS the row never finished, so `generated` has no padding and is max_new_tokens long.
+            answers.append(Answer(text, len(generated) if end is None else end + 1, end is None))
+        return answers
+
+
+def batch_seed(seed: int, batch: int) -> int:
+    """The RNG seed of global batch `batch`: a hash, so that neighbouring batches get unrelated streams."""
+    digest = hashlib.sha256(f"dflash-regenerate:{seed}:{batch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def regenerate_batch(generate: TargetGenerator, rows: list[Row], seed: int) -> list[dict]:
+    """The finished records of `rows` (one global batch), round by round; seeded first, so recomputing a
+    batch gives the same answers whatever ran before."""
+    torch.manual_seed(seed)
+    messages = [[dict(m) for m in row.messages] for row in rows]
+    hit, new_tokens = [False] * len(rows), [0] * len(rows)
+    for j in range(max(len(row.targets) for row in rows)):
+        active = [b for b, row in enumerate(rows) if j < len(row.targets)]
+        prompts = [generate.prompt_ids(rows[b], messages[b][: rows[b].targets[j]]) for b in active]
+        for b, answer in zip(active, generate(prompts), strict=True):
+            position, turn = rows[b].targets[j], {"role": "assistant", "content": answer.text}
+            if position == len(messages[b]):
+                messages[b].append(turn)
+            else:
+                messages[b][position] = turn
+            hit[b] |= answer.hit_max_new_tokens
+            new_tokens[b] += answer.new_tokens
+    return [
+        {"row": row.index, "messages": messages[b], "hit_max_new_tokens": hit[b], "new_tokens": new_tokens[b]}
+        for b, row in enumerate(rows)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the parts directory: settings, per-rank part files, merge
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive flock on `path` (created if missing): start-up and merge of all ranks run one at a time."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def run_settings(cfg: RegenerateConfig, tokenizer, dtype: torch.dtype, num_rows: int) -> dict:
+    """What decides the output: a parts directory started with other values must not be continued."""
+    data = [  # a save_to_disk directory counts as its files
+        {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
+        for path in data_files(cfg.data)
+        for f in (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    ]
+    return {
+        "data": data,
+        "skip_bad_rows": cfg.skip_bad_rows,
+        "num_rows": num_rows,
+        "target_model": str(Path(cfg.target_model).resolve()),
+        "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+        "chat_template_kwargs": cfg.chat_template_kwargs,
+        "dtype": str(dtype).removeprefix("torch."),
+        **{
+            name: getattr(cfg, name)
+            for name in ("batch_size", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+        },
+    }
+
+
+def start_parts(out: Path, parts: Path, settings: dict) -> bool:
+    """Create OUT.parts with settings.json, or check an existing one. Returns False when the run already
+    finished (OUT exists and OUT.parts does not). Called under the lock."""
+    if not parts.is_dir():
+        if out.exists():
+            return False
+        # Built under a temporary name and renamed: OUT.parts never exists without its settings.
+        tmp = parts.with_name(parts.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        with (tmp / "settings.json").open("w") as f:
+            f.write(json.dumps(settings, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, parts)
+        fsync_dir(parts.parent)
+        return True
+    old = json.loads((parts / "settings.json").read_text())
+    changed = [
+        f"{key}: {old.get(key)!r} -> {settings.get(key)!r}"
+        for key in sorted(set(old) | set(settings))
+        if old.get(key) != settings.get(key)
+    ]
+    if changed:
+        raise ValueError(
+            f"{parts} was started with other settings (started -> now): "
+            + "; ".join(changed)
+            + f". Run with the same settings to continue, or delete {parts} to start over."
+        )
+    return True
+
+
+class PartWriter:
+    """This rank's part file, held under an exclusive flock for the life of the process (two jobs writing
+    the same OUT would interleave rows); the released lock of a killed process is free again at once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = path.open("ab+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"{path} is being written by another process: one job per --out at a time"
+            ) from None
+        # A kill mid-write leaves a line without its newline: drop it before appending after it.
+        self.file.seek(0)
+        content = self.file.read()
+        os.ftruncate(self.file.fileno(), content.rfind(b"\n") + 1)
+
+    def write(self, records: list[dict]) -> None:
+        """Append finished rows and make them durable before they count as done."""
+        self.file.write(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()  # releases the flock
+
+
+def index_parts(parts: Path, num_rows: int) -> dict[int, tuple[Path, int]]:
+    """Finished rows -> (part file, byte offset of its line), over every part file of any world size.
+
+    Only newline-terminated lines count: the cut-off line of a killed writer is ignored (and dropped by that
+    rank's next PartWriter). A row found twice keeps its first line."""
+    index: dict[int, tuple[Path, int]] = {}
+    for path in sorted(parts.glob("rank*-of-*.jsonl")):
+        offset = 0
+        with path.open("rb") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    row = json.loads(line)["row"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(
+                        f"{path}:{line_no}: not a regenerated row; the parts directory is damaged"
+                    ) from None
+                if not (isinstance(row, int) and 0 <= row < num_rows):
+                    raise ValueError(f"{path}:{line_no}: row {row!r} is outside 0..{num_rows - 1}")
+                index.setdefault(row, (path, offset))
+                offset += len(line)
+    return index
+
+
+@dataclass
+class Summary:
+    rows: int = 0
+    written: int = 0
+    empty: int = 0  # rows left out: a generated answer was empty
+    turns: int = 0
+    hit_max_new_tokens: int = 0
+    new_tokens: int = 0
+
+
+def merge(out: Path, parts: Path, num_rows: int) -> Summary | None:
+    """Write OUT from the part files when every row is finished, then remove OUT.parts. Called under the
+    lock; None when rows are still missing (another rank is at work, or one died: run again)."""
+    index = index_parts(parts, num_rows)
+    if len(index) < num_rows:
+        return None
+    summary = Summary(rows=num_rows)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as dst:
+        files = {}
+        # Rows in input order, each read back at its offset: the whole data set need not fit in memory.
+        for row in range(num_rows):
+            path, offset = index[row]
+            src = files.get(path) or files.setdefault(path, path.open("rb"))
+            src.seek(offset)
+            record = json.loads(src.readline())
+            generated = [m for m in record["messages"] if m["role"] == "assistant"]
+            summary.turns += len(generated)
+            summary.hit_max_new_tokens += record["hit_max_new_tokens"]
+            summary.new_tokens += record["new_tokens"]
+            if not all(m["content"] for m in generated):
+                summary.empty += 1
+                continue
+            dst.write(json.dumps({"messages": record["messages"]}, ensure_ascii=False) + "\n")
+            summary.written += 1
+        for src in files.values():
+            src.close()
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(parts)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run
+
+
+def load_tokenizer(info: TargetInfo, chat_template: str):
+    """The target's tokenizer with --chat_template applied; an error when it ends up without a template."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--target_model {info.path}: cannot load its tokenizer ({e})") from None
+    load_chat_template(tokenizer, chat_template)
+    return tokenizer
+
+
+def pick_device(name: str, local_rank: int) -> tuple[torch.device, torch.dtype]:
+    """cuda:LOCAL_RANK in bf16 (as the target is served), else the CPU in fp32 (bf16 matmuls are slow there)."""
+    device = resolve_device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, torch.bfloat16
+    return device, torch.float32
+
+
+def say_finished(out: Path, parts: Path, rank: int) -> None:
+    if rank == 0:
+        print(f"{out} already exists and no run is in progress ({parts.name}/ is absent): nothing to do")
+
+
+def regenerate(cfg: RegenerateConfig) -> Summary | None:
+    """Run this rank's share of the batches, then merge if every row is finished. Returns the summary on
+    the process that merged; None elsewhere. Bad input raises ValueError."""
+    rank, world, local_rank = env_world()
+    out = Path(cfg.out)
+    parts, lock = out.with_name(out.name + ".parts"), out.with_name(out.name + ".lock")
+    if out.exists() and not parts.is_dir():  # a finished run: say so before reading data or weights
+        say_finished(out, parts, rank)
+        return None
+    rows, stats = load_rows(cfg)
+    info = inspect_target(cfg.target_model)
+    tokenizer = load_tokenizer(info, cfg.chat_template)
+    device, dtype = pick_device(cfg.device, local_rank)
+    settings = run_settings(cfg, tokenizer, dtype, len(rows))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with locked(lock):
+        if not start_parts(out, parts, settings):  # another rank merged since the check above
+            lock.unlink(missing_ok=True)  # see the merge below
+            say_finished(out, parts, rank)
+            return None
+        writer = PartWriter(parts / f"rank{rank}-of-{world}.jsonl")
+        done = set(index_parts(parts, len(rows)))
+    if rank != 0:
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar per job, not one per rank
+    generate = TargetGenerator(load_causal_lm(info, device, dtype), tokenizer, cfg)
+    num_batches = -(-len(rows) // cfg.batch_size)
+    if rank == 0:
+        print(
+            f"regenerating {len(rows)} rows ({stats.bad_rows} bad rows skipped, {len(done)} already done) "
+            f"in {num_batches} batches of {cfg.batch_size} on {world} process(es), {device} {dtype}"
+        )
+    generated_rows = generated_tokens = 0
+    start = last_report = time.perf_counter()
+    for k in range(rank, num_batches, world):
+        batch = rows[k * cfg.batch_size : (k + 1) * cfg.batch_size]
+        if all(row.index in done for row in batch):
+            continue
+        records = regenerate_batch(generate, batch, batch_seed(cfg.seed, k))
+        # A batch cut short by a kill was recomputed whole; its rows already on disk are not written again.
+        records = [r for r in records if r["row"] not in done]
+        writer.write(records)
+        generated_rows += len(records)
+        generated_tokens += sum(r["new_tokens"] for r in records)
+        if rank == 0 and time.perf_counter() - last_report > PROGRESS_EVERY_S:
+            last_report = time.perf_counter()
+            print(
+                f"rank 0: batch {k + 1}/{num_batches}, {generated_tokens / (last_report - start):.0f} tokens/s"
+            )
+    writer.close()
+    seconds = time.perf_counter() - start
+    rate = (
+        f"{generated_rows} rows, {generated_tokens} tokens in {seconds:.1f} s "
+        f"({generated_tokens / max(seconds, 1e-9):.0f} tokens/s)"
+    )
+    with locked(lock):
+        summary = merge(out, parts, len(rows)) if parts.is_dir() else None
+        if summary is not None:
+            # Removed while held: a process waiting on it, or creating it anew, finds OUT finished and only reads.
+            lock.unlink()
+    if summary is None:
+        print(
+            f"rank {rank}: {rate}; other ranks' rows are not all finished, the last rank to finish writes {out}"
+        )
+        return None
+    print(
+        f"wrote {out}: {summary.written} of {summary.rows} rows ({summary.empty} left out for an empty answer), "
+        f"{summary.turns} generated turns, {summary.hit_max_new_tokens} rows hit --max_new_tokens "
+        f"({cfg.max_new_tokens}), {summary.new_tokens} tokens in all; this process: {rate}"
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: 0 when done (or nothing left to do), 2 on bad input or settings, 1 when the disk fails."""
+    rank, world, _ = env_world()
+    where = "" if world == 1 else f" (rank {rank})"
+    try:
+        regenerate(parse_args(argv))
+    except ValueError as e:
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error{where}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""`python -m dflash_ddp.regenerate`: prompts kept, assistant turns regenerated round by round, batches
+seeded by their index, and a resume after SIGKILL (with another world size) that gives the uninterrupted
+output, every row exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ddp import regenerate as rg
+from dflash_ddp.target import inspect_target, load_causal_lm
+
+from helpers import kill_job, torchrun_cmd
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch on one thread, like torchrun's workers: outputs are compared bit for bit across processes, and
+    a CPU matmul need not round alike on another number of threads. (The tiny target gains nothing from a
+    second thread, which on a busy 2-core machine mostly waits.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def flags(target, data, out, **settings) -> list[str]:
+    merged = {"target_model": target, "data": data, "out": out, "max_new_tokens": 8, **settings}
+    return [x for key, value in merged.items() for x in (f"--{key}", str(value))]
+
+
+def run(target, data, out, **settings) -> list[dict]:
+    """One in-process run (world size 1); the rows of OUT."""
+    assert rg.main(flags(target, data, out, **settings)) == 0
+    return read_rows(out)
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def first_rows(src: Path, dst: Path, n: int) -> Path:
+    dst.write_text("".join(src.read_text().splitlines(keepends=True)[:n]))
+    return dst
+
+
+def finished_rows(parts: Path) -> list[int]:
+    """Row indices of every complete line of every part file (a cut-off last line does not count)."""
+    rows = []
+    for path in sorted(parts.glob("rank*-of-*.jsonl")):
+        rows += [json.loads(line)["row"] for line in path.read_bytes().split(b"\n")[:-1]]
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rounds, prompts and answers
+
+
+class StubGenerator:
+    """Answers `r<round>:<number of prompt turns>`; its "prompt ids" are copies of the messages, recorded."""
+
+    def __init__(self):
+        self.calls: list[list[list[dict]]] = []  # per round, the prompts of the rows that took part
+
+    def prompt_ids(self, row, messages):
+        return [dict(m) for m in messages]
+
+    def __call__(self, prompts):
+        self.calls.append(prompts)
+        return [rg.Answer(f"r{len(self.calls)}:{len(p)}", 3, False) for p in prompts]
+
+
+def test_rounds_use_the_regenerated_earlier_turns():
+    conversations = [
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "OLD1"},
+            {"role": "user", "content": "U2"},
+            {"role": "assistant", "content": "OLD2"},
+        ],
+        [{"role": "user", "content": "ONLY A PROMPT"}],
+        [
+            {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "OLD1"},
+            {"role": "user", "content": "U2"},
+        ],
+    ]
+    rows = [rg.plan_row(i, f"f:{i + 1}", m) for i, m in enumerate(conversations)]
+    assert [r.targets for r in rows] == [[2, 4], [1], [1, 3]]
+    stub = StubGenerator()
+    records = rg.regenerate_batch(stub, rows, seed=0)
+
+    # round 1 answers every row's first turn; round 2 only the rows with a second one, after round 1's answers
+    assert [len(c) for c in stub.calls] == [3, 2]
+    assert stub.calls[1][0][2] == {"role": "assistant", "content": "r1:2"}
+    assert stub.calls[1][1][1] == {"role": "assistant", "content": "r1:1"}
+    assert [r["row"] for r in records] == [0, 1, 2]
+    assert records[0]["messages"] == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "r1:2"},
+        {"role": "user", "content": "U2"},
+        {"role": "assistant", "content": "r2:4"},
+    ]
+    assert records[1]["messages"] == [*conversations[1], {"role": "assistant", "content": "r1:1"}]
+    assert records[2]["messages"][-1] == {
+        "role": "assistant",
+        "content": "r2:3",
+    }  # the trailing user answered
+    assert [r["new_tokens"] for r in records] == [6, 3, 6]
+    assert conversations[0][2]["content"] == "OLD1"  # the input is not modified
+
+
+def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:"
+        "{% if enable_thinking is defined and not enable_thinking %} (no thinking){% endif %}{% endif %}"
+    )
+    info = inspect_target(tiny_target)
+    tokenizer = rg.load_tokenizer(info, str(template))
+    model = load_causal_lm(info, torch.device("cpu"), torch.float32)
+    row = rg.plan_row(0, "chat.jsonl:7", [{"role": "user", "content": "What is a fox?"}])
+
+    def prompt(**kwargs) -> str:
+        config = rg.RegenerateConfig(str(tiny_target), [], "out.jsonl", chat_template_kwargs=kwargs)
+        return tokenizer.decode(rg.TargetGenerator(model, tokenizer, config).prompt_ids(row, row.messages))
+
+    assert prompt() == "user: What is a fox?\nassistant:"
+    assert prompt(enable_thinking=False) == "user: What is a fox?\nassistant: (no thinking)"
+
+    tokenizer.chat_template = "{{ raise_exception('only system turns, please') }}"
+    with pytest.raises(ValueError, match="chat.jsonl:7: the chat template failed .*only system turns"):
+        prompt()
+
+
+def test_multi_turn_and_prompt_only_rows(tiny_target, tmp_path):
+    def user(text):
+        return {"role": "user", "content": text}
+
+    def assistant(text):
+        return {"role": "assistant", "content": text}
+
+    inputs = [
+        {"messages": [{"role": "system", "content": "Be brief."}, user("What is a fox?"), assistant("OLD"),
+                      user("And a dog?"), assistant("OLD")]},
+        {"messages": [user("What is a list?")]},
+        {"conversations": [{"from": "human", "value": "What is a key?"}, {"from": "gpt", "value": "OLD"},
+                           {"from": "human", "value": "And a map?"}]},
+        {"messages": [user("What is a set?"), assistant("OLD")]},
+        {"messages": [user("What is a tuple?")]},
+    ]  # fmt: skip
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in inputs))
+    out = tmp_path / "out.jsonl"
+    rows = run(tiny_target, data, out, batch_size=3)
+
+    expected_roles = [
+        ["system", "user", "assistant", "user", "assistant"],
+        ["user", "assistant"],
+        ["user", "assistant", "user", "assistant"],
+        ["user", "assistant"],
+        ["user", "assistant"],
+    ]
+    assert [[m["role"] for m in r["messages"]] for r in rows] == expected_roles
+    for row, source in zip(rows, inputs, strict=True):
+        prompts = [m for m in row["messages"] if m["role"] != "assistant"]
+        given = source.get("messages") or [
+            {"role": {"human": "user"}[t["from"]], "content": t["value"]}
+            for t in source["conversations"]
+            if t["from"] != "gpt"
+        ]
+        assert prompts == [m for m in given if m["role"] != "assistant"]  # prompts kept, in order
+        assert all(m["content"] not in ("", "OLD") for m in row["messages"] if m["role"] == "assistant")
+    assert not out.with_name("out.jsonl.parts").exists() and not out.with_name("out.jsonl.lock").exists()
+
+    # a finished OUT is left alone, even when asked with other settings: there is nothing to compare to
+    before = out.read_bytes()
+    assert rg.main(flags(tiny_target, data, out, batch_size=3, max_new_tokens=9)) == 0
+    assert out.read_bytes() == before
+
+
+def test_sampling_is_seeded_per_batch(tiny_target, chat_data, tmp_path, monkeypatch):
+    data = first_rows(chat_data, tmp_path / "rows.jsonl", 8)
+    settings = {"batch_size": 2, "temperature": 1.0, "top_k": 100}
+    greedy = run(tiny_target, data, tmp_path / "greedy.jsonl", batch_size=2)
+    sampled = run(tiny_target, data, tmp_path / "a.jsonl", **settings)
+    assert run(tiny_target, data, tmp_path / "b.jsonl", **settings) == sampled
+    assert run(tiny_target, data, tmp_path / "c.jsonl", **settings, seed=1) != sampled
+    assert sampled != greedy
+
+    # Two ranks of a world of 2, one after the other in this process: rank 1 takes batches 1 and 3 with a
+    # fresh RNG, rank 0 then takes 0 and 2 and merges; the output is the one-process output.
+    out = tmp_path / "two_ranks.jsonl"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        assert rg.main(flags(tiny_target, data, out, **settings)) == 0
+        assert out.exists() == (rank == "0")
+    assert read_rows(out) == sampled
+
+
+def test_other_settings_than_the_parts_dir_is_an_error(tiny_target, chat_data, tmp_path, monkeypatch, capsys):
+    data = first_rows(chat_data, tmp_path / "rows.jsonl", 4)
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert rg.main(flags(tiny_target, data, out, batch_size=2)) == 0  # rank 1 alone: rows 2, 3 only
+    parts = tmp_path / "out.jsonl.parts"
+    assert sorted(finished_rows(parts)) == [2, 3] and not out.exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    capsys.readouterr()
+
+    assert rg.main(flags(tiny_target, data, out, batch_size=2, max_new_tokens=9)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "other settings" in err and "max_new_tokens: 8 -> 9" in err and f"delete {parts}" in err
+
+    data.write_text(data.read_text().replace("What", "Who", 1))  # same file, other content
+    assert rg.main(flags(tiny_target, data, out, batch_size=2)) == 2
+    assert "data:" in capsys.readouterr().err
+    assert sorted(finished_rows(parts)) == [2, 3] and not out.exists()  # nothing was added or merged
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"batch_size": 0}, "--batch_size 0: must be a positive integer"),
+        ({"top_p": 0.5}, "only apply when sampling"),
+        ({"temperature": -1}, "--temperature -1.0: must be >= 0"),
+        ({"chat_template": "missing.jinja"}, "--chat_template missing.jinja: file not found"),
+        ({"data": "missing.jsonl"}, "--data missing.jsonl: file not found"),
+        ({"device": "tpu"}, "--device tpu: choose auto, cpu or cuda"),
+        ({"out": "DATA"}, "is one of the --data files"),
+        ({"target_model": "no_such_dir"}, "--target_model no_such_dir: not a directory"),
+        ({"data": "ROW"}, "nothing to generate"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tiny_target, chat_data, tmp_path, capsys, settings, message):
+    bad_row = tmp_path / "bad.jsonl"
+    bad_row.write_text(
+        json.dumps({"messages": [{"role": "system", "content": "Only a system turn."}]}) + "\n"
+    )
+    settings = {k: {"DATA": chat_data, "ROW": bad_row}.get(v, v) for k, v in settings.items()}
+    argv = flags(settings.pop("target_model", tiny_target), settings.pop("data", chat_data),
+                 settings.pop("out", tmp_path / "out.jsonl"), **settings)  # fmt: skip
+    assert rg.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    if message == "nothing to generate":
+        assert f"{bad_row}:1" in err
+        # --skip_bad_rows skips such a row instead; with nothing left the run still stops, saying why
+        assert rg.main([*argv, "--skip_bad_rows"]) == 2
+        assert "no row has anything to generate" in capsys.readouterr().err
+
+
+def test_merge_orders_rows_drops_empty_answers_and_waits_for_missing_rows(tmp_path):
+    def record(row, answer, hit=False):
+        messages = [{"role": "user", "content": f"q{row}"}, {"role": "assistant", "content": answer}]
+        return json.dumps({"row": row, "messages": messages, "hit_max_new_tokens": hit, "new_tokens": 5})
+
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
+    parts.mkdir()
+    # rows from two world sizes, out of order, one found twice, one file ending in a line cut by a kill
+    (parts / "rank0-of-2.jsonl").write_text(record(2, "c", hit=True) + "\n" + record(0, "a") + "\n")
+    (parts / "rank1-of-2.jsonl").write_text(record(1, "") + "\n" + record(3, "d")[:20])
+    assert rg.merge(out, parts, 4) is None  # row 3 is not finished
+    assert not out.exists() and parts.exists()
+
+    (parts / "rank0-of-1.jsonl").write_text(record(3, "d") + "\n" + record(0, "a") + "\n")
+    summary = rg.merge(out, parts, 4)
+    assert summary == rg.Summary(rows=4, written=3, empty=1, turns=4, hit_max_new_tokens=1, new_tokens=20)
+    assert [r["messages"][1]["content"] for r in read_rows(out)] == ["a", "c", "d"]  # row 1 left out
+    assert read_rows(out)[0] == {
+        "messages": [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a"}]
+    }
+    assert not parts.exists()
+
+
+def test_part_writer_drops_a_cut_line_and_keeps_its_file_to_itself(tmp_path):
+    path = tmp_path / "rank0-of-1.jsonl"
+    path.write_bytes(b'{"row": 0}\n{"row": 1, "mess')
+    writer = rg.PartWriter(path)
+    assert path.read_bytes() == b'{"row": 0}\n'
+    writer.write([{"row": 1}, {"row": 2}])
+    assert path.read_bytes() == b'{"row": 0}\n{"row": 1}\n{"row": 2}\n'
+    with pytest.raises(ValueError, match="being written by another process"):
+        rg.PartWriter(path)
+    writer.close()
+    rg.PartWriter(path).close()  # free again once the first writer is gone
+
+
+def test_bad_flags_are_argparse_errors(tiny_target, chat_data, tmp_path, capsys):
+    for bad in (["--batch_size", "x"], ["--chat_template_kwargs", "[1]"], ["--unknown", "1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            rg.main([*flags(tiny_target, chat_data, tmp_path / "out.jsonl"), *bad])
+        assert exit_info.value.code == 2
+        assert "error: " in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SIGKILL and restart with another world size
+
+
+def test_sigkill_and_restart_give_the_uninterrupted_rows_once_each(
+    tiny_target, chat_data, tmp_path, monkeypatch
+):
+    data = first_rows(chat_data, tmp_path / "rows.jsonl", 24)
+    settings = {"batch_size": 2, "max_new_tokens": 24}
+    reference = run(tiny_target, data, tmp_path / "reference.jsonl", **settings)
+    assert len(reference) == 24
+
+    # A 2-process torchrun job, paused 1 s after each batch it writes, killed as a whole without warning
+    # once both ranks have rows on disk and most rows are still to do.
+    out = tmp_path / "out.jsonl"
+    parts = tmp_path / "out.jsonl.parts"
+    python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [
+            *torchrun_cmd(2),
+            str(SCRIPTS / "regenerate_slowly.py"),
+            "1.0",
+            *flags(tiny_target, data, out, **settings),
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    files = [parts / "rank0-of-2.jsonl", parts / "rank1-of-2.jsonl"]
+    deadline = time.time() + 120
+    while not all(f.exists() and f.read_bytes().count(b"\n") >= 2 for f in files):
+        assert job.poll() is None, job.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "the job wrote no rows in time"
+        time.sleep(0.02)
+    kill_job(job)
+    job.stderr.close()
+    assert not out.exists()
+
+    # A kill in the middle of a write leaves half a line: cut rank 1's last row in half, so that its batch
+    # is finished only in part.
+    lines = files[1].read_bytes().split(b"\n")[:-1]
+    files[1].write_bytes(b"".join(line + b"\n" for line in lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    done_at_kill = finished_rows(parts)
+    assert 0 < len(done_at_kill) < 24 and len(set(done_at_kill)) == len(done_at_kill)
+
+    # The restart in one process: it must add each missing row once and never rewrite a finished one.
+    written = {}
+    merge = rg.merge
+
+    def checked_merge(out_path, parts_dir, num_rows):
+        written["rows"] = finished_rows(parts_dir)
+        return merge(out_path, parts_dir, num_rows)
+
+    monkeypatch.setattr(rg, "merge", checked_merge)
+    assert rg.main(flags(tiny_target, data, out, **settings)) == 0
+    assert sorted(written["rows"]) == list(range(24))  # each row once across the old and new part files
+    assert read_rows(out) == reference
+    assert not parts.exists() and not (tmp_path / "out.jsonl.lock").exists()
