@@ -86,15 +86,11 @@ def test_the_cache_is_reused_only_when_nothing_changed(tiny_target, chat_data, t
     shutil.copy(chat_data, data_file)
     cache = tmp_path / "cache"
 
-    def load(settings=SETTINGS, **kwargs):
-        return load_or_tokenize(
-            chat(tokenizer_dir, **kwargs),
-            tokenizer_dir,
-            [str(data_file)],
-            settings,
-            cache,
-            log=lambda _: None,
-        )
+    def load(settings=SETTINGS, template_suffix="", **kwargs):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.chat_template += template_suffix
+        chat = ChatTokenizer(tokenizer, kwargs)
+        return load_or_tokenize(chat, tokenizer_dir, [str(data_file)], settings, cache, log=lambda _: None)
 
     first, stats, from_cache = load()
     assert not from_cache
@@ -107,6 +103,7 @@ def test_the_cache_is_reused_only_when_nothing_changed(tiny_target, chat_data, t
 
     assert not load(TokenizeSettings(max_seq_len=128, block_size=4))[2]  # a setting
     assert not load(enable_thinking=False)[2]  # the template's arguments
+    assert not load(template_suffix="{# another template #}")[2]  # the template (--chat_template)
     config = tokenizer_dir / "tokenizer_config.json"
     config.write_text(json.dumps(json.loads(config.read_text()) | {"model_max_length": 4096}))
     assert not load()[2]  # the tokenizer's files
