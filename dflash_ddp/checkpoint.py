@@ -266,6 +266,34 @@ def existing_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
+def set_aside_later(output_dir: str | Path, resumed: Path, step: int) -> list[str]:
+    """Move checkpoints past `step` to checkpoints/abandoned/: they belong to a future this run replaces.
+
+    Left in place, `--resume auto` after a crash would jump to them instead of this run's own newer saves,
+    and rotation would keep them. Nothing is deleted. Returns lines to print."""
+    root = Path(output_dir) / "checkpoints"
+    later = [p for p in existing_checkpoints(output_dir) if int(p.name.split("-")[1]) > step]
+    if not later:
+        return []
+    aside = root / "abandoned"
+    aside.mkdir(exist_ok=True)
+    for path in later:
+        os.replace(path, aside / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    latest = root / "latest"
+    if latest.is_file() and not (root / latest.read_text().strip()).is_dir():
+        if resumed.parent.resolve() == root.resolve():  # point it at the checkpoint this run continues
+            tmp = root / f".latest-{os.getpid()}"
+            tmp.write_text(resumed.name + "\n")
+            os.replace(tmp, latest)
+        else:  # resumed from another directory: this one holds no checkpoint of the run yet
+            latest.unlink()
+    fsync_dir(root)
+    return [
+        f"moved {', '.join(p.name for p in later)} to {aside}: later than the resumed step {step}, so not this "
+        "run's future (kept, never used by --resume auto)"
+    ]
+
+
 def _resolve(path: Path) -> Path:
     """A checkpoint directory, or an output directory / its checkpoints/ folder (then `latest`)."""
     for root in (path / "checkpoints", path):

@@ -170,7 +170,13 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
                 raise ValueError
             return parsed
         if typing.get_origin(hint) is list:
-            items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+            # `--key a b`, `--key a,b` and YAML lists all work
+            items = [
+                part
+                for v in (value if isinstance(value, list) else [value])
+                for part in (v.split(",") if isinstance(v, str) else [v])
+                if not isinstance(part, str) or part.strip()
+            ]
             return [_convert(v.strip() if isinstance(v, str) else v, args[0], where) for v in items]
         if hint is bool:
             if isinstance(value, bool):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from .chat_template import ChatTokenizer, load_chat_template
-from .checkpoint import CheckpointWriter, SaveError, checkpoint_name, rng_state
+from .checkpoint import CheckpointWriter, SaveError, checkpoint_name, rng_state, set_aside_later
 from .config import TrainConfig, config_to_dict, parse_config, usage
 from .data import DataStats
 from .dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
@@ -445,6 +445,7 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
         int(saved["batches_consumed"]),
         path,
     )
+    notes += set_aside_later(run.cfg.output_dir, path, run.start_step)
     notes.append(
         f"resuming from {path} (step {run.start_step}, batch {run.first_batch}; saved as "
         f"{saved['topology']['target_ranks']}+{saved['topology']['drafter_ranks']}, now "

@@ -216,3 +216,16 @@ def test_inspect_and_verify_cli(finished_run):
     (_newest(finished_run) / "scheduler.pt").write_bytes(b"garbage")
     bad = subprocess.run([*run, "verify", str(_newest(finished_run))], capture_output=True, text=True)
     assert bad.returncode == 1 and "FAILED" in bad.stdout
+
+
+def test_resuming_an_earlier_checkpoint_sets_later_ones_aside(finished_run, tiny_target, chat_data, capsys):
+    root = finished_run / "checkpoints"
+    early = root / "step-00000003"
+    assert main(args(tiny_target, chat_data, finished_run, "--max_steps", "5", "--save_steps", "1",
+                     "--resume", str(early), "--resume_override", "max_steps")) == 0  # fmt: skip
+    assert "moved step-00000006 to" in capsys.readouterr().out
+    assert sorted(p.name for p in root.glob("step-*")) == [f"step-0000000{i}" for i in (3, 4, 5)]
+    assert [p.name[:13] for p in (root / "abandoned").iterdir()] == ["step-00000006"]  # kept, not deleted
+    assert (root / "latest").read_text().strip() == "step-00000005"
+    # a later automatic resume continues this run's own newest checkpoint, not the abandoned step 6
+    assert find_checkpoint(finished_run, "auto", print) == root / "step-00000005"

@@ -72,3 +72,10 @@ def test_template_arguments_from_the_command_line_and_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("target_model: t\ndata: [d]\nchat_template_kwargs: {enable_thinking: true}\n")
     assert parse_config(["--config", str(path)])[0].chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_list_flags_take_spaces_or_commas():
+    config, _ = parse_config(
+        ["--target_model", "t", "--data", "a.jsonl", "b.jsonl", "--resume_override", "max_steps,seed"]
+    )
+    assert config.data == ["a.jsonl", "b.jsonl"] and config.resume_override == ["max_steps", "seed"]
