@@ -253,7 +253,7 @@ def usage() -> str:
     ]
     defaults = TrainConfig()
     for name, hint in _field_types(TrainConfig).items():
-        type_name = getattr(hint, "__name__", str(hint).replace("typing.", ""))
+        type_name = str(hint).replace("typing.", "") if typing.get_args(hint) else hint.__name__
         lines.append(f"  --{name:<28} {type_name:<18} default: {getattr(defaults, name)!r}")
     lines.append("")
     lines.append(
