@@ -41,6 +41,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -60,6 +61,7 @@ from .target import TargetInfo, inspect_target, load_causal_lm
 from .topology import env_world
 
 PROGRESS_EVERY_S = 30.0
+ROW_PREFIX = re.compile(rb'^\{"row": (\d+), ')  # how json.dumps starts every part-file record
 
 
 @dataclass
@@ -390,13 +392,15 @@ def index_parts(parts: Path, num_rows: int) -> dict[int, tuple[Path, int]]:
             for line_no, line in enumerate(f, start=1):
                 if not line.endswith(b"\n"):
                     break
-                try:
-                    row = json.loads(line)["row"]
-                except (json.JSONDecodeError, KeyError, TypeError):
+                # Only the leading row number is read: a restart of a large job must not parse gigabytes
+                # of JSON; the merge parses each line anyway.
+                match = ROW_PREFIX.match(line)
+                if match is None:
                     raise ValueError(
                         f"{path}:{line_no}: not a regenerated row; the parts directory is damaged"
-                    ) from None
-                if not (isinstance(row, int) and 0 <= row < num_rows):
+                    )
+                row = int(match.group(1))
+                if not 0 <= row < num_rows:
                     raise ValueError(f"{path}:{line_no}: row {row!r} is outside 0..{num_rows - 1}")
                 index.setdefault(row, (path, offset))
                 offset += len(line)

@@ -289,6 +289,17 @@ def test_merge_orders_rows_drops_empty_answers_and_waits_for_missing_rows(tmp_pa
     assert not parts.exists()
 
 
+def test_a_damaged_parts_directory_is_an_error_naming_the_line(tmp_path):
+    parts = tmp_path / "out.jsonl.parts"
+    parts.mkdir()
+    (parts / "rank0-of-1.jsonl").write_text('{"row": 0, "messages": []}\n{"text": "mine"}\n')
+    with pytest.raises(ValueError, match="rank0-of-1.jsonl:2: not a regenerated row"):
+        rg.index_parts(parts, 4)
+    (parts / "rank0-of-1.jsonl").write_text('{"row": 7, "messages": []}\n')
+    with pytest.raises(ValueError, match="rank0-of-1.jsonl:1: row 7 is outside 0..3"):
+        rg.index_parts(parts, 4)
+
+
 def test_part_writer_drops_a_cut_line_and_keeps_its_file_to_itself(tmp_path):
     path = tmp_path / "rank0-of-1.jsonl"
     path.write_bytes(b'{"row": 0}\n{"row": 1, "mess')
