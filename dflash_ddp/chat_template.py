@@ -25,6 +25,32 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 PROBE = "\u2063dflash-probe\u2063"  # invisible separator: never part of real text
 
 
+# apply_chat_template's own arguments: passed through --chat_template_kwargs they would collide or change
+# what is rendered (a generation prompt after every conversation, token ids instead of text)
+RESERVED_KWARGS = {
+    "add_generation_prompt",
+    "chat_template",
+    "continue_final_message",
+    "conversation",
+    "documents",
+    "messages",
+    "return_assistant_tokens_mask",
+    "return_dict",
+    "tokenize",
+    "tools",
+}
+
+
+def check_template_kwargs(kwargs: dict) -> None:
+    """Refuse --chat_template_kwargs keys that are apply_chat_template's own arguments."""
+    clash = sorted(RESERVED_KWARGS & set(kwargs))
+    if clash:
+        raise ValueError(
+            f"--chat_template_kwargs: {', '.join(clash)} cannot be set (chat rendering sets it); pass only "
+            "the template's own variables, such as enable_thinking"
+        )
+
+
 def load_chat_template(tokenizer, template_file: str) -> None:
     """Replace the tokenizer's chat template with the jinja file `--chat_template` names (if any)."""
     if template_file:
