@@ -83,20 +83,24 @@ class ChatTokenizer:
         self.end_of_turn = self._end_of_turn_text()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text, with the template's own arguments."""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
 
-    def _end_of_turn_text(self) -> str:
-        """What the template writes after an assistant's text (e.g. '<|im_end|>'), whitespace stripped."""
+    def _end_of_turn_text(self) -> str | None:
+        """The special token the template writes right after an assistant's text ('<|im_end|>', '<|eot_id|>',
+        '</s>'), or None when it writes plain text there (spans then end where the next turn starts)."""
         probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}]
         try:
             text = self.render(probe)
-        except TemplateError as e:
+        except (TemplateError, ValueError, TypeError) as e:
             raise ValueError(f"the chat template cannot render a user/assistant exchange: {e}") from None
         if PROBE not in text:
             raise ValueError("the chat template does not render the assistant's content verbatim")
-        return text.split(PROBE, 1)[1].strip()
+        after = text.split(PROBE, 1)[1].lstrip()
+        specials = set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab())
+        return next((t for t in sorted(specials, key=len, reverse=True) if t and after.startswith(t)), None)
 
     def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
         """Token ids and the 0/1 assistant mask of one conversation; BadRow when it cannot be masked."""
@@ -105,7 +109,13 @@ class ChatTokenizer:
                 ids, mask = self._marked(messages)
             else:
                 ids, mask = self._by_prefixes(messages, where)
-        except TemplateError as e:
+        except BadRow:
+            raise
+        except (
+            TemplateError,
+            ValueError,
+            TypeError,
+        ) as e:  # a template's raise_exception, an empty prefix...
             raise BadRow(f"{where}: the chat template refuses this conversation: {e}") from None
         if not any(mask):
             raise BadRow(f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens")
@@ -132,15 +142,23 @@ class ChatTokenizer:
             turns = turns[-1:]
         spans = [self._span(messages, i, text, where) for i in turns]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+        # a token overlapping a span is the model's to predict (as transformers' generation masks do)
+        mask = [int(any(start < e and end > s for s, e in spans)) for start, end in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
 
     def _span(self, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int]:
         """Character span of assistant turn i inside `text`, the rendering of the whole conversation."""
+        if i == 0:
+            raise BadRow(f"{where}: turn 0 is an assistant turn: nothing precedes it")
+        before = self.render(messages[:i])
         prompt = self.render(messages[:i], add_generation_prompt=True)
-        start = 0
-        while start < min(len(prompt), len(text)) and prompt[start] == text[start]:
-            start += 1
+        start = common_prefix(prompt, text)
+        if start < common_prefix(before, prompt):
+            raise BadRow(
+                f"{where}: turn {i}: the chat template renders the turns before it differently once the "
+                "conversation goes on (it moves or rewrites earlier text), so its span cannot be derived: "
+                "add {% generation %} markers to the template (--chat_template FILE)"
+            )
         if self.end_of_turn:
             end = text.find(self.end_of_turn, start)
             if end < 0:
@@ -150,7 +168,21 @@ class ChatTokenizer:
         if not text.startswith(upto):
             raise BadRow(
                 f"{where}: turn {i}: the chat template renders this turn differently inside the whole "
-                "conversation and writes no end-of-turn text: add {% generation %} markers to it "
+                "conversation and writes no end-of-turn token: add {% generation %} markers to it "
                 "(--chat_template FILE)"
             )
         return start, len(upto.rstrip())
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search over C-speed slice comparisons)."""
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,6 +1,7 @@
 """Golden assistant masks: the exact text the loss covers, for a ChatML/Qwen3-style template (with and
 without thinking, with and without generation markers) and a Llama-3-style one, on local tokenizers."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,56 @@ def test_a_conversation_the_template_refuses_names_the_row():
         BadRow, match="data.jsonl:3: the chat template refuses this conversation: no user query"
     ):
         ChatTokenizer(tokenizer, {})([PLAIN_1, USER_1, PLAIN_2], "data.jsonl:3")
+
+
+MISTRAL_STYLE = (  # the system prompt travels with the LAST user turn, as in Mistral v0.3's template
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for m in rest %}{%- if m.role == 'user' %}"
+    "{%- if loop.last and system %}{{- '[INST] ' + system + '\\n\\n' + m.content + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + m.content + '[/INST]' }}{%- endif %}"
+    "{%- else %}{{- ' ' + m.content + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_template_that_moves_earlier_text_is_refused_not_mismasked():
+    tokenizer = build_tokenizer(
+        None, ("<s>", "</s>", "[INST]", "[/INST]"), MISTRAL_STYLE, bos_token="<s>", eos_token="</s>"
+    )
+    # no system prompt: consistent, and the space before the answer is the answer's first token
+    assert spans(tokenizer, [USER_1, PLAIN_1]) == [" each line of the file</s>"]
+    with pytest.raises(
+        BadRow, match="d.jsonl:4: turn 2: the chat template renders the turns before it differently"
+    ):
+        ChatTokenizer(tokenizer, {})([SYSTEM, USER_1, PLAIN_1, USER_2, PLAIN_2], "d.jsonl:4")
+    # a system prompt that depends on the conversation's length: refused too
+    counting = qwen3_tokenizer("<|im_start|>system\nturns={{ messages|length }}<|im_end|>\n" + QWEN3_UNMARKED)
+    with pytest.raises(BadRow, match="renders the turns before it differently"):
+        ChatTokenizer(counting, {})([USER_1, PLAIN_1], "d.jsonl:5")
+
+
+def test_text_after_the_last_turn_does_not_stretch_the_spans():
+    ending = QWEN3_UNMARKED + "{%- if not add_generation_prompt -%}{{- '<|endoftext|>' -}}{%- endif -%}"
+    multi_turn = [SYSTEM, USER_1, THINK_1, USER_2, THINK_2]
+    assert spans(qwen3_tokenizer(ending), multi_turn) == spans(qwen3_tokenizer(QWEN3), multi_turn)
+
+
+def test_an_assistant_turn_without_a_prompt_is_a_bad_row():
+    with pytest.raises(BadRow, match="d.jsonl:9: turn 0 is an assistant turn"):
+        ChatTokenizer(llama3_tokenizer(), {})([PLAIN_1, USER_1, PLAIN_2], "d.jsonl:9")
+
+
+def test_both_ways_give_the_same_masks_on_the_embedded_data():
+    from dflash_ddp.config import EMBEDDED_PRESET
+    from dflash_ddp.data import read_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_PRESET["target_model"])
+    marked = ChatTokenizer(tokenizer, {})
+    unmarked_tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_PRESET["target_model"])
+    unmarked_tokenizer.chat_template = re.sub(
+        r"\{%-?\s*(end)?generation\s*-?%\}", "", tokenizer.chat_template
+    )
+    unmarked = ChatTokenizer(unmarked_tokenizer, {})
+    assert marked.has_generation_markers and not unmarked.has_generation_markers
+    for where, messages in read_conversations(EMBEDDED_PRESET["data"])[:300]:
+        assert marked(messages, where) == unmarked(messages, where), where
