@@ -14,15 +14,19 @@ import json
 import multiprocessing
 import os
 import time
+from array import array
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import tokenizers
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .chat_template import ChatTokenizer
+from .checkpoint import file_sha256
 from .data import BadRow, Batch, DataStats, data_files, read_conversations
 
 CACHE_VERSION = 1  # bump when tokenization or masking changes, so that old caches are not reused
@@ -79,12 +83,18 @@ class TokenizedDataset:
         return h.hexdigest()[:16]
 
     @classmethod
-    def from_samples(cls, samples: list[tuple[list[int], list[int]]]) -> TokenizedDataset:
-        lengths = torch.tensor([0] + [len(ids) for ids, _ in samples], dtype=torch.int64)
+    def from_samples(cls, samples: list[tuple[array, array]]) -> TokenizedDataset:
+        """Concatenate per-sample int32 ids and uint8 masks (arrays: 5 bytes per token, no int objects)."""
+        ids, mask = array("i"), array("B")
+        lengths = [0]
+        for sample_ids, sample_mask in samples:
+            ids.extend(sample_ids)
+            mask.extend(sample_mask)
+            lengths.append(len(sample_ids))
         return cls(
-            torch.tensor([t for ids, _ in samples for t in ids], dtype=torch.int32),
-            torch.tensor([m for _, mask in samples for m in mask], dtype=torch.uint8),
-            torch.cumsum(lengths, 0),
+            torch.frombuffer(ids, dtype=torch.int32).clone() if ids else torch.zeros(0, dtype=torch.int32),
+            torch.frombuffer(mask, dtype=torch.uint8).clone() if mask else torch.zeros(0, dtype=torch.uint8),
+            torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0),
         )
 
 
@@ -98,12 +108,13 @@ def _start_worker(chat: ChatTokenizer) -> None:
     _worker = chat
 
 
-def _tokenize_rows(rows: list[tuple[str, list[dict]]]) -> list[tuple[list[int], list[int]] | BadRow]:
-    """Runs in a worker process (or inline): one result or one BadRow per row, in order."""
+def _tokenize_rows(rows: list[tuple[str, list[dict]]]) -> list[tuple[array, array] | BadRow]:
+    """Runs in a worker process (or inline): (ids, mask) arrays or one BadRow per row, in order."""
     out = []
     for where, messages in rows:
         try:
-            out.append(_worker(messages, where))
+            ids, mask = _worker(messages, where)
+            out.append((array("i", ids), array("B", mask)))
         except BadRow as e:
             out.append(e)
     return out
@@ -140,15 +151,15 @@ def tokenize_dataset(
             stats.skip(result)
             continue
         ids, mask = result
-        if len(ids) > settings.max_seq_len:
-            if settings.overlength == "drop":
-                stats.overlength_dropped += 1
-                continue
-            ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
-            stats.truncated += 1
-        if sum(mask[1:]) < 2 * settings.block_size:  # position 0 is never a label
-            stats.too_short += 1
+        cut = len(ids) > settings.max_seq_len
+        if cut and settings.overlength == "drop":
+            stats.overlength_dropped += 1
             continue
+        ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
+        if sum(mask[1:]) < 2 * settings.block_size:  # position 0 is never a label
+            stats.too_short += 1  # counted once: a truncated sample dropped here is not also "truncated"
+            continue
+        stats.truncated += cut
         samples.append((ids, mask))
         stats.tokens += len(ids)
         stats.response_tokens += sum(mask[1:])
@@ -165,14 +176,14 @@ def tokenize_dataset(
 
 
 def _hash_file(h, path: Path) -> None:
-    h.update(f"{path.name}:{path.stat().st_size}\n".encode())
-    with path.open("rb") as f:
-        h.update(hashlib.file_digest(f, "sha256").digest())
+    h.update(f"{path.name}:{path.stat().st_size}:{file_sha256(path)}\n".encode())
 
 
 def cache_key(chat: ChatTokenizer, tokenizer_dir: Path, paths: list[str], settings: TokenizeSettings) -> str:
     """sha256 over the data files' bytes, the tokenizer files, the template and the settings."""
-    h = hashlib.sha256(f"dflash_ddp tokenized v{CACHE_VERSION}\n".encode())
+    # the libraries' versions too: a tokenizers release may split text differently
+    versions = f"v{CACHE_VERSION} transformers {transformers.__version__} tokenizers {tokenizers.__version__}"
+    h = hashlib.sha256(f"dflash_ddp tokenized {versions}\n".encode())
     for path in data_files(paths):
         for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
             _hash_file(h, f)
@@ -210,18 +221,39 @@ def load_or_tokenize(
     num_proc: int = 1,
     log=print,
 ) -> tuple[TokenizedDataset, DataStats, bool]:
-    """The tokenized data from the cache, or tokenized now and cached. Returns (data, stats, from_cache)."""
+    """The tokenized data from the cache, or tokenized now and cached. Returns (data, stats, from_cache).
+
+    Readers share the cache file's lock; the process that has to tokenize holds it alone, so the other
+    processes of the job wait for its file instead of tokenizing too. An unreadable cache file is reported
+    and replaced."""
     key = cache_key(chat, tokenizer_dir, paths, settings)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"tokenized-{key}.safetensors"
-    with (cache_dir / f"tokenized-{key}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process of the job tokenizes; the others wait for its file
-        if path.is_file():
-            data, stats = _read_cache(path)
-            return data, stats, True
-        log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
-        start = time.perf_counter()
-        data, stats = tokenize_dataset(chat, paths, settings, num_proc)
-        _write_cache(path, data, stats)
-        log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with (cache_dir / f"tokenized-{key}.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            cached = _try_read_cache(path, log)
+            if cached is not None:
+                return *cached, True
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (not atomic with the shared lock: check again below)
+            cached = _try_read_cache(path, log)
+            if cached is not None:
+                return *cached, True
+            log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
+            start = time.perf_counter()
+            data, stats = tokenize_dataset(chat, paths, settings, num_proc)
+            _write_cache(path, data, stats)
+            log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
+    except OSError as e:
+        raise ValueError(f"--cache_dir {cache_dir}: cannot use the tokenized-data cache ({e})") from None
     return data, stats, False
+
+
+def _try_read_cache(path: Path, log) -> tuple[TokenizedDataset, DataStats] | None:
+    if not path.is_file():
+        return None
+    try:
+        return _read_cache(path)
+    except Exception as e:  # safetensors raises its own error type for a damaged file
+        log(f"ignoring the unreadable cache file {path} ({type(e).__name__}: {e}); tokenizing again")
+        return None

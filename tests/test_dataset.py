@@ -134,3 +134,40 @@ def test_processes_of_one_job_tokenize_once(tiny_target, chat_data, tmp_path):
     outputs = [p.communicate(timeout=120)[0].split("\n")[-2].split() for p in procs]
     assert sorted(kind for kind, _ in outputs) == ["FROM_CACHE", "FROM_CACHE", "TOKENIZED"]
     assert len({fingerprint for _, fingerprint in outputs}) == 1
+
+
+def test_a_damaged_cache_is_replaced_and_an_unusable_cache_dir_is_a_clear_error(
+    tiny_target, chat_data, tmp_path
+):
+    cache = tmp_path / "cache"
+    logs = []
+    first, _, _ = load_or_tokenize(
+        chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache, log=logs.append
+    )
+    (cached,) = cache.glob("*.safetensors")
+    cached.write_bytes(cached.read_bytes()[:100])  # e.g. a copy cut short
+    again, _, from_cache = load_or_tokenize(
+        chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache, log=logs.append
+    )
+    assert not from_cache and again.fingerprint() == first.fingerprint()
+    assert any("ignoring the unreadable cache file" in line for line in logs)
+    assert load_or_tokenize(chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache, log=print)[2]
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a directory")
+    with pytest.raises(ValueError, match=f"--cache_dir {blocked}/cache: cannot use the tokenized-data cache"):
+        load_or_tokenize(chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, blocked / "cache")
+
+
+def test_a_sample_truncated_then_too_short_is_counted_once(tiny_target, tmp_path):
+    # a long prompt and a short answer: cut to --max_seq_len, almost no response tokens are left
+    row = {
+        "messages": [
+            {"role": "user", "content": "the quick fox " * 40},
+            {"role": "assistant", "content": "a dog"},
+        ]
+    }
+    path = write_rows(tmp_path / "long_prompt.jsonl", [row, conversation(1)])
+    _, stats = tokenize_dataset(
+        chat(tiny_target), [str(path)], TokenizeSettings(max_seq_len=100, block_size=4)
+    )
+    assert stats.too_short == 1 and stats.truncated == 1 and stats.kept == 1  # conversation(1) was cut
