@@ -20,6 +20,11 @@ ROLE_ALIASES = {
     "gpt": "assistant",
     "assistant": "assistant",
     "system": "system",
+    # tool results: never in the loss, kept for the template to render
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
 }
 
 
@@ -88,11 +93,15 @@ def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
             raise BadRow(f"{where}: turn {i} has unknown role '{turn[role_key]}'")
-        if not isinstance(turn[text_key], str):
+        # other keys (reasoning_content, tool_calls, name...) go to the template; None = absent (parquet
+        # gives every turn every key of the column's schema)
+        extra = {k: v for k, v in turn.items() if k not in (role_key, text_key) and v is not None}
+        content = "" if turn[text_key] is None and extra.get("tool_calls") else turn[text_key]
+        if not isinstance(content, str):
             raise BadRow(f"{where}: turn {i} '{text_key}' must be a string")
-        if role == "assistant" and not turn[text_key].strip():
+        if role == "assistant" and not content.strip() and not extra.get("tool_calls"):
             raise BadRow(f"{where}: turn {i} is an empty assistant turn")
-        messages.append({"role": role, "content": turn[text_key]})
+        messages.append({**extra, "role": role, "content": content})
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadRow(f"{where}: the conversation has no assistant turn")
     return messages
@@ -142,8 +151,13 @@ def _jsonl_rows(path: Path):
 def _json_rows(path: Path):
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--data {path}: not a valid UTF-8 JSON file ({e})") from None
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` accepts
+            yield from _jsonl_rows(path)
+            return
+        raise ValueError(f"--data {path}: not a valid JSON file ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path}: not valid UTF-8 ({e})") from None
     if not isinstance(data, list):
         raise ValueError(f"--data {path}: a .json file must hold a list of rows")
     yield from ((f"{path}:row {i}", row) for i, row in enumerate(data))

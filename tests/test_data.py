@@ -110,3 +110,29 @@ def test_unreadable_or_unsupported_inputs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="a DatasetDict: pass one split's directory, e.g. DIR/train"):
         read_conversations([str(tmp_path / "dd")])
     assert len(read_conversations([str(tmp_path / "dd" / "train")])) == 1
+
+
+def test_tool_turns_and_extra_keys_reach_the_template(tmp_path):
+    row = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"name": "weather", "arguments": "{}"}]},
+            {"role": "tool", "content": "sunny", "name": "weather"},
+            {"role": "assistant", "content": "It is sunny.", "reasoning_content": "the tool said so"},
+        ]
+    }
+    rows = read_conversations([str(write(tmp_path / "t.jsonl", [json.dumps(row).encode()]))])
+    assert rows[0][1][1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "weather", "arguments": "{}"}],
+    }
+    assert rows[0][1][2] == {"role": "tool", "content": "sunny", "name": "weather"}
+    assert rows[0][1][3]["reasoning_content"] == "the tool said so"
+
+
+def test_a_json_file_holding_json_lines_is_read_line_by_line(tmp_path):
+    path = write(tmp_path / "d.json", [json.dumps(GOOD).encode(), b'{"messages": ['])
+    with pytest.raises(BadRow, match="d.json:2: malformed JSON"):
+        read_conversations([str(path)])
+    assert len(read_conversations([str(path)], skip_bad_rows=True)) == 1
