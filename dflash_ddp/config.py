@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from .chat_template import check_template_kwargs
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_TARGET = ASSETS / "tiny_qwen3"
 
@@ -130,6 +132,7 @@ class TrainConfig:
             raise ValueError(f"--warmup_ratio {self.warmup_ratio}: must be in [0, 1)")
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate {self.learning_rate}: must be positive")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.overlength not in ("truncate", "drop"):
             raise ValueError(f"--overlength {self.overlength}: choose truncate or drop")
         if self.attention not in ("auto", "sdpa", "flex"):

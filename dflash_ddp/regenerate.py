@@ -14,14 +14,17 @@ Determinism and resume contract:
   The RNG is seeded from (seed, k) before each batch, so a row's answer depends on the data, the target,
   the settings and B, not on the number of processes or on what ran before.
 - Finished rows are appended as JSON lines {"row", "messages", "hit_max_new_tokens", "new_tokens"} to
-  OUT.parts/rank{r}-of-{W}.jsonl, flushed and fsynced after each batch. A restart, with any number of
+  OUT.parts/rank{r}-of-{W}.jsonl, flushed and fsynced after each batch; a row the chat template refuses
+  (--skip_bad_rows, else the run stops naming it) is finished as {"row", "bad"}. A restart, with any number of
   processes, reads every part file, ignores a last line cut short by a kill, and skips finished rows; a
   batch finished only in part is recomputed whole (same rows, same seed) and only its missing rows are written.
-- OUT.parts/settings.json records the data (size + sha256 of each file), the target, the chat template and
-  every generation setting; a run with other ones is refused, never mixed in.
+- OUT.parts/settings.json records the data (size + sha256 of each file), the row count, the target, the chat
+  template and every generation setting; a run with other ones is refused, never mixed in. --skip_bad_rows
+  is not among them (the row count guards the numbering), so a run stopped at a bad row continues with it.
 - The process that finds every row finished writes OUT atomically (temporary file, fsync, rename), rows in
-  input order, each once, as {"messages": [...]}, then removes OUT.parts. Rows with an empty generated
-  answer are left out and counted: the trainer refuses empty assistant turns.
+  input order, each once, as {"messages": [...]}, then removes OUT.parts. Bad rows, rows with an empty
+  generated answer (the trainer refuses those) and rows cut off by --max_new_tokens (training would append an
+  end of turn to them; --keep_truncated, read by the merging process, keeps them) are left out and counted.
 - OUT.lock (an flock, removed at the end) makes the start-up checks and the merge of the ranks run one at a
   time. Run one job per OUT at a time (each rank holds an flock on its own part file, so a second job of
   the same size stops with an error).
@@ -53,7 +56,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, GenerationConfig
 from transformers import logging as hf_logging
 
-from .chat_template import load_chat_template
+from .chat_template import check_template_kwargs, load_chat_template
 from .checkpoint import file_sha256, fsync_dir
 from .data import BadRow, DataStats, data_files, read_conversations
 from .evaluate import eos_token_ids, json_object, resolve_device
@@ -62,6 +65,7 @@ from .topology import env_world
 
 PROGRESS_EVERY_S = 30.0
 ROW_PREFIX = re.compile(rb'^\{"row": (\d+), ')  # how json.dumps starts every part-file record
+TAIL_CHUNK = 1 << 20  # bytes read at a time, from the end, to find a part file's last complete line
 
 
 @dataclass
@@ -80,6 +84,7 @@ class RegenerateConfig:
     chat_template: str = ""  # a jinja file replacing the tokenizer's template
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. {"enable_thinking": false}
     skip_bad_rows: bool = False
+    keep_truncated: bool = False  # a merge-time choice, not in settings.json
     device: str = "auto"
 
     def validate(self) -> None:
@@ -97,6 +102,7 @@ class RegenerateConfig:
             raise ValueError("--top_p / --top_k only apply when sampling: also pass --temperature > 0")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
+        check_template_kwargs(self.chat_template_kwargs)
         out = Path(self.out).resolve()
         if out in {p.resolve() for p in data_files(self.data)}:
             raise ValueError(f"--out {self.out} is one of the --data files: pick another output path")
@@ -107,8 +113,7 @@ class RegenerateConfig:
 def parse_args(argv: list[str] | None) -> RegenerateConfig:
     """The command line as a validated config; bad flags exit 2 with argparse's message."""
     parser = argparse.ArgumentParser(
-        prog="python -m dflash_ddp.regenerate",
-        description=__doc__.split("\n\n")[0],
+        prog="python -m dflash_ddp.regenerate", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--target_model", required=True, help="local Hugging Face model directory")
     parser.add_argument(
@@ -124,22 +129,17 @@ def parse_args(argv: list[str] | None) -> RegenerateConfig:
         ("top_k", int, "top-k sampling, 0 = off (needs --temperature > 0)"),
         ("seed", int, "batch k is seeded from (seed, k)"),
         ("chat_template", str, "jinja file replacing the tokenizer's chat template"),
+        ("chat_template_kwargs", json_object, """template variables, e.g. '{"enable_thinking": false}'"""),
         ("device", str, "auto | cpu | cuda (cuda:LOCAL_RANK in bf16; the CPU runs fp32)"),
     ):
         default = getattr(defaults, name)
-        parser.add_argument(
-            f"--{name}",
-            type=kind,
-            default=default,
-            help=f"{text}; default {default}" if default != "" else text,
-        )
-    parser.add_argument(
-        "--chat_template_kwargs",
-        type=json_object,
-        default={},
-        help="JSON object for the template, e.g. '{\"enable_thinking\": false}'",
-    )
-    parser.add_argument("--skip_bad_rows", action="store_true", help="skip and count unusable rows")
+        text += f"; default {default}" if default != "" else ""
+        parser.add_argument(f"--{name}", type=kind, default=default, help=text)
+    for name, text in (
+        ("skip_bad_rows", "skip and count unusable rows"),
+        ("keep_truncated", "also write rows whose answer --max_new_tokens cut off (merge-time choice)"),
+    ):
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     config = RegenerateConfig(**vars(parser.parse_args(argv)))
     config.validate()
     return config
@@ -197,6 +197,8 @@ def load_rows(cfg: RegenerateConfig) -> tuple[list[Row], DataStats]:
 
 @dataclass
 class Answer:
+    """One generated turn: decoded text (special tokens and surrounding whitespace removed) and its length."""
+
     text: str
     new_tokens: int  # generated tokens, EOS included
     hit_max_new_tokens: bool  # stopped by --max_new_tokens before any EOS
@@ -228,13 +230,14 @@ class TargetGenerator:
             self.kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
     def prompt_ids(self, row: Row, messages: list[dict]) -> list[int]:
+        """The rendered prompt with the generation prompt; BadRow naming the row if the template refuses it."""
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.template_kwargs
             )
         # e.g. a template's raise_exception on a role order it does not accept
         except (TemplateError, ValueError) as e:
-            raise ValueError(f"{row.where}: the chat template failed on this conversation ({e})") from None
+            raise BadRow(f"{row.where}: the chat template failed on this conversation ({e})") from None
         return list(rendered["input_ids"])
 
     @torch.inference_mode()
@@ -263,16 +266,35 @@ def batch_seed(seed: int, batch: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def regenerate_batch(generate: TargetGenerator, rows: list[Row], seed: int) -> list[dict]:
+def regenerate_batch(
+    generate: TargetGenerator, rows: list[Row], seed: int, skip_bad_rows: bool = False
+) -> list[dict]:
     """The finished records of `rows` (one global batch), round by round; seeded first, so recomputing a
-    batch gives the same answers whatever ran before."""
+    batch gives the same answers whatever ran before.
+
+    A row whose prompt the chat template refuses (in any round) raises BadRow, or with `skip_bad_rows`
+    leaves this and later rounds and is finished as {"row", "bad"}: done for good, never retried."""
     torch.manual_seed(seed)
     messages = [[dict(m) for m in row.messages] for row in rows]
     hit, new_tokens = [False] * len(rows), [0] * len(rows)
+    bad: dict[int, str] = {}  # batch position -> the reason
     for j in range(max(len(row.targets) for row in rows)):
-        active = [b for b, row in enumerate(rows) if j < len(row.targets)]
-        prompts = [generate.prompt_ids(rows[b], messages[b][: rows[b].targets[j]]) for b in active]
-        for b, answer in zip(active, generate(prompts), strict=True):
+        prompts = {}  # batch position -> prompt ids, for the rows taking part in round j
+        for b, row in enumerate(rows):
+            if j >= len(row.targets) or b in bad:
+                continue
+            try:
+                prompts[b] = generate.prompt_ids(row, messages[b][: row.targets[j]])
+            except BadRow as e:
+                if not skip_bad_rows:
+                    raise BadRow(
+                        f"{e}. Pass --skip_bad_rows to skip and count such rows; the finished rows are kept, "
+                        "so the same command with --skip_bad_rows continues this run"
+                    ) from None
+                bad[b] = str(e)
+        if not prompts:  # every row left is bad
+            continue
+        for b, answer in zip(prompts, generate(list(prompts.values())), strict=True):
             position, turn = rows[b].targets[j], {"role": "assistant", "content": answer.text}
             if position == len(messages[b]):
                 messages[b].append(turn)
@@ -282,6 +304,8 @@ def regenerate_batch(generate: TargetGenerator, rows: list[Row], seed: int) -> l
             new_tokens[b] += answer.new_tokens
     return [
         {"row": row.index, "messages": messages[b], "hit_max_new_tokens": hit[b], "new_tokens": new_tokens[b]}
+        if b not in bad
+        else {"row": row.index, "bad": bad[b]}
         for b, row in enumerate(rows)
     ]
 
@@ -307,7 +331,6 @@ def run_settings(cfg: RegenerateConfig, tokenizer, dtype: torch.dtype, num_rows:
     ]
     return {
         "data": data,
-        "skip_bad_rows": cfg.skip_bad_rows,
         "num_rows": num_rows,
         "target_model": str(Path(cfg.target_model).resolve()),
         "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
@@ -338,6 +361,7 @@ def start_parts(out: Path, parts: Path, settings: dict) -> bool:
         fsync_dir(parts.parent)
         return True
     old = json.loads((parts / "settings.json").read_text())
+    old.pop("skip_bad_rows", None)  # recorded by earlier versions; see the module docstring
     changed = [
         f"{key}: {old.get(key)!r} -> {settings.get(key)!r}"
         for key in sorted(set(old) | set(settings))
@@ -365,10 +389,18 @@ class PartWriter:
             raise ValueError(
                 f"{path} is being written by another process: one job per --out at a time"
             ) from None
-        # A kill mid-write leaves a line without its newline: drop it before appending after it.
-        self.file.seek(0)
-        content = self.file.read()
-        os.ftruncate(self.file.fileno(), content.rfind(b"\n") + 1)
+        # A kill mid-write leaves a line without its newline: drop it before appending after it. Only the
+        # tail is read, from the end back in chunks: part files can be gigabytes.
+        end = self.file.seek(0, os.SEEK_END)
+        while end > 0:
+            start = max(0, end - TAIL_CHUNK)
+            self.file.seek(start)
+            newline = self.file.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+                break
+            end = start
+        os.ftruncate(self.file.fileno(), end)
 
     def write(self, records: list[dict]) -> None:
         """Append finished rows and make them durable before they count as done."""
@@ -409,15 +441,18 @@ def index_parts(parts: Path, num_rows: int) -> dict[int, tuple[Path, int]]:
 
 @dataclass
 class Summary:
+    """What the merge did with each row: rows = written + bad + empty (+ hit_max_new_tokens unless kept)."""
+
     rows: int = 0
     written: int = 0
-    empty: int = 0  # rows left out: a generated answer was empty
-    turns: int = 0
-    hit_max_new_tokens: int = 0
+    bad: int = 0  # left out: the chat template refused the row (--skip_bad_rows)
+    empty: int = 0  # left out: a generated answer was empty
+    hit_max_new_tokens: int = 0  # an answer was cut off (and not empty): left out unless --keep_truncated
+    turns: int = 0  # generated turns, over every row not bad
     new_tokens: int = 0
 
 
-def merge(out: Path, parts: Path, num_rows: int) -> Summary | None:
+def merge(out: Path, parts: Path, num_rows: int, keep_truncated: bool = False) -> Summary | None:
     """Write OUT from the part files when every row is finished, then remove OUT.parts. Called under the
     lock; None when rows are still missing (another rank is at work, or one died: run again)."""
     index = index_parts(parts, num_rows)
@@ -433,13 +468,19 @@ def merge(out: Path, parts: Path, num_rows: int) -> Summary | None:
             src = files.get(path) or files.setdefault(path, path.open("rb"))
             src.seek(offset)
             record = json.loads(src.readline())
+            if "bad" in record:
+                summary.bad += 1
+                continue
             generated = [m for m in record["messages"] if m["role"] == "assistant"]
             summary.turns += len(generated)
-            summary.hit_max_new_tokens += record["hit_max_new_tokens"]
             summary.new_tokens += record["new_tokens"]
             if not all(m["content"] for m in generated):
                 summary.empty += 1
                 continue
+            if record["hit_max_new_tokens"]:
+                summary.hit_max_new_tokens += 1
+                if not keep_truncated:
+                    continue
             dst.write(json.dumps({"messages": record["messages"]}, ensure_ascii=False) + "\n")
             summary.written += 1
         for src in files.values():
@@ -477,6 +518,7 @@ def pick_device(name: str, local_rank: int) -> tuple[torch.device, torch.dtype]:
 
 
 def say_finished(out: Path, parts: Path, rank: int) -> None:
+    """Rank 0 says that OUT is a finished run (the other ranks stay quiet: one line per job)."""
     if rank == 0:
         print(f"{out} already exists and no run is in progress ({parts.name}/ is absent): nothing to do")
 
@@ -514,41 +556,47 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
         )
     generated_rows = generated_tokens = 0
     start = last_report = time.perf_counter()
-    for k in range(rank, num_batches, world):
-        batch = rows[k * cfg.batch_size : (k + 1) * cfg.batch_size]
-        if all(row.index in done for row in batch):
-            continue
-        records = regenerate_batch(generate, batch, batch_seed(cfg.seed, k))
-        # A batch cut short by a kill was recomputed whole; its rows already on disk are not written again.
-        records = [r for r in records if r["row"] not in done]
-        writer.write(records)
-        generated_rows += len(records)
-        generated_tokens += sum(r["new_tokens"] for r in records)
-        if rank == 0 and time.perf_counter() - last_report > PROGRESS_EVERY_S:
-            last_report = time.perf_counter()
-            print(
-                f"rank 0: batch {k + 1}/{num_batches}, {generated_tokens / (last_report - start):.0f} tokens/s"
-            )
-    writer.close()
+    try:  # closed on a stop too (a bad row): the same process may run again, as the tests do
+        for k in range(rank, num_batches, world):
+            batch = rows[k * cfg.batch_size : (k + 1) * cfg.batch_size]
+            if all(row.index in done for row in batch):
+                continue
+            records = regenerate_batch(generate, batch, batch_seed(cfg.seed, k), cfg.skip_bad_rows)
+            # A batch cut short by a kill was recomputed whole; its rows already on disk are not written again.
+            records = [r for r in records if r["row"] not in done]
+            writer.write(records)
+            generated_rows += len(records)
+            generated_tokens += sum(r.get("new_tokens", 0) for r in records)
+            if rank == 0 and time.perf_counter() - last_report > PROGRESS_EVERY_S:
+                last_report = time.perf_counter()
+                print(
+                    f"rank 0: batch {k + 1}/{num_batches}, {generated_tokens / (last_report - start):.0f} tokens/s"
+                )
+    finally:
+        writer.close()
     seconds = time.perf_counter() - start
     rate = (
         f"{generated_rows} rows, {generated_tokens} tokens in {seconds:.1f} s "
         f"({generated_tokens / max(seconds, 1e-9):.0f} tokens/s)"
     )
     with locked(lock):
-        summary = merge(out, parts, len(rows)) if parts.is_dir() else None
-        if summary is not None:
+        merged_before = not parts.is_dir()  # by a rank that finished first and found every row done
+        summary = None if merged_before else merge(out, parts, len(rows), cfg.keep_truncated)
+        if merged_before or summary is not None:
             # Removed while held: a process waiting on it, or creating it anew, finds OUT finished and only reads.
-            lock.unlink()
+            lock.unlink(missing_ok=True)
     if summary is None:
-        print(
-            f"rank {rank}: {rate}; other ranks' rows are not all finished, the last rank to finish writes {out}"
+        rest = (
+            "was written by another rank" if merged_before else "will be written by the last rank to finish"
         )
+        print(f"rank {rank}: {rate}; {out} {rest}")
         return None
+    cut = "kept (--keep_truncated)" if cfg.keep_truncated else "left out (--keep_truncated keeps them)"
     print(
-        f"wrote {out}: {summary.written} of {summary.rows} rows ({summary.empty} left out for an empty answer), "
-        f"{summary.turns} generated turns, {summary.hit_max_new_tokens} rows hit --max_new_tokens "
-        f"({cfg.max_new_tokens}), {summary.new_tokens} tokens in all; this process: {rate}"
+        f"wrote {out}: {summary.written} of {summary.rows} rows; {summary.bad} bad rows and "
+        f"{summary.empty} with an empty answer left out, {summary.hit_max_new_tokens} cut off by "
+        f"--max_new_tokens ({cfg.max_new_tokens}) {cut}; {summary.turns} generated turns, "
+        f"{summary.new_tokens} tokens in all; this process: {rate}"
     )
     return summary
 

@@ -454,6 +454,22 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
     return notes
 
 
+def check_same_data(ctx: DistributedContext, run: Run) -> None:
+    """Every rank must train on the same tokenized data: compare the data fingerprints of all ranks."""
+    if ctx.topology.colocated:
+        return
+    mine = torch.tensor([int(run.identity["fingerprints"]["data"][:15], 16)], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(ctx.topology.world_size)]
+    dist.all_gather(everyone, mine)
+    values = [int(t) for t in everyone]
+    if len(set(values)) > 1:
+        odd = [rank for rank, value in enumerate(values) if value != values[ctx.topology.drafter_ranks[0]]]
+        raise ValueError(
+            f"rank(s) {odd} tokenized other data than the drafter leader (rank {ctx.topology.drafter_ranks[0]}): "
+            "every rank must see the same --data files, tokenizer, template and settings"
+        )
+
+
 def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
     """Every rank learns the leader's decision (start step and accumulation, or that the run must stop)."""
     topo = ctx.topology
@@ -531,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error{where}: {e}", file=sys.stderr)
         return 2
     try:
+        check_same_data(ctx, run)
         error = None
         if leader:
             try:

@@ -44,6 +44,7 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
             "--chat_template_kwargs: expected a JSON object",
         ),
         (["--num_proc", "0"], "--num_proc 0: must be a positive integer"),
+        (["--chat_template_kwargs", '{"tokenize": true}'], "--chat_template_kwargs: tokenize cannot be set"),
         (["stray"], "unexpected argument 'stray'"),
     ],
 )

@@ -225,3 +225,31 @@ def test_more_drafters_than_batches_per_epoch_is_refused(
     args = train_args(tiny_target, chat_data, tmp_path / "x", drafter_ranks=2, gradient_accumulation_steps=40)
     assert main(args[2:]) == 2
     assert "one optimizer step takes 80" in capsys.readouterr().err
+
+
+def test_ranks_that_read_different_data_refuse_to_start(tiny_target, chat_data, tmp_path):
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(chat_data.read_text().splitlines(keepends=True)[:-1]))  # one row fewer
+    flags = train_flags(tiny_target, chat_data, tmp_path / "run", max_steps=2)
+    flags = flags[: flags.index("--data")] + flags[flags.index("--data") + 2 :]
+    script = [str(SCRIPTS / "train_with_data_per_rank.py"), str(chat_data), str(other)]
+    result = torchrun(2, [*script, *flags])
+    assert result.returncode != 0
+    assert "rank(s) [0] tokenized other data than the drafter leader (rank 1)" in result.stderr, (
+        result.stderr[-3000:]
+    )
+
+
+def test_the_drafter_refuses_a_batch_its_schedule_does_not_expect():
+    from dflash_ddp.data import Batch
+    from dflash_ddp.schedule import ScheduledBatch
+    from dflash_ddp.train import check_batch
+    from dflash_ddp.transport import ChannelError, Message
+
+    ids = torch.ones(2, 3, dtype=torch.long)
+    message = Message(5, 0, Batch(ids, ids, ids, torch.tensor([7, 9])), torch.zeros(2, 3, 4), 2, 0.0, 0)
+    assert check_batch(message, ScheduledBatch(5, 0, 1, [7, 9]), rank=3) is message
+    with pytest.raises(
+        ChannelError, match="drafter rank 3: expected global batch 5 with samples \\[7, 8\\].*from rank 2"
+    ):
+        check_batch(message, ScheduledBatch(5, 0, 1, [7, 8]), rank=3)

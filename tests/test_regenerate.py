@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CHATML_TEMPLATE
 
 from dflash_ddp import regenerate as rg
+from dflash_ddp.data import BadRow
 from dflash_ddp.target import inspect_target, load_causal_lm
 
 from helpers import kill_job, torchrun_cmd
@@ -34,8 +36,13 @@ def one_thread():
 
 
 def flags(target, data, out, **settings) -> list[str]:
-    merged = {"target_model": target, "data": data, "out": out, "max_new_tokens": 8, **settings}
-    return [x for key, value in merged.items() for x in (f"--{key}", str(value))]
+    """`--key value` flags; True gives a bare `--key`, False none. --keep_truncated unless told otherwise:
+    the random tiny target seldom says EOS within a few tokens, so most of its answers are cut off."""
+    merged = {"target_model": target, "data": data, "out": out, "max_new_tokens": 8, "keep_truncated": True}
+    argv = []
+    for key, value in {**merged, **settings}.items():
+        argv += [f"--{key}"] if value is True else [] if value is False else [f"--{key}", str(value)]
+    return argv
 
 
 def run(target, data, out, **settings) -> list[dict]:
@@ -66,12 +73,16 @@ def finished_rows(parts: Path) -> list[int]:
 
 
 class StubGenerator:
-    """Answers `r<round>:<number of prompt turns>`; its "prompt ids" are copies of the messages, recorded."""
+    """Answers `r<round>:<number of prompt turns>`; its "prompt ids" are copies of the messages, recorded.
+    Refuses the prompts `refuse` names as (row index, number of prompt turns), as a chat template would."""
 
-    def __init__(self):
+    def __init__(self, refuse=()):
         self.calls: list[list[list[dict]]] = []  # per round, the prompts of the rows that took part
+        self.refuse = set(refuse)
 
     def prompt_ids(self, row, messages):
+        if (row.index, len(messages)) in self.refuse:
+            raise BadRow(f"{row.where}: the chat template failed on this conversation (refused)")
         return [dict(m) for m in messages]
 
     def __call__(self, prompts):
@@ -120,6 +131,22 @@ def test_rounds_use_the_regenerated_earlier_turns():
     assert [r["new_tokens"] for r in records] == [6, 3, 6]
     assert conversations[0][2]["content"] == "OLD1"  # the input is not modified
 
+    # A prompt the template refuses, in round 1 (row 1) or round 2 (row 0): with --skip_bad_rows the row
+    # leaves that round and the later ones and is finished as bad; the other rows are answered as before.
+    stub = StubGenerator(refuse={(1, 1), (0, 4)})
+    records = rg.regenerate_batch(stub, rows, seed=0, skip_bad_rows=True)
+    assert [len(c) for c in stub.calls] == [2, 1]  # rows 0 and 2, then row 2 only
+    assert records[0] == {"row": 0, "bad": "f:1: the chat template failed on this conversation (refused)"}
+    assert records[1] == {"row": 1, "bad": "f:2: the chat template failed on this conversation (refused)"}
+    assert records[2]["messages"][1:] == [
+        {"role": "assistant", "content": "r1:1"},
+        {"role": "user", "content": "U2"},
+        {"role": "assistant", "content": "r2:3"},
+    ]
+    # without it the batch stops at the row, naming it and the flag
+    with pytest.raises(BadRow, match="^f:1: the chat template failed .* Pass --skip_bad_rows"):
+        rg.regenerate_batch(StubGenerator(refuse={(0, 4)}), rows, seed=0)
+
 
 def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
     template = tmp_path / "template.jinja"
@@ -141,7 +168,7 @@ def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
     assert prompt(enable_thinking=False) == "user: What is a fox?\nassistant: (no thinking)"
 
     tokenizer.chat_template = "{{ raise_exception('only system turns, please') }}"
-    with pytest.raises(ValueError, match="chat.jsonl:7: the chat template failed .*only system turns"):
+    with pytest.raises(BadRow, match="chat.jsonl:7: the chat template failed .*only system turns"):
         prompt()
 
 
@@ -191,6 +218,35 @@ def test_multi_turn_and_prompt_only_rows(tiny_target, tmp_path):
     assert out.read_bytes() == before
 
 
+def test_a_row_the_template_refuses_stops_the_run_or_is_skipped(tiny_target, chat_data, tmp_path, capsys):
+    template = tmp_path / "needs_a_user.jinja"  # like Qwen3's: a prompt without a user turn is refused
+    template.write_text(
+        "{% if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif %}" + CHATML_TEMPLATE
+    )
+    lines = chat_data.read_text().splitlines(keepends=True)[:4]
+    refused = {"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join([*lines[:2], json.dumps(refused) + "\n", *lines[2:]]))
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
+    settings = {"batch_size": 2, "chat_template": template}
+
+    # found only when its prompt is rendered: the run stops there, naming it, and keeps batch 0's rows
+    assert rg.main(flags(tiny_target, data, out, **settings)) == 2
+    err = capsys.readouterr().err
+    assert f"{data}:3: the chat template failed" in err and "No user query found" in err, err
+    assert "--skip_bad_rows" in err and "Traceback" not in err
+    assert sorted(finished_rows(parts)) == [0, 1] and not out.exists()
+
+    # the same command with --skip_bad_rows continues the run (the flag is not a setting of OUT.parts)
+    summary = rg.regenerate(rg.parse_args(flags(tiny_target, data, out, **settings, skip_bad_rows=True)))
+    assert summary.bad == 1 and summary.written == 4
+    assert "1 bad rows" in capsys.readouterr().out
+    users = [json.loads(line)["messages"][0]["content"] for line in lines]
+    assert [r["messages"][0]["content"] for r in read_rows(out)] == users  # the other rows, in order
+    assert not parts.exists()
+
+
 def test_sampling_is_seeded_per_batch(tiny_target, chat_data, tmp_path, monkeypatch):
     data = first_rows(chat_data, tmp_path / "rows.jsonl", 8)
     settings = {"batch_size": 2, "temperature": 1.0, "top_k": 100}
@@ -228,10 +284,16 @@ def test_other_settings_than_the_parts_dir_is_an_error(tiny_target, chat_data, t
     assert err.startswith("error: ") and "Traceback" not in err
     assert "other settings" in err and "max_new_tokens: 8 -> 9" in err and f"delete {parts}" in err
 
-    data.write_text(data.read_text().replace("What", "Who", 1))  # same file, other content
+    original = data.read_text()
+    data.write_text(original.replace("What", "Who", 1))  # same file, other content
     assert rg.main(flags(tiny_target, data, out, batch_size=2)) == 2
     assert "data:" in capsys.readouterr().err
     assert sorted(finished_rows(parts)) == [2, 3] and not out.exists()  # nothing was added or merged
+
+    # --keep_truncated (and --skip_bad_rows) are no settings of the parts dir: another value continues it
+    data.write_text(original)
+    assert rg.main(flags(tiny_target, data, out, batch_size=2, keep_truncated=False, skip_bad_rows=True)) == 0
+    assert out.exists() and not parts.exists()
 
 
 @pytest.mark.parametrize(
@@ -243,6 +305,7 @@ def test_other_settings_than_the_parts_dir_is_an_error(tiny_target, chat_data, t
         ({"chat_template": "missing.jinja"}, "--chat_template missing.jinja: file not found"),
         ({"data": "missing.jsonl"}, "--data missing.jsonl: file not found"),
         ({"device": "tpu"}, "--device tpu: choose auto, cpu or cuda"),
+        ({"chat_template_kwargs": '{"tokenize": false}'}, "--chat_template_kwargs: tokenize cannot be set"),
         ({"out": "DATA"}, "is one of the --data files"),
         ({"target_model": "no_such_dir"}, "--target_model no_such_dir: not a directory"),
         ({"data": "ROW"}, "nothing to generate"),
@@ -266,7 +329,10 @@ def test_bad_input_is_a_clear_error(tiny_target, chat_data, tmp_path, capsys, se
         assert "no row has anything to generate" in capsys.readouterr().err
 
 
-def test_merge_orders_rows_drops_empty_answers_and_waits_for_missing_rows(tmp_path):
+@pytest.mark.parametrize("keep_truncated", [False, True])
+def test_merge_orders_rows_leaves_out_bad_empty_and_cut_rows_and_waits_for_missing_rows(
+    tmp_path, keep_truncated
+):
     def record(row, answer, hit=False):
         messages = [{"role": "user", "content": f"q{row}"}, {"role": "assistant", "content": answer}]
         return json.dumps({"row": row, "messages": messages, "hit_max_new_tokens": hit, "new_tokens": 5})
@@ -275,14 +341,20 @@ def test_merge_orders_rows_drops_empty_answers_and_waits_for_missing_rows(tmp_pa
     parts.mkdir()
     # rows from two world sizes, out of order, one found twice, one file ending in a line cut by a kill
     (parts / "rank0-of-2.jsonl").write_text(record(2, "c", hit=True) + "\n" + record(0, "a") + "\n")
-    (parts / "rank1-of-2.jsonl").write_text(record(1, "") + "\n" + record(3, "d")[:20])
-    assert rg.merge(out, parts, 4) is None  # row 3 is not finished
+    (parts / "rank1-of-2.jsonl").write_text(
+        record(1, "") + "\n" + json.dumps({"row": 4, "bad": "f:5: refused"}) + "\n" + record(3, "d")[:20]
+    )
+    assert rg.merge(out, parts, 5, keep_truncated) is None  # row 3 is not finished
     assert not out.exists() and parts.exists()
 
     (parts / "rank0-of-1.jsonl").write_text(record(3, "d") + "\n" + record(0, "a") + "\n")
-    summary = rg.merge(out, parts, 4)
-    assert summary == rg.Summary(rows=4, written=3, empty=1, turns=4, hit_max_new_tokens=1, new_tokens=20)
-    assert [r["messages"][1]["content"] for r in read_rows(out)] == ["a", "c", "d"]  # row 1 left out
+    summary = rg.merge(out, parts, 5, keep_truncated)
+    # row 1 (empty) and row 4 (bad) are always left out; row 2 (cut off by --max_new_tokens) by default
+    assert summary == rg.Summary(
+        rows=5, written=2 + keep_truncated, bad=1, empty=1, hit_max_new_tokens=1, turns=4, new_tokens=20
+    )
+    written = ["a", "c", "d"] if keep_truncated else ["a", "d"]
+    assert [r["messages"][1]["content"] for r in read_rows(out)] == written
     assert read_rows(out)[0] == {
         "messages": [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a"}]
     }
@@ -313,12 +385,47 @@ def test_part_writer_drops_a_cut_line_and_keeps_its_file_to_itself(tmp_path):
     rg.PartWriter(path).close()  # free again once the first writer is gone
 
 
-def test_bad_flags_are_argparse_errors(tiny_target, chat_data, tmp_path, capsys):
-    for bad in (["--batch_size", "x"], ["--chat_template_kwargs", "[1]"], ["--unknown", "1"]):
-        with pytest.raises(SystemExit) as exit_info:
-            rg.main([*flags(tiny_target, chat_data, tmp_path / "out.jsonl"), *bad])
-        assert exit_info.value.code == 2
-        assert "error: " in capsys.readouterr().err
+class CountingPath(type(Path())):
+    """A path whose opened files count the bytes read from them (in `bytes_read`)."""
+
+    bytes_read = 0
+
+    def open(self, *args, **kwargs):
+        file = super().open(*args, **kwargs)
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(file, name)
+
+            def read(self, *size):
+                data = file.read(*size)
+                CountingPath.bytes_read += len(data)
+                return data
+
+        return Counting()
+
+
+def test_part_writer_reads_only_the_tail(tmp_path, monkeypatch):
+    path = tmp_path / "rank0-of-1.jsonl"
+    lines = b"".join(b'{"row": %d, "messages": []}\n' % i for i in range(200_000))  # about 6 MB
+    path.write_bytes(lines + b'{"row": 200000, "mess')
+    CountingPath.bytes_read = 0
+    rg.PartWriter(CountingPath(path)).close()
+    assert path.read_bytes() == lines
+    assert CountingPath.bytes_read <= rg.TAIL_CHUNK < len(lines) // 4
+
+    # the last newline found across chunk boundaries, or nowhere
+    monkeypatch.setattr(rg, "TAIL_CHUNK", 4)
+    for content, kept in [
+        (b"ab\ncdefghijk", b"ab\n"),
+        (b"abc\ndefg", b"abc\n"),
+        (b"abcd\n", b"abcd\n"),
+        (b"abcdefghi", b""),
+        (b"", b""),
+    ]:
+        path.write_bytes(content)
+        rg.PartWriter(path).close()
+        assert path.read_bytes() == kept, content
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -372,9 +479,9 @@ def test_sigkill_and_restart_give_the_uninterrupted_rows_once_each(
     written = {}
     merge = rg.merge
 
-    def checked_merge(out_path, parts_dir, num_rows):
+    def checked_merge(out_path, parts_dir, num_rows, *args):
         written["rows"] = finished_rows(parts_dir)
-        return merge(out_path, parts_dir, num_rows)
+        return merge(out_path, parts_dir, num_rows, *args)
 
     monkeypatch.setattr(rg, "merge", checked_merge)
     assert rg.main(flags(tiny_target, data, out, **settings)) == 0

@@ -1,4 +1,7 @@
-"""The global batch sequence: the same for any split of the job, resumable at any batch."""
+"""The global batch sequence: the same for any split of the job, resumable at any batch.
+
+That real jobs with 1, 2 and 3 target ranks train on the same batches is shown end to end in
+test_distributed.py (bit-identical drafters; every drafter rank checks each batch against its schedule)."""
 
 import random
 
@@ -40,11 +43,3 @@ def test_padding_efficiency_on_a_chat_like_length_mix():
     batches = epoch_batches(lengths, 32768, 0, 0)
     padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
     assert sum(lengths) / padded >= 0.95
-
-
-def test_the_batch_list_does_not_depend_on_how_many_target_ranks_compute_it():
-    schedule = BatchSchedule(LENGTHS, tokens_per_batch=1200, seed=5, batches_per_step=2, total_steps=40)
-    reference = [(b.g, b.members) for b in schedule]
-    for targets in (1, 2, 3):  # each target rank takes g mod T; together they compute every batch once
-        per_rank = [[(b.g, b.members) for b in schedule if b.g % targets == r] for r in range(targets)]
-        assert sorted(x for rank in per_rank for x in rank) == reference
