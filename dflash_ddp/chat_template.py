@@ -95,7 +95,10 @@ class ChatTokenizer:
         try:
             text = self.render(probe)
         except (TemplateError, ValueError, TypeError) as e:
-            raise ValueError(f"the chat template cannot render a user/assistant exchange: {e}") from None
+            raise ValueError(
+                f"the chat template (--chat_template, or the tokenizer's own) cannot render a user/assistant "
+                f"exchange: {type(e).__name__}: {e}"
+            ) from None
         if PROBE not in text:
             raise ValueError("the chat template does not render the assistant's content verbatim")
         after = text.split(PROBE, 1)[1].lstrip()

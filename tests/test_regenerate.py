@@ -292,8 +292,38 @@ def test_other_settings_than_the_parts_dir_is_an_error(tiny_target, chat_data, t
 
     # --keep_truncated (and --skip_bad_rows) are no settings of the parts dir: another value continues it
     data.write_text(original)
-    assert rg.main(flags(tiny_target, data, out, batch_size=2, keep_truncated=False, skip_bad_rows=True)) == 0
+    argv = flags(tiny_target, data, out, batch_size=2, keep_truncated=False, skip_bad_rows=True)
+    summary = rg.regenerate(rg.parse_args(argv))
     assert out.exists() and not parts.exists()
+    # by default the rows cut off by --max_new_tokens are counted and left out
+    assert (
+        summary.written + summary.empty + summary.hit_max_new_tokens == 4 and summary.hit_max_new_tokens > 0
+    )
+    assert len(read_rows(out)) == summary.written
+    assert "cut off by --max_new_tokens (8) left out" in capsys.readouterr().out
+
+
+def test_a_rank_finishing_after_the_merge_says_so(tiny_target, chat_data, tmp_path, monkeypatch, capsys):
+    data = first_rows(chat_data, tmp_path / "rows.jsonl", 4)
+    out = tmp_path / "out.jsonl"
+    argv = flags(tiny_target, data, out, batch_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    write = rg.PartWriter.write
+
+    def write_then_rank_0_runs(self, records):
+        """Rank 1's batch is on disk; rank 0 now does its batch, finds every row finished and writes OUT."""
+        write(self, records)
+        if self.path.name == "rank1-of-2.jsonl":
+            monkeypatch.setenv("RANK", "0")
+            assert rg.main(argv) == 0 and out.exists()
+
+    monkeypatch.setattr(rg.PartWriter, "write", write_then_rank_0_runs)
+    monkeypatch.setenv("RANK", "1")
+    assert rg.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}: 4 of 4 rows" in printed
+    assert f"{out} was written by another rank" in printed.splitlines()[-1], printed
+    assert not (tmp_path / "out.jsonl.lock").exists()
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import conversation
 from safetensors.torch import load_file
 
 from dflash_ddp.checkpoint import verify_checkpoint
@@ -125,3 +126,24 @@ def test_data_settings_through_the_cli_and_the_tokenization_cache(tiny_target, c
     assert main(base_args(tiny_target, chat_data, tmp_path / "b") + flags) == 0
     assert "tokenizing" not in capsys.readouterr().out
     assert json.loads((tmp_path / "b" / "data_stats.json").read_text()) == stats
+
+
+def test_train_last_turn_only_through_the_cli(tiny_target, tmp_path):
+    rows = []
+    for i in range(24):
+        first, second = conversation(i)["messages"], conversation(100 + i)["messages"]
+        rows.append({"messages": first + second})  # two exchanges per conversation
+    data = tmp_path / "multi_turn.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens = {}
+    for flag in ([], ["--train_last_turn_only"]):
+        out = tmp_path / f"run{len(flag)}"
+        assert (
+            main(
+                train_flags(tiny_target, data, out, max_seq_len=512, tokens_per_batch=2048, max_steps=1)
+                + flag
+            )
+            == 0
+        )
+        tokens[bool(flag)] = json.loads((out / "data_stats.json").read_text())["response_tokens"]
+    assert 0.3 < tokens[True] / tokens[False] < 0.7  # about half: only the second answer is learned
