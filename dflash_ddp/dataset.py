@@ -79,7 +79,7 @@ class TokenizedDataset:
         """A content hash of ids and masks, stored with checkpoints."""
         h = hashlib.sha256()
         for t in (self.offsets, self.input_ids, self.loss_mask):
-            h.update(t.numpy().tobytes())
+            h.update(memoryview(t.contiguous().numpy()))  # no copy of a multi-GB tensor
         return h.hexdigest()[:16]
 
     @classmethod
