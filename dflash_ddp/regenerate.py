@@ -9,7 +9,7 @@ gets one generated assistant turn appended. Multi-turn rows go in rounds: round 
 assistant turn of every row of the batch that has one.
 
 Determinism and resume contract:
-- Global batch k is rows [k*B, (k+1)*B) in input order (rows skipped by --skip_bad_rows do not count);
+- Global batch k is rows [k*B, (k+1)*B) in input order (rows --skip_bad_rows skips on reading do not count);
   rank r of W (torchrun's RANK/WORLD_SIZE; no process group is created) does batches k = r, r+W, ...
   The RNG is seeded from (seed, k) before each batch, so a row's answer depends on the data, the target,
   the settings and B, not on the number of processes or on what ran before.
@@ -230,7 +230,7 @@ class TargetGenerator:
             self.kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
     def prompt_ids(self, row: Row, messages: list[dict]) -> list[int]:
-        """The rendered prompt with the generation prompt; BadRow naming the row if the template refuses it."""
+        """Prompt ids ending in the generation prompt; BadRow naming the row when the template refuses it."""
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.template_kwargs
