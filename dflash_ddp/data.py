@@ -134,6 +134,15 @@ def data_files(paths: list[str]) -> list[Path]:
     return found
 
 
+def data_file_contents(paths: list[str]) -> list[Path]:
+    """Every file whose bytes make up the --data inputs (a save_to_disk directory counts as its files)."""
+    return [
+        f
+        for path in data_files(paths)
+        for f in (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    ]
+
+
 def _jsonl_rows(path: Path):
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):

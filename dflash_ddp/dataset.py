@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from .chat_template import ChatTokenizer
 from .checkpoint import file_sha256
-from .data import BadRow, Batch, DataStats, data_files, read_conversations
+from .data import BadRow, Batch, DataStats, data_file_contents, read_conversations
 
 CACHE_VERSION = 1  # bump when tokenization or masking changes, so that old caches are not reused
 TOKENIZER_FILES = (
@@ -184,9 +184,8 @@ def cache_key(chat: ChatTokenizer, tokenizer_dir: Path, paths: list[str], settin
     # the libraries' versions too: a tokenizers release may split text differently
     versions = f"v{CACHE_VERSION} transformers {transformers.__version__} tokenizers {tokenizers.__version__}"
     h = hashlib.sha256(f"dflash_ddp tokenized {versions}\n".encode())
-    for path in data_files(paths):
-        for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
-            _hash_file(h, f)
+    for f in data_file_contents(paths):
+        _hash_file(h, f)
     for pattern in TOKENIZER_FILES:
         for f in sorted(tokenizer_dir.glob(pattern)):
             _hash_file(h, f)

@@ -58,7 +58,7 @@ from transformers import logging as hf_logging
 
 from .chat_template import check_template_kwargs, load_chat_template
 from .checkpoint import file_sha256, fsync_dir
-from .data import BadRow, DataStats, data_files, read_conversations
+from .data import BadRow, DataStats, data_file_contents, data_files, read_conversations
 from .evaluate import eos_token_ids, json_object, resolve_device
 from .target import TargetInfo, inspect_target, load_causal_lm
 from .topology import env_world
@@ -324,10 +324,9 @@ def locked(path: Path):
 
 def run_settings(cfg: RegenerateConfig, tokenizer, dtype: torch.dtype, num_rows: int) -> dict:
     """What decides the output: a parts directory started with other values must not be continued."""
-    data = [  # a save_to_disk directory counts as its files
+    data = [
         {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
-        for path in data_files(cfg.data)
-        for f in (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+        for f in data_file_contents(cfg.data)
     ]
     return {
         "data": data,
