@@ -365,7 +365,7 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                 trainer_state = run.identity | {
                     "global_step": step,
                     "epoch": messages[-1].epoch,
-                    "batches_consumed": step * schedule.batches_per_step,
+                    "batches_consumed": run.first_batch + (step - run.start_step) * schedule.batches_per_step,
                     "tokens_seen": tokens_seen,
                     "topology": {
                         "world_size": topo.world_size,

@@ -229,3 +229,27 @@ def test_resuming_an_earlier_checkpoint_sets_later_ones_aside(finished_run, tiny
     assert (root / "latest").read_text().strip() == "step-00000005"
     # a later automatic resume continues this run's own newest checkpoint, not the abandoned step 6
     assert find_checkpoint(finished_run, "auto", print) == root / "step-00000005"
+
+
+def test_the_data_cursor_stays_exact_after_an_accepted_change_of_global_batch(
+    tiny_target, chat_data, tmp_path
+):
+    out = tmp_path / "run"
+    assert (
+        main(args(tiny_target, chat_data, out, "--max_steps", "4", "--gradient_accumulation_steps", "2")) == 0
+    )
+    state = load_trainer_state(out / "checkpoints" / "step-00000003")
+    assert state["batches_consumed"] == 6
+    more = [
+        "--max_steps",
+        "6",
+        "--gradient_accumulation_steps",
+        "1",
+        "--resume_override",
+        "global_batch",
+        "max_steps",
+        "gradient_accumulation_steps",
+    ]
+    assert main(args(tiny_target, chat_data, out, *more)) == 0
+    # 8 batches by step 4 (2 per step), then 1 per step: 10 at step 6, not 6 x 1
+    assert load_trainer_state(out / "checkpoints" / "step-00000006")["batches_consumed"] == 10
