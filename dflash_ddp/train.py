@@ -521,6 +521,14 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
     (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
+def lost_peer(error: RuntimeError) -> bool:
+    """Whether a collective failed because another rank went away (gloo and NCCL word it differently)."""
+    text = str(error)
+    return isinstance(error, dist.DistBackendError) or any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -581,6 +589,15 @@ def main(argv: list[str] | None = None) -> int:
         stopped = ROLES[topology.role](ctx, run)
     except (ChannelError, SaveError) as e:  # a dead or stuck peer, a full disk: say so, no traceback
         print(f"error{where}: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise  # a bug: keep its traceback
+        print(
+            f"error{where}: lost the connection to another rank of the job, which most likely failed first "
+            f"(see its message above): {str(e).splitlines()[0]}",
+            file=sys.stderr,
+        )
         return 1
     finally:
         shutdown()

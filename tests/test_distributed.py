@@ -253,3 +253,27 @@ def test_the_drafter_refuses_a_batch_its_schedule_does_not_expect():
         ChannelError, match="drafter rank 3: expected global batch 5 with samples \\[7, 8\\].*from rank 2"
     ):
         check_batch(message, ScheduledBatch(5, 0, 1, [7, 8]), rank=3)
+
+
+def test_killing_the_drafter_leader_gives_every_rank_a_clear_message(tiny_target, chat_data, tmp_path):
+    out = tmp_path / "killed"
+    args = train_args(tiny_target, chat_data, out, max_steps=100000, drafter_ranks=2, dist_timeout=30)
+    job = subprocess.Popen(
+        torchrun_cmd(4) + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        assert (out / "metrics.jsonl").exists(), "the job never started training"
+        os.kill(_rank_pids(job.pid)[3], signal.SIGKILL)
+        output = job.communicate(timeout=90)[0]
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    assert "error (rank 2): lost the connection to another rank" in output, output[-3000:]
+    assert "dflash_ddp/" not in output  # no traceback through our code on any surviving rank
