@@ -5,6 +5,7 @@ loading the two tensors the drafter shares with it (input embedding and LM head)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,30 @@ class TargetInfo:
     max_position_embeddings: int
     rope_parameters: dict
     tie_word_embeddings: bool
+
+
+FINGERPRINT_SAMPLES = 16  # 64 KiB windows per weight file: cheap, yet any retrained weights differ
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """Identify a target's weights without reading them all: config.json, then for each safetensors file
+    its size, its header (names, dtypes, shapes) and evenly spaced 64 KiB windows of its tensor bytes.
+
+    Two checkpoints of one architecture (a base and an instruct model) share config and headers but
+    not their bytes, so a drafter trained for one is not silently resumed against the other."""
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}\n".encode())
+        with file.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(header_len))
+            start = 8 + header_len
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(start + (size - start) * i // FINGERPRINT_SAMPLES)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()[:16]
 
 
 def inspect_target(path: str | Path) -> TargetInfo:

@@ -35,7 +35,7 @@ from .progress import TrainingMonitor
 from .resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state, load_weights
 from .schedule import BatchSchedule, ScheduledBatch
 from .signals import GracefulStop
-from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspect_target
+from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspect_target, target_fingerprint
 from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from .trainer import (
     DrafterTrainer,
@@ -175,7 +175,7 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topo
     return {
         "config": config,
         "fingerprints": {
-            "target": fingerprint_files([setup.info.path / "config.json"]),
+            "target": target_fingerprint(setup.info.path),
             "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
             "data": data.fingerprint(),
         },

@@ -5,11 +5,12 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import build_tokenizer
 from transformers import AutoTokenizer
 
 from dflash_ddp.chat_template import ChatTokenizer, load_chat_template
 from dflash_ddp.data import BadRow
+
+from conftest import build_tokenizer
 
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN3 = (TEMPLATES / "qwen3_style.jinja").read_text()

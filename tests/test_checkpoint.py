@@ -3,6 +3,7 @@
 import errno
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from dflash_ddp.checkpoint import SaveError, save_checkpoint, verify_checkpoint,
 from dflash_ddp.resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state
 from dflash_ddp.train import main
 
+from conftest import build_target
 from helpers import train_flags
 
 
@@ -253,3 +255,15 @@ def test_the_data_cursor_stays_exact_after_an_accepted_change_of_global_batch(
     assert main(args(tiny_target, chat_data, out, *more)) == 0
     # 8 batches by step 4 (2 per step), then 1 per step: 10 at step 6, not 6 x 1
     assert load_trainer_state(out / "checkpoints" / "step-00000006")["batches_consumed"] == 10
+
+
+def test_a_target_with_the_same_config_but_other_weights_is_refused(
+    finished_run, tiny_target, chat_data, tmp_path, capsys
+):
+    other = tmp_path / "retrained_target"
+    shutil.copytree(tiny_target, other)
+    config = json.loads((tiny_target / "config.json").read_text())
+    build_target(other, vocab_size=config["vocab_size"], seed=1)  # same architecture, other weights
+    assert (other / "config.json").read_text() == (tiny_target / "config.json").read_text()
+    assert main(args(other, chat_data, finished_run)) == 2
+    assert "fingerprints.target: checkpoint" in capsys.readouterr().err

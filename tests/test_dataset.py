@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import conversation
 from transformers import AutoTokenizer
 
 from dflash_ddp import dataset
 from dflash_ddp.chat_template import ChatTokenizer
 from dflash_ddp.dataset import TokenizeSettings, load_or_tokenize, tokenize_dataset
+
+from conftest import conversation
 
 SETTINGS = TokenizeSettings(max_seq_len=256, block_size=4)
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHATML_TEMPLATE
 
 from dflash_ddp import regenerate as rg
 from dflash_ddp.data import BadRow
 from dflash_ddp.target import inspect_target, load_causal_lm
 
+from conftest import CHATML_TEMPLATE
 from helpers import kill_job, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]

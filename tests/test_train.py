@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import conversation
 from safetensors.torch import load_file
 
 from dflash_ddp.checkpoint import verify_checkpoint
 from dflash_ddp.train import main
 
+from conftest import conversation
 from helpers import train_flags
 
 
