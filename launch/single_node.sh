@@ -6,4 +6,7 @@ set -euo pipefail
 if [ -z "${NPROC:-}" ]; then
   NPROC=$(python -c "import torch; print(torch.cuda.device_count() or 8)")
 fi
+# On SIGTERM torchrun gives the workers this long to finish their step and write the stop checkpoint
+# before SIGKILL (default 30 s; a large drafter's checkpoint can take longer). Older torchruns ignore it.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 exec torchrun --standalone --nproc-per-node "$NPROC" -m dflash_ddp.train "$@"
