@@ -11,176 +11,46 @@ function in both training roles; only where its batches come from differs.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
-from .chat_template import ChatTokenizer, load_chat_template
-from .checkpoint import CheckpointWriter, SaveError, checkpoint_name, rng_state, set_aside_later
+from .checkpoint import CheckpointWriter, SaveError, rng_state
 from .config import TrainConfig, config_to_dict, parse_config, usage
-from .data import DataStats
-from .dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
-from .export import to_zlab_config
-from .model import DFlashDraftConfig, DFlashDraftModel
-from .objective import peak_logits_bytes
 from .progress import TrainingMonitor
-from .resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state, load_weights
-from .schedule import BatchSchedule, ScheduledBatch
+from .resume import load_tensor_file, load_trainer_state, load_weights
+from .run_setup import (
+    Run,
+    build_schedule,
+    check_same_data,
+    decide_start,
+    load_data,
+    prepare,
+    print_plan,
+    prune_metrics,
+    run_identity,
+    share_start,
+)
+from .schedule import ScheduledBatch
 from .signals import GracefulStop
-from .target import SharedTargetHead, TargetFeatureExtractor, TargetInfo, inspect_target, target_fingerprint
+from .target import SharedTargetHead, TargetFeatureExtractor
 from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from .trainer import (
     DrafterTrainer,
     OptimizerSettings,
     StepSettings,
     build_drafter,
-    drafter_config_for,
-    resolve_mask_token_id,
-    resolve_target_layer_ids,
 )
 from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, StopFlag
 
 
-@dataclass
-class RunSetup:
-    """Everything derived from the config before any weights load."""
-
-    info: TargetInfo
-    tokenizer: object
-    drafter_config: DFlashDraftConfig
-
-
-def prepare(cfg: TrainConfig) -> RunSetup:
-    """Read the target's config and tokenizer and size the drafter; no weights are loaded."""
-    info = inspect_target(cfg.target_model)
-    tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
-    load_chat_template(tokenizer, cfg.chat_template)
-    taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
-    mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
-    drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
-    return RunSetup(info, tokenizer, drafter_config)
-
-
-def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedDataset, DataStats]:
-    """The tokenized --data, from the cache when files, tokenizer, template and settings are unchanged."""
-    chat = ChatTokenizer(setup.tokenizer, cfg.chat_template_kwargs, cfg.train_last_turn_only)
-    settings = TokenizeSettings(
-        max_seq_len=cfg.max_seq_len,
-        block_size=cfg.block_size,
-        overlength=cfg.overlength,
-        skip_bad_rows=cfg.skip_bad_rows,
-    )
-    cache_dir = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
-    data, stats, _ = load_or_tokenize(
-        chat, setup.info.path, cfg.data, settings, cache_dir, cfg.num_proc, log=lambda m: print(m + where)
-    )
-    return data, stats
-
-
 def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 on CPU: exact parity tests
-
-
-def fingerprint_files(paths: list[Path]) -> str:
-    """sha256 over the names and bytes of small identity files (config, tokenizer)."""
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def drafter_parameter_count(config: DFlashDraftConfig) -> int:
-    with torch.device("meta"):  # shapes only, no memory
-        return sum(p.numel() for p in DFlashDraftModel(config).parameters())
-
-
-def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
-    """Topology, sizes and memory estimates; loads no weights."""
-    c, info = setup.drafter_config, setup.info
-    params = drafter_parameter_count(c)
-    rows = cfg.num_anchors * (c.block_size - 1)
-    full, chunked = peak_logits_bytes(rows, c.vocab_size, cfg.loss_chunk_size)
-    gib = 1 << 30
-    bf16 = 2 if torch.cuda.is_available() else 4
-    # The target's layers have the drafter's width: (params - fc) / drafter layers per target layer.
-    per_layer = (params - len(c.target_layer_ids) * info.hidden_size**2) // c.num_hidden_layers
-    target_params = info.vocab_size * info.hidden_size + (max(c.target_layer_ids) + 1) * per_layer
-    feature_bytes = cfg.tokens_per_batch * len(c.target_layer_ids) * info.hidden_size * bf16
-    for line in topology.describe():
-        print(f"{'topology':>26}: {line}")
-    plan = {
-        "target": f"{info.path} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size})",
-        "target_layers_run": f"0..{max(c.target_layer_ids)} of {info.num_layers} (later layers, norm and LM head skipped)",
-        "target_layer_ids": c.target_layer_ids,
-        "mask_token_id": c.mask_token_id,
-        "block_size": c.block_size,
-        "drafter": f"{c.num_hidden_layers} layers, {params / 1e6:.1f}M trainable parameters",
-        "message_size": f"up to {feature_bytes / 2**20:.1f} MiB of features per batch (--tokens_per_batch {cfg.tokens_per_batch})",
-        "target_rank_memory": f"~{target_params * bf16 / gib:.2f} GiB of weights (layers 0..{max(c.target_layer_ids)})",
-        "drafter_rank_memory": f"{params * 16 / gib:.2f} GiB (fp32 weights + grads + AdamW moments) "
-        f"+ {2 * info.vocab_size * info.hidden_size * bf16 / gib:.2f} GiB shared embedding/LM head",
-        "logits_peak_per_sequence": f"{full / gib:.2f} GiB unchunked -> {chunked / gib:.2f} GiB with --loss_chunk_size {cfg.loss_chunk_size}",
-    }
-    for key, value in plan.items():
-        print(f"{key:>26}: {value}")
-
-
-def build_schedule(cfg: TrainConfig, data: TokenizedDataset, topology: Topology) -> BatchSchedule:
-    lengths = data.lengths
-    per_step = topology.num_drafters * cfg.gradient_accumulation_steps
-    if cfg.max_steps > 0:
-        return BatchSchedule(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.max_steps)
-    return BatchSchedule.for_epochs(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.num_epochs)
-
-
-@dataclass
-class Run:
-    """What every role loop reads: settings, data, the batch sequence and where training starts."""
-
-    cfg: TrainConfig
-    setup: RunSetup
-    data: TokenizedDataset
-    schedule: BatchSchedule
-    identity: dict  # fingerprints, drafter config and settings: stored in, and checked against, checkpoints
-    start_step: int = 0
-    first_batch: int = 0  # the checkpoint's data cursor: global batches already consumed
-    resume_from: Path | None = None
-
-    @property
-    def end_batch(self) -> int:
-        """One past the last global batch this run consumes: the remaining steps' worth after the cursor."""
-        return (
-            self.first_batch + (self.schedule.total_steps - self.start_step) * self.schedule.batches_per_step
-        )
-
-    def set_accumulation(self, steps: int, topology: Topology) -> None:
-        """Change gradient accumulation (to keep a resumed run's global batch); schedule and identity follow."""
-        self.cfg = dataclasses.replace(self.cfg, gradient_accumulation_steps=steps)
-        self.schedule = build_schedule(self.cfg, self.data, topology)
-        self.identity = run_identity(self.cfg, self.setup, self.data, topology)
-
-
-def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topology: Topology) -> dict:
-    """The parts of trainer_state.json that decide whether a checkpoint belongs to this run."""
-    config = config_to_dict(cfg) | {"global_batch": topology.num_drafters * cfg.gradient_accumulation_steps}
-    return {
-        "config": config,
-        "fingerprints": {
-            "target": target_fingerprint(setup.info.path),
-            "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
-            "data": data.fingerprint(),
-        },
-        "drafter": to_zlab_config(setup.drafter_config),
-    }
 
 
 # --------------------------------------------------------------------------------------------- roles
@@ -410,95 +280,6 @@ ROLES = {"colocated": run_colocated, "target": run_target, "drafter": run_drafte
 
 
 # ---------------------------------------------------------------------------------------------- main
-
-
-def decide_start(run: Run, topology: Topology) -> list[str]:
-    """On the leader: find the checkpoint to resume from and check it belongs to this run.
-
-    Sets run.start_step / run.resume_from; returns lines to print (skipped checkpoints, overrides).
-    """
-    notes: list[str] = []
-    path = find_checkpoint(run.cfg.output_dir, run.cfg.resume, notes.append)
-    if path is None:
-        return notes
-    saved = load_trainer_state(path)
-    saved_batch, drafters = saved["config"].get("global_batch"), topology.num_drafters
-    if (
-        isinstance(saved_batch, int)
-        and saved_batch != run.identity["config"]["global_batch"]
-        and "global_batch" not in run.cfg.resume_override
-        and saved_batch % drafters == 0
-    ):  # another number of drafter ranks: keep the global batch by changing the accumulation
-        run.set_accumulation(saved_batch // drafters, topology)
-        notes.append(
-            f"keeping the checkpoint's global batch of {saved_batch} batches: {drafters} drafter rank(s) x "
-            f"--gradient_accumulation_steps {run.cfg.gradient_accumulation_steps}"
-        )
-    accepted = check_same_run(saved, run.identity, run.cfg.resume_override, path)
-    notes += [f"resume override accepted: {change}" for change in accepted]
-    if saved["global_step"] > run.schedule.total_steps:
-        raise ValueError(
-            f"{path} is at step {saved['global_step']}, past this run's {run.schedule.total_steps} steps"
-        )
-    run.start_step, run.first_batch, run.resume_from = (
-        int(saved["global_step"]),
-        int(saved["batches_consumed"]),
-        path,
-    )
-    notes += set_aside_later(run.cfg.output_dir, path, run.start_step)
-    notes.append(
-        f"resuming from {path} (step {run.start_step}, batch {run.first_batch}; saved as "
-        f"{saved['topology']['target_ranks']}+{saved['topology']['drafter_ranks']}, now "
-        f"{topology.num_targets}+{topology.num_drafters})"
-    )
-    return notes
-
-
-def check_same_data(ctx: DistributedContext, run: Run) -> None:
-    """Every rank must train on the same tokenized data: compare the data fingerprints of all ranks."""
-    if ctx.topology.colocated:
-        return
-    mine = torch.tensor([int(run.identity["fingerprints"]["data"][:15], 16)], dtype=torch.int64)
-    everyone = [torch.zeros_like(mine) for _ in range(ctx.topology.world_size)]
-    dist.all_gather(everyone, mine)
-    values = [int(t) for t in everyone]
-    if len(set(values)) > 1:
-        odd = [rank for rank, value in enumerate(values) if value != values[ctx.topology.drafter_ranks[0]]]
-        raise ValueError(
-            f"rank(s) {odd} tokenized other data than the drafter leader (rank {ctx.topology.drafter_ranks[0]}): "
-            "every rank must see the same --data files, tokenizer, template and settings"
-        )
-
-
-def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
-    """Every rank learns the leader's decision (start step and accumulation, or that the run must stop)."""
-    topo = ctx.topology
-    if topo.colocated:
-        if error:
-            raise ValueError(error)
-        return
-    decision = torch.tensor(
-        [run.start_step, 1 if error else 0, run.cfg.gradient_accumulation_steps, run.first_batch],
-        dtype=torch.int64,
-    )
-    dist.broadcast(decision, src=topo.drafter_ranks[0])
-    if int(decision[1]):
-        raise ValueError(error or f"rank {topo.drafter_ranks[0]} refused to start (see its message)")
-    if int(decision[2]) != run.cfg.gradient_accumulation_steps:
-        run.set_accumulation(int(decision[2]), topo)
-    run.start_step, run.first_batch = int(decision[0]), int(decision[3])
-    if run.start_step and not topo.is_leader:  # other drafter ranks read the same checkpoint
-        resume = run.cfg.resume
-        root = Path(resume) if resume not in ("auto", "never") else Path(run.cfg.output_dir) / "checkpoints"
-        run.resume_from = root if resume not in ("auto", "never") else root / checkpoint_name(run.start_step)
-
-
-def prune_metrics(output_dir: str, start_step: int) -> None:
-    """Drop metrics.jsonl lines after the resume point (a killed run may have logged past its checkpoint)."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
-        path.write_text("".join(line + "\n" for line in kept))
 
 
 def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
