@@ -144,11 +144,10 @@ def _rank_pids(parent: int) -> dict[int, int]:
     return found
 
 
-def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, chat_data, tmp_path):
-    out = tmp_path / "killed"
-    args = train_args(tiny_target, chat_data, out, max_steps=100000, dist_timeout=30)
+def kill_rank_while_training(nproc: int, args: list[str], out: Path, rank: int) -> tuple[str, int, dict]:
+    """Start a job, SIGKILL one rank once training is under way; returns (output, exit code, rank pids)."""
     job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone", *args],
+        torchrun_cmd(nproc) + args,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -156,18 +155,25 @@ def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, cha
     )
     try:
         deadline = time.time() + 120
-        while not (out / "metrics.jsonl").exists() and time.time() < deadline:  # training is under way
+        while not (out / "metrics.jsonl").exists() and time.time() < deadline:
             time.sleep(0.5)
         assert (out / "metrics.jsonl").exists(), "the job never started training"
         ranks = _rank_pids(job.pid)
-        os.kill(ranks[1], signal.SIGKILL)
+        os.kill(ranks[rank], signal.SIGKILL)
         killed_at = time.time()
         output = job.communicate(timeout=90)[0]
-        assert time.time() - killed_at < 60
+        assert time.time() - killed_at < 60, "the other ranks took too long to notice"
     finally:
         if job.poll() is None:
             kill_job(job)
-    assert job.returncode != 0
+    return output, job.returncode, ranks
+
+
+def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, chat_data, tmp_path):
+    out = tmp_path / "killed"
+    args = train_args(tiny_target, chat_data, out, max_steps=100000, dist_timeout=30)
+    output, returncode, ranks = kill_rank_while_training(3, args, out, rank=1)
+    assert returncode != 0
     assert "rank 1" in output or "rank: 1" in output, output[-3000:]
     leftovers = [
         pid
@@ -258,22 +264,6 @@ def test_the_drafter_refuses_a_batch_its_schedule_does_not_expect():
 def test_killing_the_drafter_leader_gives_every_rank_a_clear_message(tiny_target, chat_data, tmp_path):
     out = tmp_path / "killed"
     args = train_args(tiny_target, chat_data, out, max_steps=100000, drafter_ranks=2, dist_timeout=30)
-    job = subprocess.Popen(
-        torchrun_cmd(4) + args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 120
-        while not (out / "metrics.jsonl").exists() and time.time() < deadline:
-            time.sleep(0.5)
-        assert (out / "metrics.jsonl").exists(), "the job never started training"
-        os.kill(_rank_pids(job.pid)[3], signal.SIGKILL)
-        output = job.communicate(timeout=90)[0]
-    finally:
-        if job.poll() is None:
-            kill_job(job)
+    output, _, _ = kill_rank_while_training(4, args, out, rank=3)
     assert "error (rank 2): lost the connection to another rank" in output, output[-3000:]
     assert "dflash_ddp/" not in output  # no traceback through our code on any surviving rank
