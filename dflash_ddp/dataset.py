@@ -15,6 +15,8 @@ import multiprocessing
 import os
 import time
 from array import array
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +31,8 @@ from .chat_template import ChatTokenizer
 from .checkpoint import file_sha256
 from .data import BadRow, Batch, DataStats, data_file_contents, read_conversations
 
+CHUNK_ROWS = 256  # rows per task of a tokenization worker
+PROGRESS_EVERY_S = 30.0
 CACHE_VERSION = 1  # bump when tokenization or masking changes, so that old caches are not reused
 TOKENIZER_FILES = (
     "tokenizer*",
@@ -120,31 +124,47 @@ def _tokenize_rows(rows: list[tuple[str, list[dict]]]) -> list[tuple[array, arra
     return out
 
 
-def _tokenize_all(chat: ChatTokenizer, rows: list, num_proc: int):
-    chunk = 256
-    chunks = [rows[i : i + chunk] for i in range(0, len(rows), chunk)]
-    if num_proc <= 1 or len(chunks) == 1:
+def _tokenize_all(chat: ChatTokenizer, rows: list, num_proc: int, log) -> Iterator:
+    """Results of every row, in order; a progress line every PROGRESS_EVERY_S seconds."""
+    chunks = (rows[i : i + CHUNK_ROWS] for i in range(0, len(rows), CHUNK_ROWS))
+    start = last = time.perf_counter()
+    done = 0
+    for results in _chunk_results(chat, chunks, num_proc if len(rows) > CHUNK_ROWS else 1):
+        yield from results
+        done += len(results)
+        if time.perf_counter() - last > PROGRESS_EVERY_S:
+            last = time.perf_counter()
+            log(f"tokenized {done}/{len(rows)} rows ({done / (last - start):.0f} rows/s)")
+
+
+def _chunk_results(chat: ChatTokenizer, chunks: Iterator[list], num_proc: int) -> Iterator[list]:
+    if num_proc <= 1:
         _start_worker(chat)
-        for c in chunks:
-            yield from _tokenize_rows(c)
+        yield from map(_tokenize_rows, chunks)
         return
     # spawn, not fork: the parent may hold torch threads and locks that a forked child would inherit
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         num_proc, mp_context=context, initializer=_start_worker, initargs=(chat,)
     ) as pool:
-        for results in pool.map(_tokenize_rows, chunks):
-            yield from results
+        # a bounded number of chunks in flight: the rows are not all pickled into the pool up front
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(_tokenize_rows, chunk))
+            if len(pending) >= 4 * num_proc:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def tokenize_dataset(
-    chat: ChatTokenizer, paths: list[str], settings: TokenizeSettings, num_proc: int = 1
+    chat: ChatTokenizer, paths: list[str], settings: TokenizeSettings, num_proc: int = 1, log=print
 ) -> tuple[TokenizedDataset, DataStats]:
     """Tokenize every row, apply --overlength, and drop samples with < 2*block_size response tokens."""
     stats = DataStats()
     rows = read_conversations(paths, settings.skip_bad_rows, stats)
     samples = []
-    for result in _tokenize_all(chat, rows, num_proc):
+    for result in _tokenize_all(chat, rows, num_proc, log):
         if isinstance(result, BadRow):
             if not settings.skip_bad_rows:
                 raise result
@@ -240,7 +260,7 @@ def load_or_tokenize(
                 return *cached, True
             log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
             start = time.perf_counter()
-            data, stats = tokenize_dataset(chat, paths, settings, num_proc)
+            data, stats = tokenize_dataset(chat, paths, settings, num_proc, log)
             _write_cache(path, data, stats)
             log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
     except OSError as e:

@@ -69,13 +69,18 @@ def test_overlength_truncate_or_drop_and_too_short_samples_are_counted(tiny_targ
         tokenize_dataset(chat(tiny_target), [str(chat_data)], TokenizeSettings(256, 200))
 
 
-def test_several_processes_give_the_same_data(tiny_target, tmp_path):
+def test_several_processes_give_the_same_data(tiny_target, tmp_path, monkeypatch):
     rows = [conversation(i) for i in range(600)]
     rows[300] = {"messages": [{"role": "user", "content": "no answer"}]}
     path = write_rows(tmp_path / "many.jsonl", rows)
     settings = TokenizeSettings(256, 4, skip_bad_rows=True)
     one, one_stats = tokenize_dataset(chat(tiny_target), [str(path)], settings, num_proc=1)
-    two, two_stats = tokenize_dataset(chat(tiny_target), [str(path)], settings, num_proc=2)
+    monkeypatch.setattr(dataset, "PROGRESS_EVERY_S", -1.0)  # a progress line after every chunk
+    progress = []
+    two, two_stats = tokenize_dataset(
+        chat(tiny_target), [str(path)], settings, num_proc=2, log=progress.append
+    )
+    assert [line.split(" (")[0] for line in progress] == [f"tokenized {n}/599 rows" for n in (256, 512, 599)]
     assert one.fingerprint() == two.fingerprint() and one_stats == two_stats
     assert one_stats.bad_rows == 1 and len(one) == 599
 
