@@ -63,6 +63,7 @@ class DataStats:
             self.bad_row_examples.append(str(error))
 
     def summary(self) -> str:
+        """One line with every count, as printed at start."""
         return (
             f"{self.rows} rows, {self.bad_rows} bad rows skipped, {self.truncated} truncated and "
             f"{self.overlength_dropped} dropped for --max_seq_len, {self.too_short} dropped with fewer than "

@@ -65,10 +65,12 @@ class TokenizedDataset:
         return len(self.lengths)
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of sample i's token ids and loss mask."""
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.input_ids[lo:hi], self.loss_mask[lo:hi]
 
     def batch(self, indices: list[int], pad_id: int) -> Batch:
+        """The samples at `indices`, right-padded with `pad_id`; sample ids = the indices."""
         longest = max(self.lengths[i] for i in indices)
         ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
         attn = torch.zeros((len(indices), longest), dtype=torch.long)

@@ -93,6 +93,7 @@ class PartWriter:
         os.fsync(self.file.fileno())
 
     def close(self) -> None:
+        """Close the file, releasing its lock."""
         self.file.close()  # releases the flock
 
 

@@ -76,6 +76,7 @@ def fingerprint_files(paths: list[Path]) -> str:
 
 
 def drafter_parameter_count(config: DFlashDraftConfig) -> int:
+    """Trainable parameters of a drafter of this shape, counted on the meta device."""
     with torch.device("meta"):  # shapes only, no memory
         return sum(p.numel() for p in DFlashDraftModel(config).parameters())
 
@@ -112,6 +113,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
 
 
 def build_schedule(cfg: TrainConfig, data: TokenizedDataset, topology: Topology) -> BatchSchedule:
+    """The global batch sequence for --max_steps, or for --num_epochs when max_steps is -1."""
     lengths = data.lengths
     per_step = topology.num_drafters * cfg.gradient_accumulation_steps
     if cfg.max_steps > 0:

@@ -46,6 +46,8 @@ def epoch_batches(lengths: list[int], tokens_per_batch: int, seed: int, epoch: i
 
 @dataclass(frozen=True)
 class ScheduledBatch:
+    """Global batch g: its epoch, its place in the epoch and the sample indices it holds."""
+
     g: int  # global batch index
     epoch: int
     index: int  # position within its epoch
@@ -79,9 +81,11 @@ class BatchSchedule:
 
     @property
     def total_batches(self) -> int:
+        """Global batches in the whole run."""
         return self.total_steps * self.batches_per_step
 
     def epoch(self, epoch: int) -> list[list[int]]:
+        """The batches of one epoch (computed, not stored)."""
         return epoch_batches(self.lengths, self.tokens_per_batch, self.seed, epoch)
 
     def batches(self, start: int, stop: int) -> Iterator[ScheduledBatch]:

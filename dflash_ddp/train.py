@@ -50,6 +50,7 @@ from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, St
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA; fp32 on the CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 on CPU: exact parity tests
 
 
@@ -108,6 +109,7 @@ class LocalTarget:
 
 
 def run_colocated(ctx: DistributedContext, run: Run) -> bool:
+    """One process: the target runs here and feeds the drafter's loop directly."""
     extractor = TargetFeatureExtractor(
         run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
@@ -115,6 +117,7 @@ def run_colocated(ctx: DistributedContext, run: Run) -> bool:
 
 
 def run_drafter(ctx: DistributedContext, run: Run) -> bool:
+    """A drafter rank: receive the batches g = rank mod M from their target ranks and train on them."""
     topo = ctx.topology
     mine = [
         (g, topo.target_of(g))
@@ -311,6 +314,7 @@ def lost_peer(error: RuntimeError) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: 0 on success (or a clean stop), 2 on bad input or a refused resume, 1 when a peer or the disk fails."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(usage())

@@ -20,6 +20,7 @@ from dflash_ddp.schedule import epoch_batches
 
 
 def length_mixes(n: int, max_len: int, seed: int) -> dict[str, list[int]]:
+    """Seeded synthetic sequence lengths, by name."""
     rng = random.Random(seed)
 
     def clip(x: float) -> int:
@@ -38,6 +39,7 @@ def length_mixes(n: int, max_len: int, seed: int) -> dict[str, list[int]]:
 
 
 def embedded_lengths(max_seq_len: int) -> list[int]:
+    """Lengths of the embedded default's tokenized training conversations."""
     from transformers import AutoTokenizer
 
     from dflash_ddp.chat_template import ChatTokenizer
@@ -54,6 +56,7 @@ def embedded_lengths(max_seq_len: int) -> list[int]:
 
 
 def measure(lengths: list[int], batches: list[list[int]], tokens_per_batch: int) -> dict:
+    """Padding efficiency, fill of the budget, number and mean size of the batches."""
     real = sum(lengths)
     padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
     return {
@@ -76,6 +79,7 @@ def unbucketed(lengths: list[int], sizes: list[int], seed: int) -> list[list[int
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Print the table for every length mix and budget."""
     parser = argparse.ArgumentParser(prog="python -m dflash_ddp.tools.bench_padding")
     parser.add_argument("--samples", type=int, default=200_000)
     parser.add_argument("--max_seq_len", type=int, default=3072)
