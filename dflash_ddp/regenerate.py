@@ -153,9 +153,11 @@ class Row:
 
 
 def plan_row(index: int, where: str, messages: list[dict]) -> Row:
-    """Every assistant turn is regenerated; a trailing user turn gets a reply. BadRow if nothing is left."""
-    targets = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if messages[-1]["role"] == "user":
+    """Every assistant turn is regenerated, except those that call tools (the tool results after them answer
+    those very calls, so they are kept as written); a trailing user or tool turn gets a reply. BadRow if
+    nothing is left."""
+    targets = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
+    if messages[-1]["role"] in ("user", "tool"):
         targets.append(len(messages))
     if not targets:
         raise BadRow(

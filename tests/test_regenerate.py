@@ -148,6 +148,21 @@ def test_rounds_use_the_regenerated_earlier_turns():
         rg.regenerate_batch(StubGenerator(refuse={(0, 4)}), rows, seed=0)
 
 
+def test_tool_calls_are_kept_and_the_answers_around_them_regenerated():
+    call = {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": "{}"}]}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        call,
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "and tomorrow?"},
+        call,
+        {"role": "tool", "content": "rain"},
+    ]
+    # the final answer and the reply after the last tool result; the calls themselves stay as written
+    assert rg.plan_row(0, "t.jsonl:1", messages).targets == [3, 7]
+
+
 def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(
