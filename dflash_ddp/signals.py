@@ -1,5 +1,10 @@
-"""Stopping on request: the first SIGTERM/SIGINT lets the job finish its step, save and exit 0; a second
-one takes the default action (the process ends at once)."""
+"""Stopping on request: the first SIGTERM/SIGINT lets the job finish its step, save and exit 0.
+
+After that, a second SIGINT (Ctrl-C again) ends the process at once, but further SIGTERMs are ignored:
+schedulers deliver SIGTERM more than once (SLURM's `--signal` reaches every process of the step, then
+torchrun forwards its own), and the stop checkpoint must not die mid-write. torchrun still ends the
+workers with SIGKILL once its shutdown timeout has passed.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ class GracefulStop:
         self.signal_name = ""
 
     def install(self) -> GracefulStop:
+        """Catch SIGTERM and SIGINT from now on."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
         return self
@@ -21,5 +27,5 @@ class GracefulStop:
     def _handle(self, signum, _frame) -> None:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
-        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal is not caught: it ends the process
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
