@@ -231,7 +231,7 @@ class TargetGenerator:
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.template_kwargs
             )
         # e.g. a template's raise_exception on a role order it does not accept
-        except (TemplateError, ValueError) as e:
+        except (TemplateError, ValueError, TypeError) as e:
             raise BadRow(f"{row.where}: the chat template failed on this conversation ({e})") from None
         return list(rendered["input_ids"])
 

@@ -156,7 +156,10 @@ def merge(out: Path, parts: Path, num_rows: int, keep_truncated: bool = False) -
             if "bad" in record:
                 summary.bad += 1
                 continue
-            generated = [m for m in record["messages"] if m["role"] == "assistant"]
+            # tool-calling turns were kept as written (their content may be empty): not generated here
+            generated = [
+                m for m in record["messages"] if m["role"] == "assistant" and not m.get("tool_calls")
+            ]
             summary.turns += len(generated)
             summary.new_tokens += record["new_tokens"]
             if not all(m["content"] for m in generated):

@@ -114,5 +114,14 @@ def test_part_writer_reads_only_the_tail(tmp_path, monkeypatch):
         assert path.read_bytes() == kept, content
 
 
-# ----------------------------------------------------------------------------------------------------------
-# SIGKILL and restart with another world size
+def test_rows_with_kept_tool_calls_are_written(tmp_path):
+    call = {"role": "assistant", "content": "", "tool_calls": [{"name": "weather", "arguments": "{}"}]}
+    messages = [{"role": "user", "content": "weather?"}, call, {"role": "tool", "content": "sunny"}]
+    messages.append({"role": "assistant", "content": "It is sunny."})
+    parts = tmp_path / "out.jsonl.parts"
+    parts.mkdir()
+    record = {"row": 0, "messages": messages, "hit_max_new_tokens": False, "new_tokens": 4}
+    (parts / "rank0-of-1.jsonl").write_text(json.dumps(record) + "\n")
+    summary = parts_mod.merge(tmp_path / "out.jsonl", parts, 1)
+    assert summary.written == 1 and summary.empty == 0 and summary.turns == 1  # only the answer was generated
+    assert read_rows(tmp_path / "out.jsonl") == [{"messages": messages}]
