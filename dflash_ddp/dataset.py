@@ -13,6 +13,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import socket
 import time
 from array import array
 from collections import deque
@@ -24,7 +25,7 @@ from pathlib import Path
 import tokenizers
 import torch
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .chat_template import ChatTokenizer
@@ -33,7 +34,7 @@ from .data import BadRow, Batch, DataStats, data_file_contents, read_conversatio
 
 CHUNK_ROWS = 256  # rows per task of a tokenization worker
 PROGRESS_EVERY_S = 30.0
-CACHE_VERSION = 1  # bump when tokenization or masking changes, so that old caches are not reused
+CACHE_VERSION = 2  # bump when tokenization or masking changes, so that old caches are not reused
 TOKENIZER_FILES = (
     "tokenizer*",
     "special_tokens_map.json",
@@ -218,7 +219,9 @@ def cache_key(chat: ChatTokenizer, tokenizer_dir: Path, paths: list[str], settin
 
 
 def _write_cache(path: Path, data: TokenizedDataset, stats: DataStats) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(
+        f".tmp-{socket.gethostname()}-{os.getpid()}"
+    )  # unique across nodes sharing the dir
     tensors = {"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets}
     save_file(tensors, tmp, metadata={"stats": json.dumps(asdict(stats))})
     with tmp.open("rb") as f:
@@ -244,29 +247,35 @@ def load_or_tokenize(
 ) -> tuple[TokenizedDataset, DataStats, bool]:
     """The tokenized data from the cache, or tokenized now and cached. Returns (data, stats, from_cache).
 
-    Readers share the cache file's lock; the process that has to tokenize holds it alone, so the other
-    processes of the job wait for its file instead of tokenizing too. An unreadable cache file is reported
-    and replaced."""
+    A cache file is complete whenever it exists (written aside, then renamed), so reading needs no lock.
+    Without one, a process takes the key's exclusive lock, looks again, and tokenizes: the other
+    processes of the job wait for its file instead of tokenizing too. An unreadable cache file is
+    reported and replaced."""
     key = cache_key(chat, tokenizer_dir, paths, settings)
     path = cache_dir / f"tokenized-{key}.safetensors"
+    cached = _try_read_cache(path, log)
+    if cached is not None:
+        return *cached, True
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        with (cache_dir / f"tokenized-{key}.lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-            cached = _try_read_cache(path, log)
-            if cached is not None:
-                return *cached, True
-            fcntl.flock(lock, fcntl.LOCK_EX)  # (not atomic with the shared lock: check again below)
-            cached = _try_read_cache(path, log)
-            if cached is not None:
-                return *cached, True
-            log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
-            start = time.perf_counter()
-            data, stats = tokenize_dataset(chat, paths, settings, num_proc, log)
-            _write_cache(path, data, stats)
-            log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
+        lock = (cache_dir / f"tokenized-{key}.lock").open("a")
     except OSError as e:
         raise ValueError(f"--cache_dir {cache_dir}: cannot use the tokenized-data cache ({e})") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _try_read_cache(path, log)
+        if cached is not None:
+            return *cached, True
+        log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
+        start = time.perf_counter()
+        data, stats = tokenize_dataset(chat, paths, settings, num_proc, log)
+        try:
+            _write_cache(path, data, stats)
+        except OSError as e:
+            raise ValueError(
+                f"--cache_dir {cache_dir}: cannot write the tokenized-data cache ({e})"
+            ) from None
+        log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
     return data, stats, False
 
 
@@ -275,6 +284,6 @@ def _try_read_cache(path: Path, log) -> tuple[TokenizedDataset, DataStats] | Non
         return None
     try:
         return _read_cache(path)
-    except Exception as e:  # safetensors raises its own error type for a damaged file
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:  # a damaged or foreign file
         log(f"ignoring the unreadable cache file {path} ({type(e).__name__}: {e}); tokenizing again")
         return None

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,21 +123,43 @@ def test_the_cache_is_reused_only_when_nothing_changed(tiny_target, chat_data, t
 
 
 CONCURRENT = """
-import sys
+import sys, time
 from pathlib import Path
 from transformers import AutoTokenizer
+from dflash_ddp import dataset
 from dflash_ddp.chat_template import ChatTokenizer
-from dflash_ddp.dataset import TokenizeSettings, load_or_tokenize
-target, data, cache = sys.argv[1:]
+target, data, cache, go = sys.argv[1:]
+tokenize = dataset.tokenize_dataset
+def slow_tokenize(*args, **kwargs):  # long enough that all processes overlap
+    time.sleep(2)
+    return tokenize(*args, **kwargs)
+dataset.tokenize_dataset = slow_tokenize
 chat = ChatTokenizer(AutoTokenizer.from_pretrained(target), {})
-data, stats, from_cache = load_or_tokenize(chat, Path(target), [data], TokenizeSettings(256, 4), Path(cache))
-print("FROM_CACHE" if from_cache else "TOKENIZED", data.fingerprint())
+Path(go + ".ready." + str(__import__("os").getpid())).touch()
+while not Path(go).exists():  # start together, after the imports
+    time.sleep(0.01)
+out, stats, from_cache = dataset.load_or_tokenize(chat, Path(target), [data], dataset.TokenizeSettings(256, 4), Path(cache))
+print("FROM_CACHE" if from_cache else "TOKENIZED", out.fingerprint())
 """
 
 
 def test_processes_of_one_job_tokenize_once(tiny_target, chat_data, tmp_path):
-    cmd = [sys.executable, "-c", CONCURRENT, str(tiny_target), str(chat_data), str(tmp_path / "cache")]
+    go = tmp_path / "go"
+    cmd = [
+        sys.executable,
+        "-c",
+        CONCURRENT,
+        str(tiny_target),
+        str(chat_data),
+        str(tmp_path / "cache"),
+        str(go),
+    ]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("go.ready.*"))) < 3:
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "the processes did not start"
+        time.sleep(0.05)
+    go.touch()
     outputs = [p.communicate(timeout=120)[0].split("\n")[-2].split() for p in procs]
     assert sorted(kind for kind, _ in outputs) == ["FROM_CACHE", "FROM_CACHE", "TOKENIZED"]
     assert len({fingerprint for _, fingerprint in outputs}) == 1
