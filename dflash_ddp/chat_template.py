@@ -6,9 +6,12 @@ and including its end-of-turn token. Two ways to find it:
 - the template has `{% generation %}` markers: transformers' `return_assistant_tokens_mask` reads them;
 - it has none (the official Qwen3 and Llama-3 templates): each assistant turn i starts where the
   rendering of the conversation before it, with the generation prompt, stops matching the rendering of the
-  whole conversation, and ends after the template's end-of-turn text (learned once by rendering a probe
-  conversation). Templates that rewrite earlier turns (Qwen3 drops old thinking blocks) are handled
-  because both ends are found in the whole conversation's own rendering.
+  whole conversation, and ends after the end-of-turn special token the template writes after an answer
+  (learned once from a probe conversation). A template that later rewrites the turn itself (Qwen3 drops
+  the thinking block of answers before the last user turn) is handled: both ends are found in the whole
+  conversation's rendering. One that rewrites text BEFORE the turn (Mistral moves the system prompt to
+  the last user turn; Qwen3 drops the thinking of an earlier tool-calling turn) is refused for that row,
+  never mis-masked: add {% generation %} markers to such a template.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from jinja2 import TemplateError
 from .data import BadRow
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
-PROBE = "\u2063dflash-probe\u2063"  # invisible separator: never part of real text
+PROBE = "\u2063dflash-probe"  # invisible separator: never part of real text
 
 
 # apply_chat_template's own arguments: passed through --chat_template_kwargs they would collide or change
@@ -89,9 +92,16 @@ class ChatTokenizer:
         )
 
     def _end_of_turn_text(self) -> str | None:
-        """The special token the template writes right after an assistant's text ('<|im_end|>', '<|eot_id|>',
-        '</s>'), or None when it writes plain text there (spans then end where the next turn starts)."""
-        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}]
+        """The special token the template writes right after an answer ('<|im_end|>', '<|eot_id|>', '</s>'),
+        found after both answers of a two-exchange probe; None when there is none (or not the same one
+        after both), and spans then end where the next rendering prefix starts."""
+        first, last = PROBE + "1", PROBE + "2"
+        probe = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": last},
+        ]
         try:
             text = self.render(probe)
         except (TemplateError, ValueError, TypeError) as e:
@@ -99,11 +109,16 @@ class ChatTokenizer:
                 f"the chat template (--chat_template, or the tokenizer's own) cannot render a user/assistant "
                 f"exchange: {type(e).__name__}: {e}"
             ) from None
-        if PROBE not in text:
+        if first not in text or last not in text:
             raise ValueError("the chat template does not render the assistant's content verbatim")
-        after = text.split(PROBE, 1)[1].lstrip()
-        specials = set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab())
-        return next((t for t in sorted(specials, key=len, reverse=True) if t and after.startswith(t)), None)
+        specials = sorted(
+            set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab()),
+            key=len,
+            reverse=True,
+        )
+        after = [text.split(answer, 1)[1].lstrip() for answer in (first, last)]
+        token = next((t for t in specials if t and after[0].startswith(t)), None)
+        return token if token and after[1].startswith(token) else None
 
     def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
         """Token ids and the 0/1 assistant mask of one conversation; BadRow when it cannot be masked."""

@@ -193,3 +193,15 @@ def test_both_ways_give_the_same_masks_on_the_embedded_data():
     assert marked.has_generation_markers and not unmarked.has_generation_markers
     for where, messages in read_conversations(EMBEDDED_PRESET["data"])[:300]:
         assert marked(messages, where) == unmarked(messages, where), where
+
+
+def test_an_end_token_written_only_after_the_whole_conversation_is_not_taken_for_a_turns_end():
+    plain = (  # turns separated by plain text; <|endoftext|> once, after the last turn
+        "{% for m in messages %}{{ '### ' + m.role + ':\\n' + m.content + '\\n\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% else %}{{ '<|endoftext|>' }}{% endif %}"
+    )
+    tokenizer = build_tokenizer(None, template=plain)
+    chat = ChatTokenizer(tokenizer, {})
+    assert chat.end_of_turn is None
+    with pytest.raises(BadRow, match="d.jsonl:2: turn 1: the chat template renders this turn differently"):
+        chat([USER_1, PLAIN_1, USER_2, PLAIN_2], "d.jsonl:2")  # never a span running into the next user turn
