@@ -213,10 +213,11 @@ def check_same_data(ctx: DistributedContext, run: Run) -> None:
     dist.all_gather(everyone, mine)
     values = [int(t) for t in everyone]
     if len(set(values)) > 1:
-        odd = [rank for rank, value in enumerate(values) if value != values[ctx.topology.drafter_ranks[0]]]
+        groups = {value: [r for r, v in enumerate(values) if v == value] for value in dict.fromkeys(values)}
+        described = "; ".join(f"ranks {ranks} have data {value:015x}" for value, ranks in groups.items())
         raise ValueError(
-            f"rank(s) {odd} tokenized other data than the drafter leader (rank {ctx.topology.drafter_ranks[0]}): "
-            "every rank must see the same --data files, tokenizer, template and settings"
+            f"the ranks tokenized different data ({described}): every rank must see the same --data files, "
+            "tokenizer, template and settings"
         )
 
 

@@ -306,11 +306,18 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def lost_peer(error: RuntimeError) -> bool:
-    """Whether a collective failed because another rank went away (gloo and NCCL word it differently)."""
-    text = str(error)
-    return isinstance(error, dist.DistBackendError) or any(
-        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    """Whether a collective failed because another rank went away (gloo and NCCL word it differently).
+
+    Matched on the message, not on the type: NCCL raises DistBackendError for its own bugs and out-of-memory
+    too, and those must keep their traceback."""
+    signs = (
+        "Connection closed by peer",
+        "Connection reset by peer",
+        "Broken pipe",
+        "remote process exited",
+        "NCCL communicator was aborted",
     )
+    return any(sign in str(error) for sign in signs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,12 +353,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for note in decide_start(run, topology):
                     print(note)
-            except (
-                ValueError,
-                KeyError,
-                OSError,
-                json.JSONDecodeError,
-            ) as e:  # refuse on every rank, not only here
+            # any failure (a hand-edited trainer_state.json can raise anything) is a refusal on every rank:
+            # a leader dying here would leave the others waiting in the broadcast below
+            except Exception as e:
                 error = str(e) if isinstance(e, ValueError) else f"cannot resume: {type(e).__name__}: {e}"
         share_start(ctx, run, error)
     except ValueError as e:
@@ -380,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             raise  # a bug: keep its traceback
         print(
             f"error{where}: lost the connection to another rank of the job, which most likely failed first "
-            f"(see its message above): {str(e).splitlines()[0]}",
+            f"(see its message above): {' '.join(str(e).split())[:500]}",
             file=sys.stderr,
         )
         return 1
