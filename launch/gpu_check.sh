@@ -11,11 +11,14 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))" \
   > "$OUT/torch.txt" 2>&1
 
+failed=0
 step() {  # name, command...: run, keep the log and the exit code, go on with the next step
   local name=$1; shift
   local start=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  local code=$?
+  echo "$name: exit $code in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  [ "$code" -eq 0 ] || failed=$((failed + 1))
 }
 
 # 1. the embedded default, colocated on the GPU: bf16 target, flex attention, real speculative decoding
@@ -27,4 +30,5 @@ head -n 64 dflash_ddp/assets/data/docstring_qa.jsonl > "$OUT/prompts.jsonl"
 step regenerate python -m dflash_ddp.regenerate --target_model dflash_ddp/assets/tiny_qwen3 \
   --data "$OUT/prompts.jsonl" --out "$OUT/regenerated.jsonl" --max_new_tokens 128 --batch_size 16
 rm -rf "$OUT"/*/checkpoints "$OUT"/*/cache  # keep logs, metrics.jsonl, data_stats.json, eval.json
-cat "$OUT/summary.txt"
+echo "$failed step(s) failed" | tee -a "$OUT/summary.txt"
+exit "$failed"
