@@ -145,14 +145,18 @@ class Run:
         """Change gradient accumulation (to keep a resumed run's global batch); schedule and identity follow."""
         self.cfg = dataclasses.replace(self.cfg, gradient_accumulation_steps=steps)
         self.schedule = build_schedule(self.cfg, self.data, topology)
-        self.identity = run_identity(self.cfg, self.setup, self.data, topology)
+        self.identity = self.identity | {"config": identity_config(self.cfg, topology)}  # fingerprints stay
+
+
+def identity_config(cfg: TrainConfig, topology: Topology) -> dict:
+    """The settings part of the identity, with the global batch (drafter ranks x accumulation)."""
+    return config_to_dict(cfg) | {"global_batch": topology.num_drafters * cfg.gradient_accumulation_steps}
 
 
 def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topology: Topology) -> dict:
     """The parts of trainer_state.json that decide whether a checkpoint belongs to this run."""
-    config = config_to_dict(cfg) | {"global_batch": topology.num_drafters * cfg.gradient_accumulation_steps}
     return {
-        "config": config,
+        "config": identity_config(cfg, topology),
         "fingerprints": {
             "target": target_fingerprint(setup.info.path),
             "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
