@@ -147,3 +147,13 @@ def test_train_last_turn_only_through_the_cli(tiny_target, tmp_path):
         )
         tokens[bool(flag)] = json.loads((out / "data_stats.json").read_text())["response_tokens"]
     assert 0.3 < tokens[True] / tokens[False] < 0.7  # about half: only the second answer is learned
+
+
+def test_only_a_lost_peer_is_reported_without_traceback():
+    from dflash_ddp.train import lost_peer
+
+    gloo = RuntimeError("[../pair.cc:553] Connection closed by peer [127.0.0.1]:33488. This is typically ...")
+    assert lost_peer(gloo)
+    assert lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))  # a bug
+    assert not lost_peer(torch.distributed.DistBackendError("NCCL error: invalid usage"))
