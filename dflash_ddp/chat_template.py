@@ -54,6 +54,19 @@ def check_template_kwargs(kwargs: dict) -> None:
         )
 
 
+def load_target_tokenizer(target_dir: str | Path, template_file: str = ""):
+    """The target's tokenizer (local files only) with `--chat_template` applied; ValueError naming the
+    directory when it cannot be loaded or ends up without a chat template."""
+    from transformers import AutoTokenizer  # here: config.py imports this module and stays light
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--target_model {target_dir}: cannot load its tokenizer ({e})") from None
+    load_chat_template(tokenizer, template_file)
+    return tokenizer
+
+
 def load_chat_template(tokenizer, template_file: str) -> None:
     """Replace the tokenizer's chat template with the jinja file `--chat_template` names (if any)."""
     if template_file:

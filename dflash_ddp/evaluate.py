@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
-from .chat_template import load_chat_template
+from .chat_template import load_target_tokenizer
 from .data import read_conversations
 from .export import load_drafter
 from .model import DFlashDraftConfig, DFlashDraftModel
@@ -322,11 +322,7 @@ def prepare_evaluation(
     if not isinstance(drafter, DFlashDraftModel):
         drafter = load_drafter(drafter)
     check_compatibility(drafter.config, info)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--target_model {info.path}: cannot load its tokenizer ({e})") from None
-    load_chat_template(tokenizer, chat_template)
+    tokenizer = load_target_tokenizer(info.path, chat_template)
     prompts = load_prompts(tokenizer, data_path, num_prompts, template_kwargs)
     # fp32 on CPU (bf16 matmuls are slow there); bf16 on CUDA, as the target is served.
     dtype = torch.bfloat16 if torch_device.type == "cuda" else torch.float32

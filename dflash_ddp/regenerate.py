@@ -47,15 +47,15 @@ from pathlib import Path
 
 import torch
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 from transformers import logging as hf_logging
 
-from .chat_template import check_template_kwargs, load_chat_template
+from .chat_template import check_template_kwargs, load_target_tokenizer
 from .checkpoint import file_sha256
 from .data import BadRow, DataStats, data_file_contents, data_files, read_conversations
 from .evaluate import eos_token_ids, json_object, resolve_device
 from .regenerate_parts import PartWriter, Summary, index_parts, locked, merge, start_parts
-from .target import TargetInfo, inspect_target, load_causal_lm
+from .target import inspect_target, load_causal_lm
 from .topology import env_world
 
 PROGRESS_EVERY_S = 30.0
@@ -333,16 +333,6 @@ def run_settings(cfg: RegenerateConfig, tokenizer, dtype: torch.dtype, num_rows:
 # the run
 
 
-def load_tokenizer(info: TargetInfo, chat_template: str):
-    """The target's tokenizer with --chat_template applied; an error when it ends up without a template."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--target_model {info.path}: cannot load its tokenizer ({e})") from None
-    load_chat_template(tokenizer, chat_template)
-    return tokenizer
-
-
 def pick_device(name: str, local_rank: int) -> tuple[torch.device, torch.dtype]:
     """cuda:LOCAL_RANK in bf16 (as the target is served), else the CPU in fp32 (bf16 matmuls are slow there)."""
     device = resolve_device(name)
@@ -370,7 +360,7 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
         return None
     rows, stats = load_rows(cfg)
     info = inspect_target(cfg.target_model)
-    tokenizer = load_tokenizer(info, cfg.chat_template)
+    tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     device, dtype = pick_device(cfg.device, local_rank)
     settings = run_settings(cfg, tokenizer, dtype, len(rows))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
-from .chat_template import ChatTokenizer, load_chat_template
+from .chat_template import ChatTokenizer, load_target_tokenizer
 from .checkpoint import checkpoint_name, set_aside_later
 from .config import TrainConfig, config_to_dict
 from .data import DataStats
@@ -42,8 +41,7 @@ class RunSetup:
 def prepare(cfg: TrainConfig) -> RunSetup:
     """Read the target's config and tokenizer and size the drafter; no weights are loaded."""
     info = inspect_target(cfg.target_model)
-    tokenizer = AutoTokenizer.from_pretrained(info.path, local_files_only=True)
-    load_chat_template(tokenizer, cfg.chat_template)
+    tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
     drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dflash_ddp import regenerate as rg
+from dflash_ddp.chat_template import load_target_tokenizer
 from dflash_ddp.data import BadRow
 from dflash_ddp.target import inspect_target, load_causal_lm
 
@@ -171,7 +172,7 @@ def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
         "{% if enable_thinking is defined and not enable_thinking %} (no thinking){% endif %}{% endif %}"
     )
     info = inspect_target(tiny_target)
-    tokenizer = rg.load_tokenizer(info, str(template))
+    tokenizer = load_target_tokenizer(info.path, str(template))
     model = load_causal_lm(info, torch.device("cpu"), torch.float32)
     row = rg.plan_row(0, "chat.jsonl:7", [{"role": "user", "content": "What is a fox?"}])
 
