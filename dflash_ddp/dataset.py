@@ -58,9 +58,16 @@ class TokenizeSettings:
 class TokenizedDataset:
     """Samples 0..n-1 as token ids and assistant masks; `batch` right-pads a list of them."""
 
-    def __init__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor):
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        offsets: torch.Tensor,
+        fingerprint: str | None = None,
+    ):
         self.input_ids, self.loss_mask, self.offsets = input_ids, loss_mask, offsets
         self.lengths = (offsets[1:] - offsets[:-1]).tolist()
+        self._fingerprint = fingerprint  # known when read from the cache
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -83,7 +90,13 @@ class TokenizedDataset:
         return Batch(ids, attn, loss, torch.tensor(indices))
 
     def fingerprint(self) -> str:
-        """A content hash of ids and masks, stored with checkpoints."""
+        """A content hash of ids and masks, stored with checkpoints; computed once (the cache file carries it,
+        so the ranks that read the cache do not hash gigabytes again)."""
+        if self._fingerprint is None:
+            self._fingerprint = self._hash()
+        return self._fingerprint
+
+    def _hash(self) -> str:
         h = hashlib.sha256()
         for t in (self.offsets, self.input_ids, self.loss_mask):
             h.update(memoryview(t.contiguous().numpy()))  # no copy of a multi-GB tensor
@@ -223,7 +236,7 @@ def _write_cache(path: Path, data: TokenizedDataset, stats: DataStats) -> None:
         f".tmp-{socket.gethostname()}-{os.getpid()}"
     )  # unique across nodes sharing the dir
     tensors = {"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets}
-    save_file(tensors, tmp, metadata={"stats": json.dumps(asdict(stats))})
+    save_file(tensors, tmp, metadata={"stats": json.dumps(asdict(stats)), "fingerprint": data.fingerprint()})
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -232,7 +245,8 @@ def _write_cache(path: Path, data: TokenizedDataset, stats: DataStats) -> None:
 def _read_cache(path: Path) -> tuple[TokenizedDataset, DataStats]:
     with safe_open(path, framework="pt") as f:
         stats = DataStats(**json.loads(f.metadata()["stats"]))
-        data = TokenizedDataset(f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("offsets"))
+        tensors = [f.get_tensor(name) for name in ("input_ids", "loss_mask", "offsets")]
+        data = TokenizedDataset(*tensors, fingerprint=f.metadata().get("fingerprint"))
     return data, stats
 
 
