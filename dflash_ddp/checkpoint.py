@@ -1,10 +1,14 @@
 """Checkpoints in the contract layout of design.md, written so that none is ever half-visible.
 
 output_dir/checkpoints/step-00000500/ holds model.safetensors (fp32 trainable weights), optimizer.pt,
-scheduler.pt, rng-rank*.pt (tensors and plain containers only: loadable with weights_only=True),
-trainer_state.json, config.json (the drafter, z-lab layout) and manifest.json (sha256 + size of every
-file, written last). The directory is written under a temporary name, fsynced, then renamed;
-`checkpoints/latest` is replaced atomically.
+scheduler.pt, rng-rank{i}.pt (the CPU and CUDA generator states of drafter rank i, i = 0..M-1 within the
+drafter group; tensors and plain containers only: loadable with weights_only=True), trainer_state.json,
+config.json (the drafter, z-lab layout) and manifest.json (sha256 + size of every file, written last).
+The directory is written under a temporary name, fsynced, then renamed; `checkpoints/latest` is
+written aside, fsynced and renamed into place.
+
+A checkpoint is valid only if its manifest is well formed, lists every required file under a plain name,
+names the step of its directory and trainer_state.json, and every listed file matches its size and hash.
 """
 
 from __future__ import annotations
@@ -12,23 +16,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from .export import to_zlab_config
 from .model import DFlashDraftModel, trainable_state_dict
 
 MANIFEST = "manifest.json"
+STEP_NAME = re.compile(r"step-\d{8}")
+# Written by every save besides the rng-rank{i}.pt of each drafter rank.
+REQUIRED_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "config.json")
+# Names a killed save can leave behind in checkpoints/ (removed once the job holds the output directory).
+LEFTOVER_PREFIXES = (".tmp-", ".stale-", ".latest-")
 
 
 class SaveError(RuntimeError):
-    """Writing a checkpoint failed (disk full, permissions); every earlier checkpoint is untouched."""
+    """Writing a checkpoint or the run's records failed (disk full, permissions); every earlier checkpoint
+    is untouched."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -58,11 +71,42 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def rng_state() -> dict:
-    """This process's RNG states as tensors (weights_only-loadable)."""
+    """This process's global RNG states as tensors (weights_only-loadable): the CPU generator, and the
+    current CUDA device's when there is one. These are the generators a resume restores."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def drafter_rng_states(group) -> dict[int, dict]:
+    """Every drafter rank's `rng_state()`, keyed by its index in the drafter group (0 = the leader).
+
+    Called by all drafter ranks at a save; one all-gather of uint8 tensors (no pickling)."""
+    mine = rng_state()
+    if group is None:
+        return {0: mine}
+    flat = torch.cat([mine["torch"], mine.get("cuda", torch.empty(0, dtype=torch.uint8))])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, flat, group=group)
+    n = mine["torch"].numel()
+    return {
+        i: {"torch": t[:n].clone(), **({"cuda": t[n:].clone()} if "cuda" in mine else {})}
+        for i, t in enumerate(everyone)
+    }
+
+
+def restore_rng(path: Path, index: int, load) -> bool:
+    """Restore drafter rank `index`'s generators from rng-rank{index}.pt (via `load`, a weights_only
+    loader); False when the checkpoint has none for that index (it was saved with fewer drafter ranks)."""
+    file = path / f"rng-rank{index}.pt"
+    if not file.is_file():
+        return False
+    state = load(file)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    return True
 
 
 @dataclass
@@ -110,7 +154,10 @@ def write_checkpoint(
     output_dir: str | Path, snap: Snapshot, save_total_limit: int, protect=frozenset()
 ) -> Path:
     """Write a snapshot atomically, point `latest` at it, and rotate old ones (never the new one, nor
-    those named in `protect`, e.g. the checkpoint the run resumed from). Returns its path."""
+    those named in `protect`, e.g. the checkpoint the run resumed from). Returns its path.
+
+    Any failure is a SaveError: a full disk surfaces as OSError from Python, RuntimeError from torch.save
+    and SafetensorError from safetensors, and all of them must end the run the same clean way."""
     step = snap.step
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -123,8 +170,8 @@ def write_checkpoint(
         save_file(snap.weights, tmp / "model.safetensors", metadata={"format": "pt"})
         torch.save(snap.optimizer, tmp / "optimizer.pt")
         torch.save(snap.scheduler, tmp / "scheduler.pt")
-        for rank, state in sorted(snap.rng_states.items()):
-            torch.save(state, tmp / f"rng-rank{rank}.pt")
+        for index, state in sorted(snap.rng_states.items()):
+            torch.save(state, tmp / f"rng-rank{index}.pt")
         _write_json(tmp / "trainer_state.json", snap.trainer_state)
         _write_json(tmp / "config.json", snap.drafter_config)
         write_manifest(tmp, step)
@@ -136,20 +183,75 @@ def write_checkpoint(
         else:
             os.replace(tmp, final)
         fsync_dir(root)
-        latest_tmp = root / f".latest-{os.getpid()}"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, root / "latest")
-        fsync_dir(root)
-    except OSError as e:
+        write_latest(root, final.name)
+    except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise SaveError(
-            f"saving checkpoint {final.name} failed ({e}); earlier checkpoints and 'latest' are intact"
+            f"saving checkpoint {final.name} failed ({_describe(e)}); earlier checkpoints and 'latest' "
+            "are intact; free space (or fix permissions) under --output_dir and resume"
         ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _rotate(root, keep=save_total_limit, protect={final.name, *protect})
+    try:
+        _rotate(root, keep=save_total_limit, protect={final.name, *protect})
+    except Exception as e:
+        raise SaveError(
+            f"removing old checkpoints after saving {final.name} failed ({_describe(e)}); {final.name} and "
+            "'latest' are complete; fix the directory's permissions and resume"
+        ) from None
     return final
+
+
+def _describe(error: BaseException) -> str:
+    """One line for an exception: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Point checkpoints/latest at `name`: written aside, fsynced, renamed, directory fsynced (after a
+    power loss `latest` holds the old name or the new one, never nothing)."""
+    tmp = root / f".latest-{os.getpid()}"
+    with tmp.open("w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / "latest")
+    fsync_dir(root)
+
+
+def read_latest(root: Path, report=print) -> Path | None:
+    """The checkpoint `root/latest` names, or None (with a warning) unless it is a step-NNNNNNNN directory
+    in `root` itself: `latest` is never followed elsewhere (`..`, an absolute path, an empty file)."""
+    latest = root / "latest"
+    if not latest.is_file():
+        return None
+    try:
+        name = latest.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        report(f"warning: ignoring {latest} ({_describe(e)}); using the newest valid checkpoint")
+        return None
+    if not STEP_NAME.fullmatch(name) or not (root / name).is_dir():
+        report(
+            f"warning: ignoring {latest}: it names {name!r}, not a step-NNNNNNNN checkpoint in {root}; "
+            "using the newest valid checkpoint"
+        )
+        return None
+    return root / name
+
+
+def remove_leftovers(output_dir: str | Path) -> list[str]:
+    """Delete what killed saves left in checkpoints/ (temporary directories, set-aside old saves, half
+    written `latest` files). Only safe while holding the output directory's lock. Returns lines to print."""
+    root = Path(output_dir) / "checkpoints"
+    found = sorted(p for p in root.iterdir() if p.name.startswith(LEFTOVER_PREFIXES)) if root.is_dir() else []
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return [f"removed {path.name}: left by a save that was killed" for path in found]
 
 
 def save_checkpoint(
@@ -171,7 +273,7 @@ def save_checkpoint(
 class CheckpointWriter:
     """Saves in the background: the copy to CPU happens at the step boundary (the only stall training
     sees), the files are written by a thread while training continues. One save at a time; a failed
-    write is raised at the next save or at `wait()`."""
+    write is raised by `check()` at the next step boundary, or at the next save or `wait()`."""
 
     def __init__(self, output_dir: str | Path, save_total_limit: int, protect=frozenset(), report=print):
         self.output_dir, self.save_total_limit, self.protect, self.report = (
@@ -185,6 +287,7 @@ class CheckpointWriter:
         self.stall_s = 0.0  # total time training waited for snapshots (and for a previous write to end)
 
     def save(self, step, drafter, optimizer, scheduler, trainer_state: dict, rng_states) -> None:
+        """Snapshot now (after the previous save has finished), write in the background."""
         start = time.perf_counter()
         self.wait()
         snap = snapshot(step, drafter, optimizer, scheduler, trainer_state, rng_states)
@@ -197,12 +300,18 @@ class CheckpointWriter:
         start = time.perf_counter()
         try:
             path = write_checkpoint(self.output_dir, snap, self.save_total_limit, self.protect)
-        except BaseException as e:  # raised in the training thread by the next save() or wait()
+        except BaseException as e:  # raised in the training thread by check(), save() or wait()
             self._error = e
             return
         self.report(
             f"saved {path} (training paused {stall * 1e3:.0f} ms; written in {time.perf_counter() - start:.2f} s in the background)"
         )
+
+    def check(self) -> None:
+        """Raise the error of a background write that has already failed; never blocks (called every step,
+        so that a full disk stops the run at once instead of save_steps steps later)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def wait(self, raise_error: bool = True) -> None:
         """Block until the save in flight is on disk; raise its error if it failed."""
@@ -236,18 +345,62 @@ def _rotate(root: Path, keep: int, protect: set[str]) -> None:
             shutil.rmtree(old)
 
 
+def _manifest_problems(path: Path, manifest) -> list[str]:
+    """What is wrong with the shape of a parsed manifest (not yet its files' content)."""
+    where = path / MANIFEST
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return [f"{where}: not a manifest (expected an object with 'step' and a 'files' mapping)"]
+    step, files = manifest.get("step"), manifest["files"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return [f"{where}: 'step' is {step!r}, not a step number"]
+    if STEP_NAME.fullmatch(path.name) and step != int(path.name[5:]):
+        return [f"{where}: step {step} does not match the directory name {path.name}"]
+    bad = [
+        name
+        for name, meta in files.items()
+        if name in ("", ".", "..")
+        or Path(name).name != name
+        or "\\" in name
+        or not isinstance(meta, dict)
+        or not isinstance(meta.get("sha256"), str)
+        or not isinstance(meta.get("size"), int)
+    ]
+    if bad:
+        return [f"{where}: entries {bad} are not plain file names with a sha256 and a size"]
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    return [f"{where}: does not list {missing}"] if missing else []
+
+
+def _state_problems(path: Path, step: int, files: dict) -> list[str]:
+    """trainer_state.json (already hash-checked) must name the manifest's step and the saved topology's
+    RNG files must all be listed."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        saved_step, drafters = state["global_step"], int(state["topology"]["drafter_ranks"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{path / 'trainer_state.json'}: unreadable ({_describe(e)})"]
+    if saved_step != step:
+        return [f"{path / 'trainer_state.json'}: global_step {saved_step}, the manifest says {step}"]
+    missing = [f"rng-rank{i}.pt" for i in range(drafters) if f"rng-rank{i}.pt" not in files]
+    return [f"{path / MANIFEST}: does not list {missing}"] if missing else []
+
+
 def verify_checkpoint(path: str | Path) -> list[str]:
-    """Problems with a checkpoint directory (empty list = valid): missing manifest, sizes, hashes."""
+    """Problems with a checkpoint directory (empty list = valid): a missing, unreadable or ill-shaped
+    manifest, a required file it does not list, a name leaving the directory, a step that disagrees with
+    the directory name or trainer_state.json, a size or hash that does not match."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return [f"{path}: no {MANIFEST} (the save did not complete)"]
     try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        return [f"{manifest_path}: unreadable ({e})"]
-    problems = []
-    for name, meta in files.items():
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:  # random bytes: UnicodeDecodeError and JSONDecodeError are both here
+        return [f"{manifest_path}: unreadable ({_describe(e)})"]
+    problems = _manifest_problems(path, manifest)
+    if problems:
+        return problems
+    for name, meta in manifest["files"].items():
         p = path / name
         if not p.is_file():
             problems.append(f"{p}: missing")
@@ -255,7 +408,7 @@ def verify_checkpoint(path: str | Path) -> list[str]:
             problems.append(f"{p}: size {p.stat().st_size}, manifest says {meta['size']}")
         elif file_sha256(p) != meta["sha256"]:
             problems.append(f"{p}: sha256 does not match the manifest")
-    return problems
+    return problems or _state_problems(path, manifest["step"], manifest["files"])
 
 
 def existing_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -280,11 +433,9 @@ def set_aside_later(output_dir: str | Path, resumed: Path, step: int) -> list[st
     for path in later:
         os.replace(path, aside / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     latest = root / "latest"
-    if latest.is_file() and not (root / latest.read_text().strip()).is_dir():
+    if latest.is_file() and read_latest(root, report=lambda _line: None) is None:
         if resumed.parent.resolve() == root.resolve():  # point it at the checkpoint this run continues
-            tmp = root / f".latest-{os.getpid()}"
-            tmp.write_text(resumed.name + "\n")
-            os.replace(tmp, latest)
+            write_latest(root, resumed.name)
         else:  # resumed from another directory: this one holds no checkpoint of the run yet
             latest.unlink()
     fsync_dir(root)
@@ -295,10 +446,13 @@ def set_aside_later(output_dir: str | Path, resumed: Path, step: int) -> list[st
 
 
 def _resolve(path: Path) -> Path:
-    """A checkpoint directory, or an output directory / its checkpoints/ folder (then `latest`)."""
+    """A checkpoint directory, or an output directory / its checkpoints/ folder (then `latest`, or the
+    newest checkpoint when `latest` names nothing usable)."""
     for root in (path / "checkpoints", path):
-        if (root / "latest").is_file():
-            return root / (root / "latest").read_text().strip()
+        if (root / "latest").exists() or any(root.glob("step-*")):
+            named = read_latest(root, report=lambda line: print(line, file=sys.stderr))
+            found = sorted(p for p in root.glob("step-*") if p.is_dir())
+            return named or (found[-1] if found else path)
     return path
 
 
@@ -326,8 +480,6 @@ def inspect(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_ddp.checkpoint inspect|verify DIR`: verify exits 1 when the manifest fails."""
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] not in ("inspect", "verify"):
         print(

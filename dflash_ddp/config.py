@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -81,7 +82,10 @@ class TrainConfig:
     dist_timeout: float = 300.0
     # compute
     device: str = "auto"
-    attention: str = "auto"
+    attention: str = "auto"  # auto (flex on CUDA, sparse elsewhere) | sparse | flex | dense (the reference)
+    # draft positions (anchors x block size, summed over sequences) per drafter forward/backward: bounds the
+    # drafter's activation memory; 8192 is one sequence of the paper's recipe (512 anchors x 16)
+    drafter_chunk_tokens: int = 8192
     loss_chunk_size: int = 1024
     # bookkeeping
     save_steps: int = 1000
@@ -96,27 +100,21 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
 
     def validate(self) -> None:
-        """Reject impossible settings with the flag name and what to pass instead."""
+        """Reject impossible settings with the flag name, the value and what to pass instead."""
         if not self.target_model:
             raise ValueError("--target_model is required (a local Hugging Face model directory)")
         if not self.data:
             raise ValueError("--data is required (one or more jsonl/json/parquet files)")
-        if self.block_size < 2:
-            raise ValueError(
-                f"--block_size {self.block_size}: must be at least 2 (anchor + one drafted token)"
-            )
-        for name in (
-            "num_draft_layers",
-            "num_anchors",
-            "max_seq_len",
-            "tokens_per_batch",
-            "loss_chunk_size",
-            "gradient_accumulation_steps",
-            "max_inflight",
-            "num_proc",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)}: must be a positive integer")
+        for name, low in INT_MINIMUM.items():
+            if getattr(self, name) < low:
+                wanted = "a positive integer" if low == 1 else f"at least {low}"
+                raise ValueError(f"--{name} {getattr(self, name)}: must be {wanted}")
+        for name, (low, high, what) in FLOAT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and low(value) and high(value)):
+                raise ValueError(f"--{name} {value}: must be {what}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed {self.seed}: must be in [0, 2^63)")
         if self.tokens_per_batch < self.max_seq_len:
             raise ValueError(
                 f"--tokens_per_batch {self.tokens_per_batch} is smaller than --max_seq_len {self.max_seq_len}: "
@@ -126,25 +124,87 @@ class TrainConfig:
             raise ValueError(
                 f"--max_steps {self.max_steps}: pass a positive number, or -1 to run --num_epochs"
             )
-        if self.num_epochs < 1:
-            raise ValueError(f"--num_epochs {self.num_epochs}: must be at least 1")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"--warmup_ratio {self.warmup_ratio}: must be in [0, 1)")
-        if self.learning_rate <= 0:
-            raise ValueError(f"--learning_rate {self.learning_rate}: must be positive")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"--mask_token_id {self.mask_token_id}: must be a token id >= 0")
         check_template_kwargs(self.chat_template_kwargs)
         if self.overlength not in ("truncate", "drop"):
             raise ValueError(f"--overlength {self.overlength}: choose truncate or drop")
-        if self.attention not in ("auto", "sdpa", "flex"):
-            raise ValueError(f"--attention {self.attention}: choose auto, sdpa or flex")
+        if self.attention not in ("auto", "sparse", "flex", "dense"):
+            raise ValueError(
+                f"--attention {self.attention}: choose auto, sparse (block-sparse, CPU and GPU), flex (compiled, "
+                "CUDA) or dense (boolean-mask SDPA, the slow reference)"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
         if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:
             raise ValueError("--target_layer_ids: give at least one layer id")
-        if self.dist_timeout <= 0:
-            raise ValueError(f"--dist_timeout {self.dist_timeout}: must be a positive number of seconds")
-        if self.logging_steps < 1 or self.save_steps < 1:
-            raise ValueError("--logging_steps and --save_steps must be positive")
+        unknown = [name for name in self.resume_override if name not in RESUME_OVERRIDABLE]
+        if unknown:
+            raise ValueError(
+                f"--resume_override {','.join(unknown)}: not a setting it can override; choose from "
+                + ", ".join(RESUME_OVERRIDABLE)
+            )
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        """Paths read only after training (--eval_data) or written later (--output_dir), checked now."""
+        if self.eval_data and not Path(self.eval_data).is_file():
+            raise ValueError(f"--eval_data {self.eval_data}: no such file")
+        for flag, path in (("--output_dir", self.output_dir), ("--cache_dir", self.cache_dir)):
+            existing = (
+                next((p for p in (Path(path), *Path(path).parents) if p.exists()), None) if path else None
+            )
+            if existing is not None and not existing.is_dir():
+                raise ValueError(f"{flag} {path}: {existing} is a file, not a directory; pass another path")
+
+
+# Integer settings and their smallest valid value (none has an upper bound of its own).
+INT_MINIMUM = {
+    "num_draft_layers": 1,
+    "block_size": 2,  # the anchor + at least one drafted token
+    "num_anchors": 1,
+    "max_seq_len": 1,
+    "tokens_per_batch": 1,
+    "num_proc": 1,
+    "num_epochs": 1,
+    "drafter_ranks": 1,
+    "gradient_accumulation_steps": 1,
+    "max_inflight": 1,
+    "loss_chunk_size": 1,
+    "drafter_chunk_tokens": 1,
+    "save_steps": 1,
+    "save_total_limit": 0,  # 0 keeps every checkpoint
+    "logging_steps": 1,
+    "eval_prompts": 1,
+    "eval_max_new_tokens": 1,
+}
+
+# Float settings: (lower test, upper test, the range in words). Every one must also be finite.
+FLOAT_RANGES = {
+    "learning_rate": (lambda v: v > 0, lambda v: True, "a finite number > 0"),
+    "warmup_ratio": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, lambda v: True, "a finite number >= 0"),
+    "max_grad_norm": (lambda v: v > 0, lambda v: True, "a finite number > 0 (the clipping threshold)"),
+    "loss_gamma": (lambda v: v > 0, lambda v: True, "a finite number > 0 (the position-decay scale)"),
+    "dist_timeout": (lambda v: v > 0, lambda v: v <= 1e7, "a finite number of seconds in (0, 1e7]"),
+}
+
+# Settings a resumed run may change when named in --resume_override (a change of any other setting that
+# the checkpoint records either belongs to another run or is followed automatically).
+RESUME_OVERRIDABLE = (
+    "learning_rate",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "num_anchors",
+    "loss_gamma",
+    "tokens_per_batch",
+    "max_seq_len",
+    "seed",
+    "max_steps",
+    "num_epochs",
+    "global_batch",
+)
 
 
 def _field_types(cls) -> dict[str, typing.Any]:

@@ -236,10 +236,16 @@ def _write_cache(path: Path, data: TokenizedDataset, stats: DataStats) -> None:
         f".tmp-{socket.gethostname()}-{os.getpid()}"
     )  # unique across nodes sharing the dir
     tensors = {"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets}
-    save_file(tensors, tmp, metadata={"stats": json.dumps(asdict(stats)), "fingerprint": data.fingerprint()})
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        save_file(
+            tensors, tmp, metadata={"stats": json.dumps(asdict(stats)), "fingerprint": data.fingerprint()}
+        )
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written file would fill the disk further on every attempt
+        raise
 
 
 def _read_cache(path: Path) -> tuple[TokenizedDataset, DataStats]:
@@ -285,9 +291,11 @@ def load_or_tokenize(
         data, stats = tokenize_dataset(chat, paths, settings, num_proc, log)
         try:
             _write_cache(path, data, stats)
-        except OSError as e:
+        # a full disk is an OSError from Python but a SafetensorError from safetensors' writer
+        except (OSError, SafetensorError) as e:
             raise ValueError(
-                f"--cache_dir {cache_dir}: cannot write the tokenized-data cache ({e})"
+                f"--cache_dir {cache_dir}: cannot write the tokenized-data cache ({type(e).__name__}: {e}); "
+                "free space there or pass another --cache_dir"
             ) from None
         log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
     return data, stats, False

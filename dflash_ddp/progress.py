@@ -16,6 +16,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .checkpoint import SaveError
+
 
 class TrainingMonitor:
     """Appends one JSON object per logged step to metrics.jsonl and shows progress."""
@@ -43,8 +45,14 @@ class TrainingMonitor:
     def log(self, record: dict) -> None:
         """Record a step's metrics (written at once, flushed) and refresh the display."""
         record = {"time": round(time.perf_counter() - self.start_time, 3), **record}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: the same clean stop as a failed checkpoint write
+            raise SaveError(
+                f"appending step {record['step']} to {self.path} failed ({e}); the checkpoints are intact; "
+                "free space under --output_dir and resume"
+            ) from None
         summary = (
             f"loss {record['loss']:.3f}  acc {record['accuracy']:.3f}  tau~{record['tau_estimate']:.2f}  "
             f"{record.get('tokens_per_s', 0):,.0f} tok/s  drafter waited {100 * record.get('wait_fraction', 0):.0f}%"

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from .checkpoint import existing_checkpoints, verify_checkpoint
+from .config import RESUME_OVERRIDABLE
 from .model import DFlashDraftModel, trainable_state_dict
 
 REQUIRED_STATE = (
@@ -31,20 +32,12 @@ REQUIRED_STATE = (
 # Settings whose change makes the checkpoint belong to a different run: never overridable.
 IDENTITY = ("fingerprints.target", "fingerprints.tokenizer", "fingerprints.data", "drafter")
 # Optimisation settings: a change is refused unless the user names it in --resume_override.
-OPTIMISATION = (
-    "learning_rate",
-    "warmup_ratio",
-    "weight_decay",
-    "max_grad_norm",
-    "num_anchors",
-    "loss_gamma",
-    "tokens_per_batch",
-    "max_seq_len",
-    "seed",
-    "max_steps",
-    "num_epochs",
-    "global_batch",
-)
+OPTIMISATION = RESUME_OVERRIDABLE
+
+
+class RestoreError(ValueError):
+    """A verified checkpoint could not be loaded into this run's objects (a refused pickle, a state that
+    does not fit): the resume is refused."""
 
 
 def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
@@ -81,7 +74,12 @@ def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
 
 def load_trainer_state(path: Path) -> dict:
     """trainer_state.json with every required field present (a missing field is an error, never a default)."""
-    state = json.loads((path / "trainer_state.json").read_text())
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}/trainer_state.json: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}/trainer_state.json: not a JSON object")
     missing = [k for k in REQUIRED_STATE if k not in state]
     missing += [
         f"fingerprints.{k}" for k in ("target", "tokenizer", "data") if k not in state.get("fingerprints", {})
@@ -136,7 +134,10 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
 
 def load_weights(path: Path, drafter: DFlashDraftModel) -> None:
     """Strict load: missing or unexpected keys, or wrong shapes, are an error listing them."""
-    state = load_file(path / "model.safetensors")
+    try:
+        state = load_file(path / "model.safetensors")
+    except Exception as e:  # SafetensorError, OSError: a file damaged after its hash was checked
+        raise ValueError(f"{path}/model.safetensors: refused to load ({type(e).__name__}: {e})") from None
     own = trainable_state_dict(drafter)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,9 +247,31 @@ def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
         run.resume_from = root if resume not in ("auto", "never") else root / checkpoint_name(run.start_step)
 
 
-def prune_metrics(output_dir: str, start_step: int) -> None:
-    """Drop metrics.jsonl lines after the resume point (a killed run may have logged past its checkpoint)."""
+def prune_metrics(output_dir: str, start_step: int) -> list[str]:
+    """Drop metrics.jsonl lines after the resume point (a killed run may have logged past its checkpoint)
+    and lines that do not parse (a power loss or full disk during an append leaves a partial last line);
+    the kept lines are rewritten atomically. Returns lines to print."""
     path = Path(output_dir) / "metrics.jsonl"
-    if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
-        path.write_text("".join(line + "\n" for line in kept))
+    if not path.is_file():
+        return []
+    kept, dropped = [], []
+    for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            dropped.append(number)
+            continue
+        if isinstance(step, int) and step <= start_step:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if not dropped:
+        return []
+    return [
+        f"{path}: dropped {len(dropped)} unreadable line(s) (line {', '.join(map(str, dropped[:5]))}), "
+        "left by an interrupted append"
+    ]

@@ -12,6 +12,8 @@ function in both training roles; only where its batches come from differs.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -20,10 +22,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointWriter, SaveError, rng_state
+from .checkpoint import (
+    CheckpointWriter,
+    SaveError,
+    drafter_rng_states,
+    existing_checkpoints,
+    read_latest,
+    remove_leftovers,
+    restore_rng,
+)
 from .config import TrainConfig, config_to_dict, parse_config, usage
 from .progress import TrainingMonitor
-from .resume import load_tensor_file, load_trainer_state, load_weights
+from .resume import RestoreError, load_tensor_file, load_trainer_state, load_weights
+from .run_lock import OutputDirLock
 from .run_setup import (
     Run,
     build_schedule,
@@ -46,7 +57,7 @@ from .trainer import (
     StepSettings,
     build_drafter,
 )
-from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, StopFlag
+from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, PeerLost, StopFlag
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -60,11 +71,11 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 def run_target(ctx: DistributedContext, run: Run) -> bool:
     """A target rank: compute the tapped features of the batches g = rank mod T, send each to its drafter.
 
-    The drafter leader decides when the job stops: a first signal here is only noted, and the loop
-    ends early when the leader raises the stop flag."""
+    The drafter leader decides when the job stops: a signal here is passed on to it (through the job's
+    store), and the loop ends early when the leader, having saved, raises the stop flag."""
     topo = ctx.topology
-    GracefulStop().install()
-    stop = StopFlag()
+    signalled = GracefulStop().install()
+    stop, told = StopFlag(), False
     extractor = TargetFeatureExtractor(
         run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
@@ -73,6 +84,9 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
     for item in run.schedule.batches(run.first_batch, run.end_batch):
         if topo.target_of(item.g) != topo.rank:
             continue
+        if signalled.requested and not told:  # e.g. a scheduler preempting only this node
+            stop.request(f"{signalled.signal_name} on rank {topo.rank}")
+            told = True
         if stop.is_set():
             break
         batch = run.data.batch(item.members, pad_id)
@@ -128,12 +142,22 @@ def run_drafter(ctx: DistributedContext, run: Run) -> bool:
     return train_drafter(ctx, run, source)
 
 
-def restore(run: Run, trainer: DrafterTrainer, rank: int) -> int:
-    """Load weights, optimizer, scheduler and RNG from the resume checkpoint; returns tokens seen."""
+def restore(run: Run, trainer: DrafterTrainer, drafter_index: int) -> int:
+    """Load weights, optimizer, scheduler and RNG from the resume checkpoint; returns tokens seen.
+
+    The RNG file is chosen by the rank's index among the drafter ranks, not its global rank: a resume with
+    another number of target ranks moves the drafters' global ranks. Any failure is a RestoreError."""
     path = run.resume_from
-    load_weights(path, trainer.drafter)
-    trainer.optimizer.load_state_dict(load_tensor_file(path / "optimizer.pt"))
-    trainer.scheduler.load_state_dict(load_tensor_file(path / "scheduler.pt"))
+    try:
+        load_weights(path, trainer.drafter)
+        trainer.optimizer.load_state_dict(load_tensor_file(path / "optimizer.pt"))
+        trainer.scheduler.load_state_dict(load_tensor_file(path / "scheduler.pt"))
+        restore_rng(path, drafter_index, load_tensor_file)
+        tokens_seen = int(load_trainer_state(path)["tokens_seen"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state that does not fit the objects
+        raise RestoreError(
+            f"cannot resume from {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     # The loaded states carry the checkpoint's lr and weight decay; this run's settings win (they differ
     # only when the user accepted the change with --resume_override).
     cfg, scheduler = run.cfg, trainer.scheduler
@@ -141,11 +165,8 @@ def restore(run: Run, trainer: DrafterTrainer, rank: int) -> int:
     for group, schedule_fn in zip(trainer.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         group.update(initial_lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         group["lr"] = cfg.learning_rate * schedule_fn(scheduler.last_epoch)
-    rng_file = path / f"rng-rank{rank}.pt"
-    if rng_file.is_file():
-        torch.set_rng_state(load_tensor_file(rng_file)["torch"])
     trainer.global_step = run.start_step
-    return int(load_trainer_state(path)["tokens_seen"])
+    return tokens_seen
 
 
 def check_batch(message: Message, item: ScheduledBatch, rank: int) -> Message:
@@ -168,19 +189,28 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
     out = Path(cfg.output_dir)
     head = SharedTargetHead.from_target(run.setup.info).to(device=device, dtype=compute_dtype(device))
     drafter = build_drafter(run.setup.drafter_config, cfg.seed, device)
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
     settings = StepSettings(
-        cfg.num_anchors, cfg.seed, cfg.max_grad_norm, cfg.loss_chunk_size, attention, cfg.loss_gamma
+        cfg.num_anchors,
+        cfg.seed,
+        cfg.max_grad_norm,
+        cfg.loss_chunk_size,
+        attention,
+        cfg.drafter_chunk_tokens,
+        cfg.loss_gamma,
     )
     optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, schedule.total_steps)
     group = ctx.drafter_group if topo.num_drafters > 1 else None
     trainer = DrafterTrainer(drafter, head, settings, optim, group)
-    tokens_seen = restore(run, trainer, topo.rank) if run.resume_from else 0
+    drafter_index = topo.drafter_ranks.index(topo.rank)
+    tokens_seen = restore(run, trainer, drafter_index) if run.resume_from else 0
     monitor = TrainingMonitor(out, schedule.total_steps, run.start_step) if topo.is_leader else None
     protect = {run.resume_from.name} if run.resume_from else set()
     writer = CheckpointWriter(out, cfg.save_total_limit, protect, monitor.print) if monitor else None
     compute_s, senders = 0.0, {}  # compute_s: time inside trainer.step
     stop, stopping = GracefulStop().install(), False
+    # signals delivered to other ranks (a target node's preemption) reach the leader through the store
+    requests = StopFlag() if topo.is_leader and not topo.colocated else None
 
     def mark() -> dict:  # counters at the start of a logging window
         return {
@@ -199,6 +229,8 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
     )
     try:
         for step in range(run.start_step + 1, schedule.total_steps + 1):
+            if writer:
+                writer.check()  # a failed background save stops the run now, not at the next save
             messages = [
                 check_batch(source.get(), next(expected), topo.rank)
                 for _ in range(cfg.gradient_accumulation_steps)
@@ -210,8 +242,9 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
             compute_s += time.perf_counter() - step_start
             # One all-reduce carries the step's tokens and whether any drafter rank was asked to stop,
             # so that every drafter rank stops after the same step.
+            requested_by = stop.signal_name or (requests.requested() if requests else "")
             step_tokens, stop_votes = trainer.sum_over_drafters(
-                torch.tensor([float(sum(m.batch.num_tokens for m in messages)), float(stop.requested)])
+                torch.tensor([float(sum(m.batch.num_tokens for m in messages)), float(bool(requested_by))])
             ).tolist()
             stopping = stop_votes > 0
             tokens_seen += int(step_tokens)
@@ -234,7 +267,9 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                 if monitor:
                     monitor.log(metrics)
                 window = mark()
-            if topo.is_leader and (step % cfg.save_steps == 0 or step == schedule.total_steps or stopping):
+            saving = step % cfg.save_steps == 0 or step == schedule.total_steps or stopping
+            rng_states = drafter_rng_states(group) if saving else {}  # every drafter rank takes part
+            if topo.is_leader and saving:
                 trainer_state = run.identity | {
                     "global_step": step,
                     "epoch": messages[-1].epoch,
@@ -253,12 +288,12 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                     trainer.optimizer,
                     trainer.scheduler,
                     trainer_state,
-                    {topo.rank: rng_state()},
+                    rng_states,
                 )
             if stopping:
                 if monitor:
                     monitor.print(
-                        f"stop requested ({stop.signal_name or 'another rank'}): stopped after step {step}"
+                        f"stop requested ({requested_by or 'on another drafter rank'}): stopped after step {step}"
                     )
                 break
         if stopping:
@@ -289,8 +324,8 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
     """Measure tau with real speculative decoding on held-out conversations, against baselines."""
     from .evaluate import evaluate, print_report
 
-    latest = Path(cfg.output_dir) / "checkpoints" / "latest"
-    checkpoint = latest.parent / latest.read_text().strip()
+    root = Path(cfg.output_dir) / "checkpoints"
+    checkpoint = read_latest(root) or existing_checkpoints(cfg.output_dir)[-1]
     report = evaluate(
         target_dir=cfg.target_model,
         drafter=checkpoint,
@@ -320,6 +355,31 @@ def lost_peer(error: RuntimeError) -> bool:
     return any(sign in str(error) for sign in signs)
 
 
+# How long a rank that failed only because another rank did waits before exiting: longer than torchrun's
+# 0.1 s monitor interval, so that torchrun records the first failure first and names it the root cause.
+CONSEQUENCE_DELAY_S = 1.0
+
+
+def fail(message: str, code: int, split: bool, consequence: bool = False) -> int:
+    """Print this rank's one-line error and end the rank with `code`.
+
+    In a split job the rank exits at once without tearing down the process group: the drafter's receiver
+    thread may be blocked in a receive, and destroying the group under it aborts the process (SIGABRT,
+    'terminate called without an active exception') after this message, and torchrun then blames another
+    rank. A rank failing only as a `consequence` of another's failure first waits CONSEQUENCE_DELAY_S
+    (torchrun's SIGTERM ends the wait at once). A background checkpoint write still in flight has been
+    waited for by the loop's own cleanup before this point."""
+    print(message, file=sys.stderr, flush=True)
+    if not split:
+        return code
+    if consequence:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        time.sleep(CONSEQUENCE_DELAY_S)
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 on success (or a clean stop), 2 on bad input or a refused resume, 1 when a peer or the disk fails."""
     argv = sys.argv[1:] if argv is None else argv
@@ -346,12 +406,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error{where}: {e}", file=sys.stderr)
         return 2
+    lock = OutputDirLock(cfg.output_dir) if leader else None
+    try:
+        return train(ctx, run, stats, lock, where)
+    finally:
+        if lock:
+            lock.release()
+
+
+def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, where: str) -> int:
+    """Agree on the start, train in this rank's role, evaluate; the exit status of `main`."""
+    cfg, topology, leader = run.cfg, ctx.topology, ctx.topology.is_leader
     try:
         check_same_data(ctx, run)
         error = None
         if leader:
             try:
-                for note in decide_start(run, topology):
+                # the lock before anything in the directory is read or changed: two jobs would both resume
+                # the same checkpoint, and race on rotation, `latest` and metrics.jsonl
+                for note in lock.acquire() + remove_leftovers(cfg.output_dir) + decide_start(run, topology):
                     print(note)
             # any failure (a hand-edited trainer_state.json can raise anything) is a refusal on every rank:
             # a leader dying here would leave the others waiting in the broadcast below
@@ -366,28 +439,31 @@ def main(argv: list[str] | None = None) -> int:
     if leader:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        prune_metrics(cfg.output_dir, run.start_step)
+        for note in prune_metrics(cfg.output_dir, run.start_step):
+            print(note)
         (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
         (out / "config.json").write_text(json.dumps(config_to_dict(run.cfg), indent=2) + "\n")
         print(
             f"data: {stats.summary()}; "
             f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"
         )
-    start = time.perf_counter()
+    start, split = time.perf_counter(), not topology.colocated
     try:
         stopped = ROLES[topology.role](ctx, run)
-    except (ChannelError, SaveError) as e:  # a dead or stuck peer, a full disk: say so, no traceback
-        print(f"error{where}: {e}", file=sys.stderr)
-        return 1
+    except RestoreError as e:
+        return fail(f"error{where}: {e}", 2, split)
+    except PeerLost as e:  # another rank failed first and says why
+        return fail(f"error{where}: {e}", 1, split, consequence=True)
+    except (ChannelError, SaveError, FloatingPointError) as e:  # a full disk, bad numbers: no traceback
+        return fail(f"error{where}: {e}", 1, split)
     except RuntimeError as e:
         if not lost_peer(e):
             raise  # a bug: keep its traceback
-        print(
+        message = (
             f"error{where}: lost the connection to another rank of the job, which most likely failed first "
-            f"(see its message above): {' '.join(str(e).split())[:500]}",
-            file=sys.stderr,
+            f"(see its message above): {' '.join(str(e).split())[:500]}"
         )
-        return 1
+        return fail(message, 1, split, consequence=True)
     finally:
         shutdown()
     if leader:

@@ -36,6 +36,11 @@ class ChannelError(RuntimeError):
     """A peer died, got stuck past --dist_timeout, or disagrees on the schedule. Names the ranks involved."""
 
 
+class PeerLost(ChannelError):
+    """A send or receive failed because the peer rank died or got stuck: a consequence of that rank's
+    failure, not a failure of this rank's own."""
+
+
 @dataclass
 class Message:
     """One received batch with its provenance."""
@@ -123,7 +128,7 @@ class ChannelSender:
                 if self.device.type == "cuda":  # NCCL's wait() only orders the stream: block for backpressure
                     torch.cuda.current_stream(self.device).synchronize()
             except RuntimeError as e:
-                raise ChannelError(
+                raise PeerLost(
                     f"target rank {self.rank}: sending to drafter rank {dst} failed ({e}); that rank died or is stuck"
                 ) from None
             self.wait_s += time.perf_counter() - start
@@ -179,7 +184,7 @@ class ChannelReceiver:
         try:
             dist.recv(t, src)
         except RuntimeError as e:
-            raise ChannelError(
+            raise PeerLost(
                 f"drafter rank {self.rank}: receiving {what} from target rank {src} failed ({e}); "
                 f"target rank {src} died or is stuck (see --dist_timeout)"
             ) from None
@@ -293,10 +298,13 @@ class ChannelReceiver:
 
 
 class StopFlag:
-    """The drafter leader's request that the targets stop early, seen by every rank through the job's
-    key-value store (a polled irecv is not an option: gloo never marks it completed without wait())."""
+    """Stopping early, through the job's key-value store (a polled irecv is not an option: gloo never marks
+    it completed without wait()). Any rank that receives a signal posts a request, naming itself; the
+    drafter leader reads requests at each step boundary, saves, and then sets the stop that every target
+    polls between batches."""
 
     KEY = "dflash_ddp/stop"
+    REQUEST_KEY = "dflash_ddp/stop_request"
 
     def __init__(self):
         self.store = dist.distributed_c10d._get_default_store()
@@ -306,3 +314,11 @@ class StopFlag:
 
     def is_set(self) -> bool:
         return self.store.check([self.KEY])
+
+    def request(self, who: str) -> None:
+        """Ask the leader to stop the job (`who`: e.g. "SIGTERM on rank 1")."""
+        self.store.set(self.REQUEST_KEY, who)
+
+    def requested(self) -> str:
+        """Who asked the job to stop, or "" (one store round trip; the leader asks once per step)."""
+        return self.store.get(self.REQUEST_KEY).decode() if self.store.check([self.REQUEST_KEY]) else ""

@@ -138,8 +138,10 @@ def test_extra_or_missing_weight_keys_are_refused(finished_run, tiny_target, cha
     del state["norm.weight"]
     save_file(state, ckpt / "model.safetensors")
     write_manifest(ckpt, 6)  # a consistent manifest: the content itself must be refused
-    with pytest.raises(Exception, match="missing \\['norm.weight'\\], unexpected \\['lm_head.weight'\\]"):
-        main(args(tiny_target, chat_data, finished_run, "--max_steps", "9", "--resume_override", "max_steps"))
+    more = ("--max_steps", "9", "--resume_override", "max_steps")
+    assert main(args(tiny_target, chat_data, finished_run, *more)) == 2
+    err = capsys.readouterr().err
+    assert "missing ['norm.weight'], unexpected ['lm_head.weight']" in err and "Traceback" not in err
 
 
 class _RunsCode:
@@ -155,6 +157,21 @@ def test_pickled_code_in_optimizer_state_is_refused_without_running(finished_run
     write_manifest(ckpt, 6)
     with pytest.raises(ValueError, match="optimizer.pt: refused to load"):
         load_tensor_file(ckpt / "optimizer.pt")
+    assert not (tmp_path / "PWNED_MARKER").exists()
+
+
+def test_a_refused_pickle_in_a_real_resume_is_one_line_exit_2(
+    finished_run, tiny_target, chat_data, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    ckpt = _newest(finished_run)
+    with (ckpt / "optimizer.pt").open("wb") as f:
+        pickle.dump({"state": _RunsCode()}, f, protocol=2)
+    write_manifest(ckpt, 6)  # the manifest verifies: the refusal must come from the weights_only load
+    more = ("--max_steps", "9", "--resume_override", "max_steps")
+    assert main(args(tiny_target, chat_data, finished_run, *more)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "optimizer.pt: refused to load" in err[0], err
     assert not (tmp_path / "PWNED_MARKER").exists()
 
 
@@ -250,7 +267,6 @@ def test_the_data_cursor_stays_exact_after_an_accepted_change_of_global_batch(
         "--resume_override",
         "global_batch",
         "max_steps",
-        "gradient_accumulation_steps",
     ]
     assert main(args(tiny_target, chat_data, out, *more)) == 0
     # 8 batches by step 4 (2 per step), then 1 per step: 10 at step 6, not 6 x 1
