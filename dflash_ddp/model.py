@@ -5,8 +5,8 @@ frozen embedding) and the concatenated hidden states of the tapped target layers
 final-normed hidden states of the block tokens. The target's LM head turns them into logits; the
 drafter owns neither the embedding nor the LM head.
 
-The same `forward` serves training (a 4-D boolean mask or a flex-attention BlockMask describing many
-blocks per sequence) and inference (a `transformers` cache holding previous context keys/values, as
+The same `forward` serves training (a `BlockLayout` for the block-sparse path, a flex-attention
+BlockMask, or a 4-D boolean mask, each describing many blocks per sequence) and inference (a `transformers` cache holding previous context keys/values, as
 `generate(..., speculation_type="dflash")` calls it).
 """
 
@@ -21,10 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-try:  # flex attention is optional: CPU training uses the explicit-mask SDPA path.
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # pragma: no cover - torch without flex attention
-    BlockMask, flex_attention = None, None
+from .attention import BlockLayout, BlockMask, attend
 
 
 class DFlashDraftConfig(PretrainedConfig):
@@ -84,7 +81,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # in the input's dtype: under autocast the fp32 weight would otherwise turn bf16 activations into fp32
+        return (self.weight * x.to(dtype)).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -123,37 +121,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, heads, T, D]; cos/sin: [B, T, D]
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """Attention of block queries over [context keys, block keys].
-
-    `mask` is one of: None (every key visible: inference on one sequence), a boolean tensor broadcastable
-    to [B, heads, Q, K] (True = visible; the CPU path), or a flex-attention BlockMask (the CUDA path).
-    A query row with no visible key returns zeros on every path, which is what flex attention does.
-    """
-    if BlockMask is not None and isinstance(mask, BlockMask):
-        return _flex_for(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    has_key = mask.any(dim=-1, keepdim=True)
-    # A fully masked row would give NaN in SDPA (and NaN gradients); let it see every key, then zero it.
-    safe_mask = mask | ~has_key
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, enable_gqa=True)
-    return out * has_key.to(out.dtype)
-
-
-_COMPILED_FLEX = None
-
-
-def _flex_for(device: torch.device):
-    """The fused (compiled) flex kernel on CUDA; the eager reference implementation elsewhere."""
-    global _COMPILED_FLEX
-    if device.type != "cuda":
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED_FLEX
 
 
 class DFlashAttention(nn.Module):
@@ -256,7 +223,7 @@ class DFlashDraftModel(PreTrainedModel):
         context_hidden_states: [B, S, K*H] tapped target features (new context only when `cache` holds the rest).
         position_ids: [B, S + Q] positions of the context tokens, then of the block tokens.
         attention_mask: None, a [B, S_total] padding mask of ones/zeros (transformers' generate), a boolean
-            [B, 1, Q, S + Q] visibility mask, or a BlockMask.
+            [B, 1, Q, S + Q] visibility mask, a BlockLayout or a BlockMask (see `attention.attend`).
         cache: a transformers DynamicCache-like object with `update(k, v, layer_idx)`.
         """
         if position_ids.dim() == 1:
@@ -277,7 +244,9 @@ class DFlashDraftModel(PreTrainedModel):
 
 def _padding_mask_to_visibility(attention_mask):
     """A 2-D 0/1 key padding mask (as transformers' generate passes it) becomes a boolean key mask."""
-    if attention_mask is None or (BlockMask is not None and isinstance(attention_mask, BlockMask)):
+    if attention_mask is None or isinstance(attention_mask, BlockLayout):
+        return attention_mask
+    if BlockMask is not None and isinstance(attention_mask, BlockMask):
         return attention_mask
     if attention_mask.dim() == 2:
         if bool(attention_mask.all()):

@@ -58,6 +58,34 @@ def sample_anchors(
     return chosen.sort().values
 
 
+def plan_draft_chunks(
+    anchors: list[torch.Tensor], lengths: list[int], block_size: int, chunk_tokens: int
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """Split a batch's draft blocks into chunks that the drafter processes one forward/backward at a time.
+
+    A chunk is a list of (row, anchors) pieces; padded to its widest piece and longest row it holds at most
+    `chunk_tokens` draft positions (rows x anchors x block_size) and context tokens (rows x length), so its
+    memory does not grow with the number of sequences per batch. A sequence with more blocks than a chunk
+    holds is split into pieces; each piece sees the same context, so the result changes only by the order
+    of floating-point sums. Rows without anchors are left out (they carry no loss)."""
+    per_chunk = max(1, chunk_tokens // block_size)
+    chunks: list[list[tuple[int, torch.Tensor]]] = []
+    current: list[tuple[int, torch.Tensor]] = []
+    for row, row_anchors in enumerate(anchors):
+        for start in range(0, row_anchors.numel(), per_chunk):
+            piece = (row, row_anchors[start : start + per_chunk])
+            grown = current + [piece]
+            widest = max(p.numel() for _, p in grown)
+            longest = max(lengths[r] for r, _ in grown)
+            if current and len(grown) * max(widest * block_size, longest) > chunk_tokens:
+                chunks.append(current)
+                grown = [piece]
+            current = grown
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 @dataclass
 class BlockInputs:
     """Everything one drafter forward/loss needs for a padded batch of B sequences with A anchor slots."""
@@ -67,12 +95,22 @@ class BlockInputs:
     labels: torch.Tensor  # [B, A, bs] token at anchor+k (0 where undefined)
     weights: torch.Tensor  # [B, A, bs] loss weights (0 at k=0, outside the response, padding)
     anchors: torch.Tensor  # [B, A] anchor positions, -1 for padding slots
+    scored: torch.Tensor  # flat indices into [B*A*bs] of the positions with a positive weight
     context_len: int  # S
     block_size: int
 
     @property
     def weight_sum(self) -> torch.Tensor:
         return self.weights.sum()
+
+    def to(self, device: torch.device) -> BlockInputs:
+        """A copy on `device`; built on the host, the copies do not wait for the device."""
+        if device.type == "cuda":
+            move = lambda t: t.pin_memory().to(device, non_blocking=True)  # noqa: E731
+        else:
+            move = lambda t: t.to(device)  # noqa: E731
+        tensors = {k: move(v) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return BlockInputs(**{**vars(self), **tensors})
 
 
 def build_block_inputs(
@@ -107,6 +145,7 @@ def build_block_inputs(
         labels=labels,
         weights=weights,
         anchors=anchor_t,
+        scored=torch.nonzero(weights.flatten() > 0, as_tuple=False).flatten(),
         context_len=seq_len,
         block_size=block_size,
     )
@@ -200,6 +239,11 @@ class LossTerms:
     accepted_sum: torch.Tensor  # sum over blocks of the estimated accepted length (bonus included)
     num_blocks: torch.Tensor
 
+    @classmethod
+    def zeros(cls, block_size: int, device: torch.device) -> LossTerms:
+        """The sums of nothing: where a step's totals start."""
+        return cls(*(torch.zeros(n, device=device) for n in ((), (), block_size, block_size, (), ())))
+
     def metrics(self) -> dict[str, float]:
         """Loss, accuracy and estimated tau from (possibly all-reduced) sums."""
         count = self.count_per_pos[1:].sum().clamp(min=1)
@@ -218,7 +262,7 @@ def block_loss_terms(
     """Loss sums and metric counts for the drafter's output `last_hidden` [B, A*bs, H]."""
     weights = inputs.weights
     scored = weights > 0
-    flat_idx = torch.nonzero(scored.flatten(), as_tuple=False).flatten()
+    flat_idx = inputs.scored
     hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).index_select(0, flat_idx)
     loss_sum, correct_rows = chunked_weighted_ce(
         hidden, head_weight, inputs.labels.flatten()[flat_idx], weights.flatten()[flat_idx], chunk

@@ -14,14 +14,17 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
+from .attention import block_layout
 from .data import Batch
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .objective import (
+    BlockInputs,
     LossTerms,
     block_loss_terms,
     build_block_inputs,
     dense_block_mask,
     flex_block_mask,
+    plan_draft_chunks,
     sample_anchors,
 )
 from .target import SharedTargetHead, TargetInfo, default_target_layer_ids
@@ -85,8 +88,19 @@ class StepSettings:
     seed: int
     max_grad_norm: float
     loss_chunk_size: int
-    attention: str  # "sdpa" or "flex"
+    attention: str  # "sparse", "flex" or "dense" (see attention.py)
+    chunk_tokens: int  # draft positions per drafter forward/backward (--drafter_chunk_tokens)
     loss_gamma: float | None = None
+
+
+@dataclass
+class DraftChunk:
+    """One forward/backward of the drafter: a few sequences' blocks, their features and attention mask."""
+
+    inputs: BlockInputs  # on the compute device
+    features: torch.Tensor  # [rows, context_len, K*H]
+    mask: object  # BlockLayout, BlockMask or boolean tensor (see attention.attend)
+    weight_sum: float  # of inputs.weights, computed on the host before the copy
 
 
 @dataclass
@@ -129,10 +143,13 @@ class DrafterTrainer:
         return contextlib.nullcontext()  # fp32 on CPU: exact, and what the parity tests compare
 
     def _mask(self, anchors: torch.Tensor, context_len: int):
-        bs = self.drafter.config.block_size
+        """The chunk's attention rule in the form the chosen path takes; `anchors` are on the host."""
+        cfg = self.drafter.config
         if self.settings.attention == "flex":
-            return flex_block_mask(anchors, context_len, bs)
-        return dense_block_mask(anchors, context_len, bs)
+            return flex_block_mask(anchors.to(self.device), context_len, cfg.block_size)
+        if self.settings.attention == "dense":
+            return dense_block_mask(anchors.to(self.device), context_len, cfg.block_size)
+        return block_layout(anchors, context_len, cfg.block_size, cfg.num_attention_heads, self.device)
 
     def sum_over_drafters(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of `t` over all drafter ranks (itself when there is one)."""
@@ -151,48 +168,73 @@ class DrafterTrainer:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def _chunks(self, batch: Batch, features: torch.Tensor, epoch: int) -> list[DraftChunk]:
+        """The micro-batch's draft blocks as chunks of at most --drafter_chunk_tokens draft positions."""
+        cfg, settings = self.drafter.config, self.settings
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        anchors = [
+            sample_anchors(
+                batch.loss_mask[b, : lengths[b]],
+                settings.num_anchors,
+                settings.seed,
+                epoch,
+                int(batch.sample_ids[b]),
+            )
+            for b in range(len(lengths))
+        ]
+        chunks = []
+        for pieces in plan_draft_chunks(anchors, lengths, cfg.block_size, settings.chunk_tokens):
+            rows = [row for row, _ in pieces]
+            context_len = max(lengths[row] for row in rows)  # keys past every row's end are never visible
+            inputs = build_block_inputs(
+                batch.input_ids[rows, :context_len],
+                batch.loss_mask[rows, :context_len],
+                [part for _, part in pieces],
+                cfg.block_size,
+                cfg.mask_token_id,
+                settings.loss_gamma,
+            )
+            rows_t = torch.tensor(rows, device=features.device)
+            chunks.append(
+                DraftChunk(
+                    inputs.to(self.device),
+                    # contiguous whatever the sender's padding: GEMM blocking (and rounding) follows strides
+                    features[:, :context_len].index_select(0, rows_t),
+                    self._mask(inputs.anchors, context_len),
+                    float(inputs.weights.sum()),
+                )
+            )
+        return chunks
+
     def step(self, micro_batches: list[tuple[Batch, torch.Tensor, int]]) -> dict:
         """One optimizer step over (batch, target features, epoch) micro-batches; returns metrics.
 
-        The loss is normalised by the weight sum of ALL micro-batches of ALL drafter ranks, and the
-        ranks' gradients are summed, so the update does not depend on how the global batch is split.
+        Each micro-batch is processed in chunks bounded by --drafter_chunk_tokens; the loss is normalised by
+        the weight sum of ALL chunks of ALL micro-batches of ALL drafter ranks, and the ranks' gradients are
+        summed, so the update does not depend on how the global batch is split or chunked.
         """
-        cfg = self.drafter.config
-        prepared = []
-        for batch, features, epoch in micro_batches:
-            anchors = [
-                sample_anchors(
-                    batch.loss_mask[b, : int(batch.attention_mask[b].sum())],
-                    self.settings.num_anchors,
-                    self.settings.seed,
-                    epoch,
-                    int(batch.sample_ids[b]),
-                )
-                for b in range(batch.input_ids.shape[0])
-            ]
-            inputs = build_block_inputs(
-                batch.input_ids.to(self.device),
-                batch.loss_mask.to(self.device),
-                anchors,
-                cfg.block_size,
-                cfg.mask_token_id,
-                self.settings.loss_gamma,
-            )
-            prepared.append((inputs, features.to(self.device)))
-        weight_sum = self.sum_over_drafters(sum(inputs.weight_sum for inputs, _ in prepared))
-        totals: LossTerms | None = None
-        for inputs, features in prepared:
+        chunks = [
+            chunk
+            for batch, features, epoch in micro_batches
+            for chunk in self._chunks(batch, features.to(self.device), epoch)
+        ]
+        weight_sum = self.sum_over_drafters(
+            torch.tensor(sum(c.weight_sum for c in chunks), dtype=torch.float32, device=self.device)
+        )
+        totals = LossTerms.zeros(self.drafter.config.block_size, self.device)
+        for chunk in chunks:
+            inputs = chunk.inputs
             with self._autocast():
                 out = self.drafter(
-                    self.head.embed_tokens(inputs.block_ids),
-                    features,
-                    inputs.position_ids,
-                    self._mask(inputs.anchors, inputs.context_len),
+                    self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
                 ).last_hidden_state
                 terms = block_loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss_chunk_size)
             (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
-            terms = LossTerms(*(t.detach() for t in vars(terms).values()))
-            totals = terms if totals is None else _add_terms(totals, terms)
+            totals = _add_terms(totals, LossTerms(*(t.detach() for t in vars(terms).values())))
+            del out, terms  # the next chunk's activations must not meet this one's
+        for p in self.drafter.parameters():  # a rank whose batch had no anchors still joins the all-reduce
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.group is not None:
             self._sync_gradients()
             totals = LossTerms(*(self.sum_over_drafters(t) for t in vars(totals).values()))

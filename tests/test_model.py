@@ -3,8 +3,16 @@
 import pytest
 import torch
 
+from dflash_ddp.attention import block_layout
 from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
 from dflash_ddp.objective import build_block_inputs, dense_block_mask, flex_block_mask
+
+
+def sparse_layout(anchors, context_len, block_size):
+    return block_layout(anchors, context_len, block_size, num_heads=4, device=torch.device("cpu"))
+
+
+MASKS = {"dense": dense_block_mask, "flex": flex_block_mask, "sparse": sparse_layout}
 
 BS = 4
 SEQ = 24
@@ -39,13 +47,12 @@ def setup_inputs(seed=0):
     return inputs, features, embeds
 
 
-@pytest.fixture(params=["sdpa", "flex"])
+@pytest.fixture(params=sorted(MASKS))
 def run(request):
     drafter = small_drafter()
 
     def forward(inputs, features, embeds):
-        make = dense_block_mask if request.param == "sdpa" else flex_block_mask
-        mask = make(inputs.anchors, inputs.context_len, BS)
+        mask = MASKS[request.param](inputs.anchors, inputs.context_len, BS)
         with torch.no_grad():
             out = drafter(embeds, features, inputs.position_ids, mask).last_hidden_state
         return out.view(len(ANCHORS), BS, -1)
@@ -100,10 +107,13 @@ def test_attention_paths_agree_with_padding_blocks():
     with torch.no_grad():
         dense = drafter(embeds, features, inputs.position_ids, dense_block_mask(inputs.anchors, SEQ, BS))
         flex = drafter(embeds, features, inputs.position_ids, flex_block_mask(inputs.anchors, SEQ, BS))
+        sparse = drafter(embeds, features, inputs.position_ids, sparse_layout(inputs.anchors, SEQ, BS))
     torch.testing.assert_close(dense.last_hidden_state, flex.last_hidden_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense.last_hidden_state, sparse.last_hidden_state, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_block_gives_finite_gradients():
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_padding_block_gives_finite_gradients(kind):
     drafter = small_drafter().train()
     inputs = build_block_inputs(
         torch.randint(0, 48, (2, SEQ)), torch.ones(2, SEQ), [torch.tensor([3, 9]), torch.tensor([4])], BS, 49
@@ -112,7 +122,7 @@ def test_padding_block_gives_finite_gradients():
         torch.randn(2, 2 * BS, 32),
         torch.randn(2, SEQ, 64),
         inputs.position_ids,
-        dense_block_mask(inputs.anchors, SEQ, BS),
+        MASKS[kind](inputs.anchors, SEQ, BS),
     ).last_hidden_state
     out.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters())

@@ -1,0 +1,160 @@
+"""The block-sparse attention path against the dense reference; what the other paths are handed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dflash_ddp.attention as attention
+from dflash_ddp.attention import block_layout, block_sparse_attention, dense_attention
+from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.objective import build_block_inputs, dense_block_mask, flex_block_mask
+
+
+def random_case(seed, batch, slots, seq, bs, heads, kv_heads, dim=8, dtype=torch.float64):
+    """Anchors per row (sorted, some rows padded with -1 slots, some near the end, some closer than a
+    block so that blocks overlap later anchors' positions) and q/k/v/grad tensors."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(batch):
+        count = slots if b == 0 else int(torch.randint(1, slots + 1, (1,), generator=g))
+        count = min(count, seq)
+        picked = torch.randperm(seq, generator=g)[:count].sort().values
+        if b == batch - 1:
+            picked[-1] = seq - 1  # an anchor on the last position: its block runs past the sequence
+        rows.append(torch.cat([picked, torch.full((slots - count,), -1)]))
+    anchors = torch.stack(rows)
+    q = torch.randn(batch, heads, slots * bs, dim, dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq + slots * bs, dim, dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq + slots * bs, dim, dtype=dtype, generator=g, requires_grad=True)
+    grad = torch.randn(batch, heads, slots * bs, dim, dtype=dtype, generator=g)
+    return anchors, q, k, v, grad
+
+
+CASES = [  # seed, batch, slots, seq, block size, heads, kv heads
+    (0, 1, 6, 30, 4, 2, 2),
+    (1, 3, 9, 40, 4, 4, 2),  # GQA, padded rows
+    (2, 2, 20, 24, 4, 4, 1),  # nearly every position an anchor: blocks overlap each other
+    (3, 2, 5, 7, 8, 2, 1),  # blocks longer than the context
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("workspace", [attention.WORKSPACE_BYTES, 1500])  # one chunk, then many
+def test_sparse_equals_dense_reference_values_and_gradients(case, workspace, monkeypatch):
+    monkeypatch.setattr(attention, "WORKSPACE_BYTES", workspace)
+    seed, batch, slots, seq, bs, heads, kv_heads = case
+    anchors, q, k, v, grad = random_case(seed, batch, slots, seq, bs, heads, kv_heads)
+    layout = block_layout(anchors, seq, bs, heads, torch.device("cpu"))
+    if workspace < 10_000:
+        assert len(layout.chunks) > 1
+    reference = dense_attention(q, k, v, dense_block_mask(anchors, seq, bs))
+    sparse = block_sparse_attention(q, k, v, layout)
+    torch.testing.assert_close(sparse, reference, rtol=0, atol=1e-12)
+    for got, want in zip(
+        torch.autograd.grad(sparse, (q, k, v), grad),
+        torch.autograd.grad(reference, (q, k, v), grad),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_padding_blocks_return_zeros_and_take_no_gradient():
+    anchors, q, k, v, grad = random_case(5, 2, 4, 20, 4, 2, 1)
+    anchors[1, 1:] = -1
+    out = block_sparse_attention(q, k, v, block_layout(anchors, 20, 4, 2, torch.device("cpu")))
+    assert out[1, :, 4:].abs().max() == 0
+    (dq,) = torch.autograd.grad(out, (q,), grad)
+    assert dq[1, :, 4:].abs().max() == 0
+
+
+def test_sparse_gradcheck():
+    anchors, q, k, v, _ = random_case(7, 2, 3, 9, 2, 2, 1, dim=3)
+    layout = block_layout(anchors, 9, 2, 2, torch.device("cpu"))
+    assert torch.autograd.gradcheck(lambda q, k, v: block_sparse_attention(q, k, v, layout), (q, k, v))
+
+
+def test_chunk_plan_reads_keys_only_up_to_its_largest_anchor(monkeypatch):
+    # 16 query rows per anchor, fp32: a chunk holds anchors x keys <= 400
+    monkeypatch.setattr(attention, "WORKSPACE_BYTES", 16 * 400 * 4)
+    anchors = torch.tensor([[10, 50, 90, 200, 300, 400]])
+    layout = block_layout(anchors, 512, 16, 1, torch.device("cpu"))
+    assert [c[:2] for c in layout.chunks] == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    assert [c[2] for c in layout.chunks] == [90, 200, 300, 400]
+
+
+def test_flex_tiles_at_the_recipe_shape():
+    """flex's default 128 x 128 tiles compute at most 1.4x the allowed entries at 512 anchors x 16 (S=1024):
+    the block-diagonal part wastes most of its tiles, but it is small next to the context part."""
+    anchors = torch.randperm(1023, generator=torch.Generator().manual_seed(0))[:512].sort().values[None]
+    mask = flex_block_mask(anchors, 1024, 16)
+    q_tile, kv_tile = mask.BLOCK_SIZE
+    tiles = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
+    allowed = dense_block_mask(anchors, 1024, 16).sum()
+    assert (q_tile, kv_tile) == (128, 128)
+    assert 1.0 <= float(tiles * q_tile * kv_tile / allowed) <= 1.4
+
+
+def drafter(num_heads=4, kv_heads=2):
+    torch.manual_seed(0)
+    config = DFlashDraftConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=num_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=8,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=49,
+        block_size=4,
+    )
+    return DFlashDraftModel(config)
+
+
+def test_dense_path_hands_sdpa_as_many_key_heads_as_query_heads_when_masked(monkeypatch):
+    """SDPA's memory-efficient CUDA kernel refuses a mask together with GQA; the math fallback materialises
+    the scores. So a masked call must come with K/V expanded to the query heads."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        seen.append((q.shape[1], k.shape[1], attn_mask is not None, kwargs.get("enable_gqa", False)))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    model = drafter()
+    inputs = build_block_inputs(
+        torch.randint(0, 48, (1, 12)), torch.ones(1, 12), [torch.tensor([3, 7])], 4, 49
+    )
+    with torch.no_grad():
+        model(
+            torch.randn(1, 8, 32),
+            torch.randn(1, 12, 64),
+            inputs.position_ids,
+            dense_block_mask(inputs.anchors, 12, 4),
+        )
+    assert seen and all(q == k for q, k, masked, _ in seen if masked)
+
+
+def test_bf16_autocast_gives_attention_one_dtype(monkeypatch):
+    """Under autocast q/k pass RMSNorms with fp32 weights; flex in older torch refuses mixed q/k/v dtypes."""
+    seen = []
+    real = attention.block_sparse_attention
+
+    def spy(q, k, v, layout):
+        seen.append({q.dtype, k.dtype, v.dtype})
+        return real(q, k, v, layout)
+
+    monkeypatch.setattr(attention, "block_sparse_attention", spy)
+    model = drafter()
+    inputs = build_block_inputs(
+        torch.randint(0, 48, (1, 12)), torch.ones(1, 12), [torch.tensor([3, 7])], 4, 49
+    )
+    layout = block_layout(inputs.anchors, 12, 4, 4, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(
+            torch.randn(1, 8, 32), torch.randn(1, 12, 64), inputs.position_ids, layout
+        ).last_hidden_state
+    out.float().sum().backward()
+    assert seen == [{torch.bfloat16}]
