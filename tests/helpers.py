@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -59,3 +60,34 @@ def kill_job(job: subprocess.Popen, timeout: float = 30) -> None:
         while _running(pid):
             assert time.time() < deadline, f"worker {pid} survived SIGKILL"
             time.sleep(0.01)
+
+
+def file_size_limit(nbytes: int):
+    """A preexec_fn capping every file the child (and its children) writes at `nbytes` (RLIMIT_FSIZE).
+
+    A write past the cap fails with EFBIG (Python ignores SIGXFSZ) the way a full disk fails with ENOSPC:
+    Python raises OSError, torch.save RuntimeError, safetensors SafetensorError."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+    return limit
+
+
+def rank_pids(parent: int) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, StopIteration):
+            continue
+        if ppid == parent:
+            for var in env:
+                if var.startswith(b"RANK="):
+                    found[int(var[5:])] = int(entry.name)
+    return found

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from dflash_ddp.topology import Topology
 
-from helpers import kill_job, torchrun_cmd, train_flags
+from helpers import kill_job, rank_pids, torchrun_cmd, train_flags
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -135,25 +135,6 @@ def test_two_nodes_on_localhost_train_a_3_plus_1_job(tiny_target, chat_data, tmp
     assert state["topology"] == {"world_size": 4, "target_ranks": 3, "drafter_ranks": 1, "colocated": False}
 
 
-def _rank_pids(parent: int) -> dict[int, int]:
-    """RANK -> pid of torchrun's worker processes."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, StopIteration):
-            continue
-        if ppid == parent:
-            for var in env:
-                if var.startswith(b"RANK="):
-                    found[int(var[5:])] = int(entry.name)
-    return found
-
-
 def kill_rank_while_training(nproc: int, args: list[str], out: Path, rank: int) -> tuple[str, int, dict]:
     """Start a job, SIGKILL one rank once training is under way; returns (output, exit code, rank pids)."""
     job = subprocess.Popen(
@@ -168,7 +149,7 @@ def kill_rank_while_training(nproc: int, args: list[str], out: Path, rank: int) 
         while not (out / "metrics.jsonl").exists() and time.time() < deadline:
             time.sleep(0.5)
         assert (out / "metrics.jsonl").exists(), "the job never started training"
-        ranks = _rank_pids(job.pid)
+        ranks = rank_pids(job.pid)
         os.kill(ranks[rank], signal.SIGKILL)
         killed_at = time.time()
         output = job.communicate(timeout=90)[0]

@@ -1,0 +1,244 @@
+"""Real faults injected into small runs: a full disk (RLIMIT_FSIZE), signals to single ranks of a torchrun
+job, a second job on the same output directory, damaged files, bad numbers. Each ends with one clear
+line, a non-zero exit status for errors, and nothing already written lost."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_ddp.checkpoint import verify_checkpoint
+from dflash_ddp.train import main
+
+from helpers import file_size_limit, rank_pids, torchrun_cmd, train_flags
+
+# Between the size of the tiny drafter's model.safetensors (~200 KB) and its optimizer.pt (~400 KB):
+# the weights are written, torch.save of the optimizer state then fails like on a full disk.
+FULL_AT_OPTIMIZER = 300_000
+
+
+def flags(tiny_target, chat_data, out, **settings):
+    return train_flags(tiny_target, chat_data, out, **({"save_steps": 3, "max_steps": 3} | settings))
+
+
+@pytest.fixture
+def run_at_step_3(tiny_target, chat_data, tmp_path):
+    """A finished 3-step run (checkpoint step-00000003 and the tokenized cache), to be resumed."""
+    out = tmp_path / "run"
+    assert main(flags(tiny_target, chat_data, out)) == 0
+    return out
+
+
+def resume_flags(tiny_target, chat_data, out, **settings):
+    return flags(
+        tiny_target, chat_data, out, **({"max_steps": 12, "resume_override": "max_steps"} | settings)
+    )
+
+
+def logged_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_only_step_3_is_left(out: Path) -> None:
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
+    assert (root / "latest").read_text().strip() == "step-00000003"
+    assert verify_checkpoint(root / "step-00000003") == []
+
+
+def test_a_full_disk_during_a_background_save_stops_the_run_at_the_next_step(
+    run_at_step_3, tiny_target, chat_data
+):
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.train", *resume_flags(tiny_target, chat_data, run_at_step_3)],
+        capture_output=True,
+        text=True,
+        preexec_fn=file_size_limit(FULL_AT_OPTIMIZER),
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: saving checkpoint step-00000006 failed (RuntimeError") and "intact" in last
+    assert max(logged_steps(run_at_step_3)) < 9  # noticed within a step or two, not at the next save
+    assert_only_step_3_is_left(run_at_step_3)
+
+
+def test_a_full_cache_dir_names_cache_dir(tiny_target, chat_data, tmp_path):
+    cache = tmp_path / "cache"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_ddp.train",
+            *flags(tiny_target, chat_data, tmp_path / "run", cache_dir=cache),
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=file_size_limit(16_000),  # the tokenized cache file is ~30 KB
+    )
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"--cache_dir {cache}: cannot write the tokenized-data cache (SafetensorError" in last
+    assert "Traceback" not in result.stderr
+    assert [p.name for p in cache.iterdir() if ".tmp-" in p.name] == []  # no half-written file left
+
+
+def test_a_failing_drafter_rank_exits_with_its_own_message_and_is_the_root_cause(
+    run_at_step_3, tiny_target, chat_data, tmp_path
+):
+    """1+1 job, disk full on the drafter's save: no SIGABRT at teardown, torchrun blames rank 1."""
+    logs = tmp_path / "logs"
+    args = ["-m", "dflash_ddp.train", *resume_flags(tiny_target, chat_data, run_at_step_3, dist_timeout=60)]
+    result = subprocess.run(
+        [*torchrun_cmd(2, "--log-dir", str(logs), "--redirects", "3"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=file_size_limit(FULL_AT_OPTIMIZER),
+    )
+    assert result.returncode != 0
+    drafter_err = next(logs.glob("*/attempt_0/1/stderr.log")).read_text()
+    last = drafter_err.strip().splitlines()[-1]
+    assert last.startswith("error (rank 1): saving checkpoint step-00000006 failed"), drafter_err[-3000:]
+    everything = result.stderr + "".join(p.read_text() for p in logs.rglob("*.log"))
+    assert "terminate called" not in everything and "Signal 6" not in everything
+    root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
+    assert " rank      : 1 " in root_cause and "exitcode  : 1 " in root_cause, result.stderr[-3000:]
+    assert_only_step_3_is_left(run_at_step_3)
+
+
+def test_sigterm_to_a_target_rank_only_stops_the_whole_job_with_a_checkpoint(
+    tiny_target, chat_data, tmp_path
+):
+    """A 2+1 job where only target rank 1 is signalled (one node preempted): the leader saves and
+    every rank exits 0."""
+    out = tmp_path / "run"
+    args = ["-m", "dflash_ddp.train", *flags(tiny_target, chat_data, out, max_steps=100000, save_steps=1000)]
+    job = subprocess.Popen(
+        [*torchrun_cmd(3), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert time.time() < deadline and job.poll() is None
+        time.sleep(0.05)
+    os.kill(rank_pids(job.pid)[1], signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode == 0, output[-3000:]
+    saved = sorted((out / "checkpoints").glob("step-*"))
+    assert len(saved) == 1 and verify_checkpoint(saved[0]) == []
+    stopped_at = int(saved[0].name.split("-")[1])
+    assert f"stop requested (SIGTERM on rank 1): stopped after step {stopped_at}" in output
+    assert max(logged_steps(out)) == stopped_at
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        b"\x8b\x1f\xff\x00 random bytes",
+        b'{"files": []}',
+        b'{"step": 6, "files": {}}',
+        b"[1, 2]",
+        "the real manifest with step 9",
+    ],
+    ids=["random-bytes", "files-a-list", "files-empty", "not-an-object", "wrong-step"],
+)
+def test_an_ill_shaped_manifest_invalidates_its_checkpoint_only(tiny_target, chat_data, tmp_path, manifest):
+    out = tmp_path / "run"
+    assert main(flags(tiny_target, chat_data, out, max_steps=6)) == 0
+    newest = out / "checkpoints" / "step-00000006"
+    if isinstance(manifest, str):  # every hash right: only the step disagrees with the directory
+        manifest = json.dumps(json.loads((newest / "manifest.json").read_text()) | {"step": 9}).encode()
+    else:  # and a damaged file the manifest does not catch
+        (newest / "optimizer.pt").write_bytes((newest / "optimizer.pt").read_bytes()[:100])
+    (newest / "manifest.json").write_bytes(manifest)
+    problems = verify_checkpoint(newest)
+    assert problems and all(str(newest) in p for p in problems)
+    more = ("--max_steps", "7", "--resume_override", "max_steps")
+    assert main(flags(tiny_target, chat_data, out)[:-2] + list(more)) == 0  # resumes step 3, not a traceback
+    assert verify_checkpoint(out / "checkpoints" / "step-00000007") == []
+
+
+def test_a_manifest_listing_a_path_outside_the_directory_is_refused(run_at_step_3):
+    ckpt = run_at_step_3 / "checkpoints" / "step-00000003"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for bad in ("../step-00000003/config.json", "/etc/hostname"):
+        changed = manifest | {"files": manifest["files"] | {bad: {"sha256": "0", "size": 1}}}
+        (ckpt / "manifest.json").write_text(json.dumps(changed))
+        assert any("not plain file names" in p for p in verify_checkpoint(ckpt))
+    del manifest["files"]["rng-rank0.pt"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert any("does not list ['rng-rank0.pt']" in p for p in verify_checkpoint(ckpt))
+
+
+def test_a_partial_last_metrics_line_is_dropped_on_resume(run_at_step_3, tiny_target, chat_data, capsys):
+    metrics = run_at_step_3 / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 4, "loss": 5.')  # power loss in the middle of an append
+    assert main(resume_flags(tiny_target, chat_data, run_at_step_3, max_steps=5)) == 0
+    assert "metrics.jsonl: dropped 1 unreadable line(s) (line 4)" in capsys.readouterr().out
+    assert logged_steps(run_at_step_3) == [1, 2, 3, 4, 5]
+
+
+def test_a_failing_metrics_append_is_a_save_error(tmp_path):
+    code = (
+        "import sys\n"
+        "from dflash_ddp.progress import TrainingMonitor\n"
+        "from dflash_ddp.checkpoint import SaveError\n"
+        "monitor = TrainingMonitor(sys.argv[1], 10)\n"
+        "record = {'step': 1, 'loss': 1.0, 'accuracy': 0.0, 'tau_estimate': 1.0, 'pad': 'x' * 3000}\n"
+        "try:\n"
+        "    monitor.log(record)\n"
+        "except SaveError as e:\n"
+        "    print(e)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        preexec_fn=file_size_limit(1000),
+    )
+    assert f"appending step 1 to {tmp_path / 'metrics.jsonl'} failed" in result.stdout, result.stderr
+
+
+def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_over(
+    tiny_target, chat_data, tmp_path
+):
+    out = tmp_path / "run"
+    train = [sys.executable, "-m", "dflash_ddp.train"]
+    first = subprocess.Popen(
+        [*train, *flags(tiny_target, chat_data, out, max_steps=100000, save_steps=1000)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists():
+            assert time.time() < deadline and first.poll() is None
+            time.sleep(0.05)
+        second = subprocess.run([*train, *flags(tiny_target, chat_data, out)], capture_output=True, text=True)
+        assert second.returncode == 2
+        assert f"--output_dir {out} is in use by another job (host " in second.stderr
+        assert f"pid {first.pid}, started " in second.stderr
+    finally:
+        first.kill()  # SIGKILL: the lock file still names it
+        first.wait()
+    root = out / "checkpoints"
+    root.mkdir(exist_ok=True)
+    for leftover in (".tmp-step-00000005-99", ".stale-step-00000004-99"):
+        (root / leftover).mkdir()
+        (root / leftover / "model.safetensors").write_bytes(b"partial")
+    (root / ".latest-99").write_text("step-0000")
+    third = subprocess.run([*train, *flags(tiny_target, chat_data, out)], capture_output=True, text=True)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"took over the lock of {out} from a job that ended without releasing it" in third.stdout
+    assert f"pid {first.pid}" in third.stdout
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
