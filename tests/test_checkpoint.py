@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dflash_ddp.checkpoint import SaveError, save_checkpoint, verify_checkpoint, write_manifest
+from dflash_ddp.checkpoint import SaveError, read_latest, save_checkpoint, verify_checkpoint, write_manifest
 from dflash_ddp.resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state
 from dflash_ddp.train import main
 
@@ -283,3 +283,44 @@ def test_a_target_with_the_same_config_but_other_weights_is_refused(
     assert (other / "config.json").read_text() == (tiny_target / "config.json").read_text()
     assert main(args(other, chat_data, finished_run)) == 2
     assert "fingerprints.target: checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content", ["../../elsewhere\n", "/etc\n", "", "step-00000003/..\n", "step-00000009\n"]
+)
+def test_latest_is_only_followed_to_a_checkpoint_beside_it(finished_run, content):
+    root = finished_run / "checkpoints"
+    (root / "latest").write_text(content)
+    warnings = []
+    assert read_latest(root, warnings.append) is None
+    assert len(warnings) == 1 and "ignoring" in warnings[0] and "newest valid checkpoint" in warnings[0]
+    shown = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.checkpoint", "inspect", str(finished_run)],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.returncode == 0 and f"checkpoint   {root / 'step-00000006'}" in shown.stdout
+    assert "warning: ignoring" in shown.stderr
+
+
+def test_a_failed_rotation_is_a_save_error_naming_the_complete_checkpoint(finished_run, monkeypatch):
+    from dflash_ddp import checkpoint
+    from dflash_ddp.export import from_zlab_config
+    from dflash_ddp.model import DFlashDraftModel
+
+    ckpt = _newest(finished_run)
+    drafter = DFlashDraftModel(from_zlab_config(json.loads((ckpt / "config.json").read_text())))
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = json.loads((ckpt / "trainer_state.json").read_text()) | {"global_step": 9}
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", refuse)
+    with pytest.raises(
+        SaveError, match="removing old checkpoints after saving step-00000009 failed .*Permission"
+    ):
+        save_checkpoint(finished_run, 9, drafter, optimizer, scheduler, state, {0: {}}, 1)
+    assert (finished_run / "checkpoints" / "latest").read_text().strip() == "step-00000009"
+    assert verify_checkpoint(finished_run / "checkpoints" / "step-00000009") == []

@@ -80,3 +80,39 @@ def test_list_flags_take_spaces_or_commas():
         ["--target_model", "t", "--data", "a.jsonl", "b.jsonl", "--resume_override", "max_steps,seed"]
     )
     assert config.data == ["a.jsonl", "b.jsonl"] and config.resume_override == ["max_steps", "seed"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("max_grad_norm", "-1", "--max_grad_norm -1.0: must be a finite number > 0"),
+        ("max_grad_norm", "0", "--max_grad_norm 0.0: must be a finite number > 0"),
+        ("loss_gamma", "0", "--loss_gamma 0.0: must be a finite number > 0"),
+        ("learning_rate", "nan", "--learning_rate nan: must be a finite number > 0"),
+        ("learning_rate", "inf", "--learning_rate inf: must be a finite number > 0"),
+        ("dist_timeout", "inf", "--dist_timeout inf: must be a finite number of seconds"),
+        ("dist_timeout", "nan", "--dist_timeout nan: must be a finite number of seconds"),
+        ("warmup_ratio", "nan", "--warmup_ratio nan: must be in \\[0, 1\\)"),
+        ("save_total_limit", "-1", "--save_total_limit -1: must be at least 0"),
+        ("weight_decay", "-0.1", "--weight_decay -0.1: must be a finite number >= 0"),
+        ("eval_prompts", "-1", "--eval_prompts -1: must be a positive integer"),
+        ("eval_max_new_tokens", "0", "--eval_max_new_tokens 0: must be a positive integer"),
+        ("logging_steps", "0", "--logging_steps 0: must be a positive integer"),
+        ("drafter_ranks", "0", "--drafter_ranks 0: must be a positive integer"),
+        ("seed", "-3", "--seed -3: must be in \\[0, 2\\^63\\)"),
+        ("mask_token_id", "-1", "--mask_token_id -1: must be a token id >= 0"),
+        ("resume_override", "learning_rte", "--resume_override learning_rte: not a setting it can override"),
+        ("eval_data", "/nonexistent/heldout.jsonl", "--eval_data /nonexistent/heldout.jsonl: no such file"),
+    ],
+)
+def test_numeric_and_path_flags_out_of_range_name_flag_value_and_range(flag, value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(["--target_model", "t", "--data", "d", f"--{flag}", value])
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
+    afile = tmp_path / "results.txt"
+    afile.write_text("x")
+    for out in (afile, afile / "run"):
+        with pytest.raises(ValueError, match=f"--output_dir {out}: {afile} is a file, not a directory"):
+            parse_config(["--target_model", "t", "--data", "d", "--output_dir", str(out)])

@@ -242,3 +242,14 @@ def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_
     assert f"took over the lock of {out} from a job that ended without releasing it" in third.stdout
     assert f"pid {first.pid}" in third.stdout
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
+
+
+def test_a_non_finite_loss_stops_the_run_with_one_line_and_no_checkpoint(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    # Adam moves every weight by about the learning rate: 1e30 overflows them and the next loss is nan
+    assert main(flags(tiny_target, chat_data, out, max_steps=6, learning_rate=1e30)) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: non-finite loss at step ") and "Traceback" not in err
+    assert not list((out / "checkpoints").glob("step-*"))
