@@ -3,6 +3,7 @@ torchrun restarts. Real torchrun processes on CPU/gloo."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,3 +193,62 @@ def test_a_second_ctrl_c_ends_the_process_at_once_a_second_sigterm_does_not():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.stdout == "first signal noted: True\nsecond SIGTERM ignored\n"
     assert result.returncode == -signal.SIGINT
+
+
+def test_a_random_op_in_the_step_resumes_exactly_after_the_leader_changes_rank(
+    tiny_target, chat_data, tmp_path
+):
+    """1+1, then resumed as 2+1 (the leader moves from rank 1 to rank 2): its generator is restored by
+    drafter index, so a step that draws random numbers continues the same stream."""
+    script = str(Path(__file__).parent / "scripts" / "train_with_random_step.py")
+    ref = tmp_path / "ref"
+    settings = {"max_steps": 6, "save_steps": 3}
+    done = subprocess.run(
+        torchrun(2, [script, *train_args(tiny_target, chat_data, ref, **settings)[2:]]),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "run"
+    shutil.copytree(ref, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000006")
+    (out / "checkpoints" / "latest").write_text("step-00000003\n")
+    resumed = subprocess.run(
+        torchrun(3, [script, *train_args(tiny_target, chat_data, out, **settings)[2:]]),
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "saved as 1+1, now 2+1" in resumed.stdout
+    a = load_file(ref / "checkpoints" / "step-00000006" / "model.safetensors")
+    b = load_file(out / "checkpoints" / "step-00000006" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run drew other random numbers"
+
+
+def test_a_training_step_draws_only_from_generators_that_resume_restores(
+    tiny_target, chat_data, tmp_path, monkeypatch
+):
+    """Resume restores torch's CPU and CUDA generators (rng_state); Python's `random` and numpy's global
+    generators are not saved, so a step must never draw from them (it would break resume equivalence)."""
+    import random
+
+    import numpy as np
+
+    from dflash_ddp.checkpoint import rng_state
+    from dflash_ddp.train import main
+    from dflash_ddp.trainer import DrafterTrainer
+
+    assert set(rng_state()) == ({"torch", "cuda"} if torch.cuda.is_available() else {"torch"})
+    unrestored = []
+    original_step = DrafterTrainer.step
+
+    def watched(self, micro_batches):
+        before = (random.getstate(), np.random.get_state()[1].tobytes())
+        metrics = original_step(self, micro_batches)
+        if (random.getstate(), np.random.get_state()[1].tobytes()) != before:
+            unrestored.append(self.global_step)
+        return metrics
+
+    monkeypatch.setattr(DrafterTrainer, "step", watched)
+    assert main(train_args(tiny_target, chat_data, tmp_path / "run", max_steps=2)[2:]) == 0
+    assert unrestored == [], f"steps {unrestored} drew from a generator that resume does not restore"
