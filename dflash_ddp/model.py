@@ -69,8 +69,30 @@ class DFlashDraftConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """y = w * (x / rms(x)), keeping only x and 1/rms for backward (autograd's version keeps x/rms too)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 statistics for half inputs
+        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (weight * (x.to(acc) * rstd).to(x.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        normed = x.to(acc) * rstd
+        grad_normed = grad.to(acc) * weight.to(acc)
+        grad_weight = (grad.to(acc) * normed.to(x.dtype).to(acc)).flatten(0, -2).sum(0).to(weight.dtype)
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, as in Qwen3."""
+    """Root-mean-square norm as in Qwen3 (statistics in fp32), returning the input's dtype, so that under
+    autocast bf16 activations stay bf16 (an fp32 weight times bf16 would otherwise give fp32)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -78,11 +100,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        # in the input's dtype: under autocast the fp32 weight would otherwise turn bf16 activations into fp32
-        return (self.weight * x.to(dtype)).to(dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -156,6 +174,22 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
 
 
+class _SiLUMul(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up for backward (autograd would also keep silu(gate))."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        return grad * up * sig * (1 + gate * (1 - sig)), grad * silu
+
+
 class DFlashMLP(nn.Module):
     """SwiGLU feed-forward."""
 
@@ -166,7 +200,7 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DFlashDecoderLayer(nn.Module):

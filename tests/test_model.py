@@ -148,3 +148,20 @@ def test_cached_inference_equals_one_shot_forward():
         cache.crop(-BS)  # drop the first block's keys: only context stays cached
         pieces = drafter(block, features[:, 7:], positions[:, 7:], cache=cache).last_hidden_state
     torch.testing.assert_close(pieces, full, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_norm_and_swiglu_have_exact_gradients():
+    """RMSNorm and SwiGLU keep fewer tensors for backward than autograd would; their gradients are exact."""
+    from dflash_ddp.model import DFlashMLP, RMSNorm
+
+    norm = RMSNorm(8, 1e-6).double()
+    norm.weight.data.normal_()
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: norm(x), (x, norm.weight))
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm(x), reference)
+    mlp = DFlashMLP(small_drafter().config).double()
+    h = torch.randn(4, 32, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(mlp, (h,))
+    plain = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+    torch.testing.assert_close(mlp(h), plain)
