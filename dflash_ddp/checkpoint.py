@@ -445,9 +445,9 @@ def set_aside_later(output_dir: str | Path, resumed: Path, step: int) -> list[st
     ]
 
 
-def _resolve(path: Path) -> Path:
+def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or an output directory / its checkpoints/ folder (then `latest`, or the
-    newest checkpoint when `latest` names nothing usable)."""
+    newest checkpoint when `latest` names nothing usable; the warning goes to stderr)."""
     for root in (path / "checkpoints", path):
         if (root / "latest").exists() or any(root.glob("step-*")):
             named = read_latest(root, report=lambda line: print(line, file=sys.stderr))
@@ -458,7 +458,7 @@ def _resolve(path: Path) -> Path:
 
 def inspect(path: Path) -> str:
     """A human summary: step, data position, topology at save, config, file sizes, manifest status."""
-    path = _resolve(path)
+    path = resolve_checkpoint(path)
     state = json.loads((path / "trainer_state.json").read_text())
     problems = verify_checkpoint(path)
     topo = state.get("topology", {})
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             "usage: python -m dflash_ddp.checkpoint inspect|verify CHECKPOINT_OR_OUTPUT_DIR", file=sys.stderr
         )
         return 2
-    path = _resolve(Path(argv[1]))
+    path = resolve_checkpoint(Path(argv[1]))
     if not path.is_dir():
         print(f"error: {path}: no such checkpoint directory", file=sys.stderr)
         return 2

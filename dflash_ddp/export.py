@@ -135,11 +135,10 @@ def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> D
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
-    """Checkpoint directory (or `output_dir/checkpoints/latest`'s target) -> serving directory."""
-    ckpt = Path(checkpoint_dir)
-    latest = ckpt / "checkpoints" / "latest"
-    if latest.is_file():
-        ckpt = ckpt / "checkpoints" / latest.read_text().strip()
+    """Checkpoint directory (or an output directory: the checkpoint `latest` names) -> serving directory."""
+    from .checkpoint import resolve_checkpoint  # checkpoint.py imports this module
+
+    ckpt = resolve_checkpoint(Path(checkpoint_dir))
     model = load_drafter(ckpt)
     save_drafter(model, out_dir)
     return ckpt
