@@ -92,6 +92,7 @@ class TrainConfig:
     save_total_limit: int = 3
     logging_steps: int = 10
     plan: bool = False
+    calibrate: bool = False  # with --plan: measure one target and one drafter rank, recommend a split
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
     resume_override: list[str] = field(default_factory=list)  # optimisation settings allowed to change
     # evaluation with real speculative decoding at the end of training (skipped when eval_data is empty)
@@ -134,6 +135,8 @@ class TrainConfig:
                 f"--attention {self.attention}: choose auto, sparse (block-sparse, CPU and GPU), flex (compiled, "
                 "CUDA) or dense (boolean-mask SDPA, the slow reference)"
             )
+        if self.calibrate and not self.plan:
+            raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
         if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:

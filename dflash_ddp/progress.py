@@ -4,6 +4,11 @@ On a terminal the display is a live progress bar with step, loss, accuracy, esti
 how long the drafter waited for data and, in split jobs, hidden-state MiB/s and each target's queue
 depth; in a log file (CI, Slurm) the same figures come as one line per
 logging step.
+
+In split jobs two warnings say when the split is off balance: the drafter waiting for features more
+than 10% of a logging window (add target ranks), or the target ranks blocked on full send queues more
+than half of it (a target rank could train the drafter instead, or be freed). Each is printed when it
+starts and when it ends, and the active ones are recorded with every metrics.jsonl line.
 """
 
 from __future__ import annotations
@@ -18,6 +23,54 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from .checkpoint import SaveError
 
+DRAFTER_WAIT_LIMIT = 0.10  # of a logging window; above it the targets do not keep the drafter busy
+TARGET_BLOCKED_LIMIT = 0.50  # of a logging window, averaged over the target ranks
+
+
+RESOLVED = {
+    "drafter_waits": f"the drafter waits no more than {100 * DRAFTER_WAIT_LIMIT:.0f}% again",
+    "targets_blocked": f"the target ranks are blocked on sends no more than {100 * TARGET_BLOCKED_LIMIT:.0f}% again",
+}
+
+
+def send_wait_fractions(
+    now_s: dict[str, float], before_s: dict[str, float], window_s: float
+) -> dict[str, float]:
+    """Each target's share of the window spent blocked on sends, from its cumulative send-wait seconds at
+    the end and at the start of the window; targets not seen at the start are left out (no baseline)."""
+    return {
+        rank: min(1.0, max(0.0, (wait - before_s[rank]) / window_s))
+        for rank, wait in now_s.items()
+        if rank in before_s and window_s > 0
+    }
+
+
+def pipeline_warnings(drafter_wait: float, target_blocked: dict[str, float]) -> dict[str, str]:
+    """The split's imbalance in one logging window, as {condition: message}; empty when balanced.
+
+    `drafter_wait` is the drafter ranks' mean share of the window spent waiting for features,
+    `target_blocked` each target rank's share spent blocked on sends (their mean is compared)."""
+    warnings = {}
+    if drafter_wait > DRAFTER_WAIT_LIMIT:
+        warnings["drafter_waits"] = (
+            f"the drafter waited {100 * drafter_wait:.0f}% of the last logging window for target features "
+            f"(over {100 * DRAFTER_WAIT_LIMIT:.0f}%): add target ranks (more processes, or fewer --drafter_ranks); "
+            "--plan --calibrate predicts the best split"
+        )
+    if target_blocked:
+        blocked = sum(target_blocked.values()) / len(target_blocked)
+        if blocked > TARGET_BLOCKED_LIMIT:
+            each = ", ".join(
+                f"{rank}: {100 * f:.0f}%"
+                for rank, f in sorted(target_blocked.items(), key=lambda kv: int(kv[0]))
+            )
+            warnings["targets_blocked"] = (
+                f"the target ranks were blocked on sends {100 * blocked:.0f}% of the last logging window "
+                f"(over {100 * TARGET_BLOCKED_LIMIT:.0f}%; rank: {each}): the drafter is the bottleneck, so a "
+                "target rank could train the drafter instead (--drafter_ranks) or be freed"
+            )
+    return warnings
+
 
 class TrainingMonitor:
     """Appends one JSON object per logged step to metrics.jsonl and shows progress."""
@@ -29,6 +82,9 @@ class TrainingMonitor:
         self.console = Console(stderr=True)
         self.live = sys.stderr.isatty()
         self.start_time = time.perf_counter()
+        self._window_start = 0.0  # seconds after start_time when the current logging window began
+        self._send_wait_s: dict[str, float] | None = None  # targets' cumulative send waits at its start
+        self._warnings: dict[str, str] = {}  # the conditions active in the last window
         self._progress = None
         if self.live:
             self._progress = Progress(
@@ -44,7 +100,9 @@ class TrainingMonitor:
 
     def log(self, record: dict) -> None:
         """Record a step's metrics (written at once, flushed) and refresh the display."""
-        record = {"time": round(time.perf_counter() - self.start_time, 3), **record}
+        now = time.perf_counter() - self.start_time
+        record = {"time": round(now, 3), **record}
+        record.update(self._judge_split(record, now))
         try:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -60,12 +118,36 @@ class TrainingMonitor:
         if record.get("target_inflight"):  # split jobs: the channel's view of the targets
             depth = " ".join(f"{r}:{d}" for r, d in record["target_inflight"].items())
             summary += f"  {record['hidden_state_bytes_per_s'] / 2**20:,.0f} MiB/s  target queues {depth}"
+        blocked = record.get("target_send_wait_fraction")
+        if blocked:
+            summary += f"  targets blocked {100 * sum(blocked.values()) / len(blocked):.0f}%"
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], summary=summary)
         else:
             self.console.print(
                 f"step {record['step']}/{self.total_steps}  {summary}", highlight=False, soft_wrap=True
             )
+
+    def _judge_split(self, record: dict, now: float) -> dict:
+        """The targets' send-wait fractions and the active warnings of this window, for the record; prints a
+        warning when its condition starts and a line when it ends (not at every logging step)."""
+        send_wait_s = record.get("target_send_wait_s")
+        if not send_wait_s:  # colocated: the drafter's "wait" is the target's own compute, not an imbalance
+            return {}
+        first, before = self._send_wait_s is None, self._send_wait_s or {}
+        fractions = send_wait_fractions(send_wait_s, before, now - self._window_start)
+        self._send_wait_s, self._window_start = dict(send_wait_s), now
+        if first:  # the first window holds the start (models loading, the first batches): not judged
+            return {"target_send_wait_fraction": fractions, "warnings": []}
+        warnings = pipeline_warnings(record.get("wait_fraction", 0.0), fractions)
+        for name, message in warnings.items():
+            if name not in self._warnings:
+                self.print(f"warning at step {record['step']}: {message}")
+        for name in self._warnings.keys() - warnings.keys():
+            self.print(f"step {record['step']}: {RESOLVED[name]}")
+        self._warnings = warnings
+        rounded = {rank: round(f, 4) for rank, f in fractions.items()}
+        return {"target_send_wait_fraction": rounded, "warnings": sorted(warnings)}
 
     def print(self, message: str) -> None:
         """A message above the live display (or a plain line)."""

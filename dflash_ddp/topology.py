@@ -116,16 +116,23 @@ def env_world() -> tuple[int, int, int]:
     )
 
 
-def init_distributed(num_drafters: int, device_request: str, timeout_s: float) -> DistributedContext:
-    """Join the job: NCCL on CUDA, gloo on CPU (the same code). Process groups are created on every rank."""
-    rank, world, local_rank = env_world()
-    topology = Topology(world, rank, num_drafters)
+def select_device(device_request: str, local_rank: int) -> torch.device:
+    """This process's device for --device auto|cpu|cuda: the GPU of its local rank, or the CPU."""
     use_cuda = torch.cuda.is_available() if device_request == "auto" else device_request == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(num_drafters: int, device_request: str, timeout_s: float) -> DistributedContext:
+    """Join the job: NCCL on CUDA, gloo on CPU (the same code). Process groups are created on every rank."""
+    rank, world, local_rank = env_world()
+    topology = Topology(world, rank, num_drafters)
+    device = select_device(device_request, local_rank)
+    use_cuda = device.type == "cuda"
     if topology.colocated:
         return DistributedContext(topology, device, None)
     timeout = datetime.timedelta(seconds=timeout_s)

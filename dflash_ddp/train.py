@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .calibrate import TIMED_STEPS, calibration_batches, measure_rates, report, warmup_steps
 from .checkpoint import (
     CheckpointWriter,
     SaveError,
@@ -37,6 +38,7 @@ from .resume import RestoreError, load_tensor_file, load_trainer_state, load_wei
 from .run_lock import OutputDirLock
 from .run_setup import (
     Run,
+    RunSetup,
     build_schedule,
     check_same_data,
     decide_start,
@@ -50,7 +52,7 @@ from .run_setup import (
 from .schedule import ScheduledBatch
 from .signals import GracefulStop
 from .target import SharedTargetHead, TargetFeatureExtractor
-from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
+from .topology import DistributedContext, Topology, env_world, init_distributed, select_device, shutdown
 from .trainer import (
     DrafterTrainer,
     OptimizerSettings,
@@ -142,6 +144,26 @@ def run_drafter(ctx: DistributedContext, run: Run) -> bool:
     return train_drafter(ctx, run, source)
 
 
+def build_trainer(
+    cfg: TrainConfig, setup: RunSetup, device: torch.device, total_steps: int, group=None
+) -> DrafterTrainer:
+    """A freshly initialised drafter with the target's shared head, AdamW and the schedule, as configured."""
+    head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
+    drafter = build_drafter(setup.drafter_config, cfg.seed, device)
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
+    settings = StepSettings(
+        cfg.num_anchors,
+        cfg.seed,
+        cfg.max_grad_norm,
+        cfg.loss_chunk_size,
+        attention,
+        cfg.drafter_chunk_tokens,
+        cfg.loss_gamma,
+    )
+    optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps)
+    return DrafterTrainer(drafter, head, settings, optim, group)
+
+
 def restore(run: Run, trainer: DrafterTrainer, drafter_index: int) -> int:
     """Load weights, optimizer, scheduler and RNG from the resume checkpoint; returns tokens seen.
 
@@ -187,21 +209,9 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
     told to stop and the channel is drained. Returns whether the run stopped early."""
     topo, device, cfg, schedule = ctx.topology, ctx.device, run.cfg, run.schedule
     out = Path(cfg.output_dir)
-    head = SharedTargetHead.from_target(run.setup.info).to(device=device, dtype=compute_dtype(device))
-    drafter = build_drafter(run.setup.drafter_config, cfg.seed, device)
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
-    settings = StepSettings(
-        cfg.num_anchors,
-        cfg.seed,
-        cfg.max_grad_norm,
-        cfg.loss_chunk_size,
-        attention,
-        cfg.drafter_chunk_tokens,
-        cfg.loss_gamma,
-    )
-    optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, schedule.total_steps)
     group = ctx.drafter_group if topo.num_drafters > 1 else None
-    trainer = DrafterTrainer(drafter, head, settings, optim, group)
+    trainer = build_trainer(cfg, run.setup, device, schedule.total_steps, group)
+    drafter = trainer.drafter
     drafter_index = topo.drafter_ranks.index(topo.rank)
     tokens_seen = restore(run, trainer, drafter_index) if run.resume_from else 0
     monitor = TrainingMonitor(out, schedule.total_steps, run.start_step) if topo.is_leader else None
@@ -320,6 +330,25 @@ ROLES = {"colocated": run_colocated, "target": run_target, "drafter": run_drafte
 # ---------------------------------------------------------------------------------------------- main
 
 
+def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where: str) -> None:
+    """--plan --calibrate, on the drafter leader: time one target rank's and one drafter rank's work on this
+    process's device with the first batches of the run's schedule, then print the split that trains fastest.
+    A fresh drafter trains a few steps; nothing is restored or saved (the tokenized data cache is kept)."""
+    data, _ = load_data(cfg, setup, where)
+    device = select_device(cfg.device, env_world()[2])
+    accumulation = cfg.gradient_accumulation_steps
+    pad_id = setup.tokenizer.pad_token_id or 0
+    steps = warmup_steps(device) + TIMED_STEPS
+    batches = calibration_batches(data, cfg.tokens_per_batch, cfg.seed, accumulation, pad_id, steps)
+    taps = setup.drafter_config.target_layer_ids
+    extractor = TargetFeatureExtractor(setup.info, taps, device, compute_dtype(device))
+    trainer = build_trainer(cfg, setup, device, steps)
+    measurement = measure_rates(batches, extractor, trainer, accumulation)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.drafter.parameters())
+    for line in report(measurement, topology.world_size, device, topology.num_drafters, gradient_bytes):
+        print(line)
+
+
 def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
     """Measure tau with real speculative decoding on held-out conversations, against baselines."""
     from .evaluate import evaluate, print_report
@@ -395,9 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         if embedded and leader:
             print(f"no --target_model given: training the embedded default (tiny target {cfg.target_model})")
         setup = prepare(cfg)
-        if cfg.plan:
+        if cfg.plan:  # under torchrun only the drafter leader plans (and measures); the others exit at once
             if leader:
                 print_plan(cfg, setup, topology)
+                if cfg.calibrate:
+                    calibrate_split(cfg, setup, topology, where)
             return 0
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)

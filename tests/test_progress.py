@@ -1,0 +1,82 @@
+"""The live display's split warnings: the drafter waiting for features, the targets blocked on sends."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_ddp import progress
+from dflash_ddp.progress import TrainingMonitor, pipeline_warnings, send_wait_fractions
+
+
+def test_send_wait_fractions_per_target_from_cumulative_seconds():
+    before = {"0": 2.0, "1": 5.0}
+    now = {"0": 8.0, "1": 6.0, "2": 9.0}  # rank 2 first heard of in this window: no baseline yet
+    assert send_wait_fractions(now, before, window_s=10.0) == pytest.approx({"0": 0.6, "1": 0.1})
+    assert send_wait_fractions({"0": 30.0}, {"0": 0.0}, window_s=10.0) == {"0": 1.0}  # clock skew: capped
+
+
+def test_warnings_fire_above_their_limits():
+    assert pipeline_warnings(0.10, {"0": 0.5, "1": 0.5}) == {}
+    assert set(pipeline_warnings(0.11, {})) == {"drafter_waits"}
+    assert "add target ranks" in pipeline_warnings(0.11, {})["drafter_waits"]
+    # the targets' mean decides: one target blocked most of the time and one hardly at all is not a surplus
+    assert pipeline_warnings(0.0, {"0": 0.9, "1": 0.05}) == {}
+    blocked = pipeline_warnings(0.0, {"0": 0.9, "1": 0.3})
+    assert set(blocked) == {"targets_blocked"} and "rank: 0: 90%, 1: 30%" in blocked["targets_blocked"]
+
+
+def record(step: int, wait: float, send_wait_s: dict | None) -> dict:
+    r = {"step": step, "loss": 1.0, "accuracy": 0.5, "tau_estimate": 1.5, "wait_fraction": wait}
+    if send_wait_s is not None:  # a split job; colocated records carry no target figures
+        r |= {"target_send_wait_s": send_wait_s, "target_inflight": dict.fromkeys(send_wait_s, 1)}
+        r["hidden_state_bytes_per_s"] = 0.0
+    return r
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The monitor's clock, moved by hand: each logging window below lasts 10 s."""
+    now = [0.0]
+    monkeypatch.setattr(progress, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
+def test_monitor_warns_once_per_condition_change_and_records_it(tmp_path, capsys, clock):
+    monitor = TrainingMonitor(tmp_path, total_steps=50)
+    windows = [  # (drafter wait, the two targets' cumulative send-wait seconds)
+        (0.5, {"0": 1.0, "1": 1.0}),  # start-up window: not judged
+        (0.3, {"0": 2.0, "1": 2.0}),  # drafter waits 30%
+        (0.3, {"0": 3.0, "1": 3.0}),  # still: no second message
+        (0.0, {"0": 10.0, "1": 9.0}),  # drafter fed; targets blocked 70% and 60%
+        (0.0, {"0": 11.0, "1": 10.0}),  # balanced again
+    ]
+    for i, (wait, send_wait_s) in enumerate(windows, 1):
+        clock[0] += 10.0
+        monitor.log(record(10 * i, wait, send_wait_s))
+    monitor.close()
+    err = capsys.readouterr().err
+    assert err.count("warning at step 20: the drafter waited 30%") == 1 and "warning at step 30" not in err
+    assert err.count("step 40: the drafter waits no more than 10% again") == 1
+    assert err.count("warning at step 40: the target ranks were blocked on sends 65%") == 1
+    assert err.count("step 50: the target ranks are blocked on sends no more than 50% again") == 1
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["warnings"] for r in lines] == [
+        [],
+        ["drafter_waits"],
+        ["drafter_waits"],
+        ["targets_blocked"],
+        [],
+    ]
+    assert lines[3]["target_send_wait_fraction"] == pytest.approx({"0": 0.7, "1": 0.6})
+
+
+def test_colocated_runs_get_no_split_warnings(tmp_path, capsys, clock):
+    """Colocated, the drafter's 'wait' is the target's own forward: no target rank could be added."""
+    monitor = TrainingMonitor(tmp_path, total_steps=20)
+    for step in (10, 20):
+        clock[0] += 10.0
+        monitor.log(record(step, 0.9, None))
+    assert "warning" not in capsys.readouterr().err
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("warnings" not in r for r in lines)
