@@ -423,12 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         leader = topology.is_leader
         if embedded and leader:
             print(f"no --target_model given: training the embedded default (tiny target {cfg.target_model})")
+        if cfg.plan and not leader:  # only the drafter leader plans (and measures); the others have no part
+            return 0
         setup = prepare(cfg)
-        if cfg.plan:  # under torchrun only the drafter leader plans (and measures); the others exit at once
-            if leader:
-                print_plan(cfg, setup, topology)
-                if cfg.calibrate:
-                    calibrate_split(cfg, setup, topology, where)
+        if cfg.plan:
+            print_plan(cfg, setup, topology)
+            if cfg.calibrate:
+                calibrate_split(cfg, setup, topology, where)
             return 0
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)
