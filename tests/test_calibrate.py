@@ -141,17 +141,25 @@ def test_calibrate_without_plan_is_refused(tiny_target, chat_data, tmp_path, cap
 EMBEDDED_SMALL = ["--plan", "--calibrate", "--tokens_per_batch", "512", "--max_seq_len", "512"]
 
 
-def test_embedded_default_colocated_prints_the_recommended_split(tmp_path, capsys):
-    assert main([*EMBEDDED_SMALL, "--output_dir", str(tmp_path / "run")]) == 0
+@pytest.fixture(scope="module")
+def embedded_cache(tmp_path_factory) -> str:
+    """One tokenized-data cache for both runs of the embedded default (the second reads the first's)."""
+    return str(tmp_path_factory.mktemp("embedded_cache"))
+
+
+def test_embedded_default_colocated_prints_the_recommended_split(tmp_path, capsys, embedded_cache):
+    assert main([*EMBEDDED_SMALL, "--output_dir", str(tmp_path / "run"), "--cache_dir", embedded_cache]) == 0
     text = capsys.readouterr().out
     assert "this launch, colocated" in text and "splits of 8 processes (torchrun --nproc-per-node 8):" in text
     assert len(RECOMMENDED.findall(text)) == 1
 
 
-def test_embedded_default_under_torchrun_plans_on_the_leader_only(tmp_path):
-    cmd = [*torchrun_cmd(4), "-m", "dflash_ddp.train", *EMBEDDED_SMALL, "--output_dir", str(tmp_path / "run")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def test_embedded_default_under_torchrun_plans_on_the_leader_only(tmp_path, embedded_cache):
+    flags = [*EMBEDDED_SMALL, "--output_dir", str(tmp_path / "run"), "--cache_dir", embedded_cache]
+    result = subprocess.run(
+        [*torchrun_cmd(4), "-m", "dflash_ddp.train", *flags], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(RECOMMENDED.findall(result.stdout)) == 1 and result.stdout.count("calibration on") == 1
-    assert "splits of 4 processes:" in result.stdout
-    assert "error" not in result.stderr.lower()
+    assert "splits of 4 processes:" in result.stdout and "<- this launch" in result.stdout
+    assert "Traceback" not in result.stderr
