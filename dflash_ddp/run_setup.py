@@ -21,12 +21,12 @@ from .config import TrainConfig, config_to_dict
 from .data import DataStats
 from .dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
 from .export import to_zlab_config
+from .memory import GIB, FitCheck, MemoryPlan, check_fit, drafter_memory, target_memory
 from .model import DFlashDraftConfig, DFlashDraftModel
-from .objective import peak_logits_bytes
 from .resume import check_same_run, find_checkpoint, load_trainer_state
 from .schedule import BatchSchedule
 from .target import TargetInfo, inspect_target, target_fingerprint
-from .topology import DistributedContext, Topology
+from .topology import DistributedContext, Topology, select_device
 from .trainer import drafter_config_for, resolve_mask_token_id, resolve_target_layer_ids
 
 
@@ -80,18 +80,76 @@ def drafter_parameter_count(config: DFlashDraftConfig) -> int:
         return sum(p.numel() for p in DFlashDraftModel(config).parameters())
 
 
+def run_device(cfg: TrainConfig) -> torch.device:
+    """The device this rank will train on (before any process group exists)."""
+    return select_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def memory_plans(cfg: TrainConfig, setup: RunSetup, device: torch.device) -> tuple[MemoryPlan, MemoryPlan]:
+    """Predicted peaks of a drafter rank and of a target rank for this run (see memory.py)."""
+    c, dtype_bytes = setup.drafter_config, 2 if device.type == "cuda" else 4
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
+    # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
+    # sequences (at least 2 x block_size tokens each) can hold
+    rows = max(1, cfg.tokens_per_batch // (2 * c.block_size))
+    positions = min(
+        cfg.drafter_chunk_tokens, c.block_size * min(cfg.tokens_per_batch, cfg.num_anchors * rows)
+    )
+    drafter = drafter_memory(
+        c,
+        drafter_parameter_count(c),
+        positions,
+        cfg.tokens_per_batch,
+        cfg.max_seq_len,
+        cfg.loss_chunk_size,
+        attention,
+        dtype_bytes,
+        received_batches=2 if cfg.drafter_ranks < int(os.environ.get("WORLD_SIZE", 1)) else 1,
+    )
+    inflight = cfg.max_inflight if int(os.environ.get("WORLD_SIZE", 1)) > 1 else 0  # colocated: no sends
+    target = target_memory(setup.info, c.target_layer_ids, cfg.tokens_per_batch, dtype_bytes, inflight)
+    return drafter, target
+
+
+def node_roles(topology: Topology) -> list[str]:
+    """The roles of the ranks on this rank's node (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE)."""
+    if topology.colocated:
+        return ["colocated"]
+    first = topology.rank - int(os.environ.get("LOCAL_RANK", 0))
+    count = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
+    drafters = set(topology.drafter_ranks)
+    return ["drafter" if r in drafters else "target" for r in range(first, first + count)]
+
+
+def check_memory(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> FitCheck:
+    """Refuse, before anything loads, a run whose predicted peak exceeds what this node has."""
+    drafter, target = memory_plans(cfg, setup, run_device(cfg))
+    roles = node_roles(topology)
+    fit = check_fit(drafter, target, roles, run_device(cfg))
+    if cfg.memory_check and not fit.fits:
+        biggest = max((*drafter.parts.items(), *target.parts.items()), key=lambda kv: kv[1])[0]
+        advice = {
+            "activations": "--drafter_chunk_tokens",
+            "attention workspace": "--drafter_chunk_tokens (or use --attention sparse)",
+            "received features": "--tokens_per_batch",
+            "tapped features": "--tokens_per_batch",
+            "sends in flight": "--max_inflight or --tokens_per_batch",
+        }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
+        raise ValueError(
+            f"predicted peak memory {fit.needed / GIB:.1f} GiB exceeds {fit.where}; its largest part is the "
+            f"{biggest}: lower {advice} (--plan shows every part; --memory_check false skips this check)"
+        )
+    return fit
+
+
 def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
-    """Topology, sizes and memory estimates; loads no weights."""
+    """Topology, sizes and predicted memory per rank; loads no weights."""
     c, info = setup.drafter_config, setup.info
     params = drafter_parameter_count(c)
-    rows = cfg.num_anchors * (c.block_size - 1)
-    full, chunked = peak_logits_bytes(rows, c.vocab_size, cfg.loss_chunk_size)
-    gib = 1 << 30
-    bf16 = 2 if torch.cuda.is_available() else 4
-    # The target's layers have the drafter's width: (params - fc) / drafter layers per target layer.
-    per_layer = (params - len(c.target_layer_ids) * info.hidden_size**2) // c.num_hidden_layers
-    target_params = info.vocab_size * info.hidden_size + (max(c.target_layer_ids) + 1) * per_layer
-    feature_bytes = cfg.tokens_per_batch * len(c.target_layer_ids) * info.hidden_size * bf16
+    device = run_device(cfg)
+    drafter, target = memory_plans(cfg, setup, device)
+    fit = check_fit(drafter, target, node_roles(topology), device)
+    width_bytes = len(c.target_layer_ids) * info.hidden_size * (2 if device.type == "cuda" else 4)
     for line in topology.describe():
         print(f"{'topology':>26}: {line}")
     plan = {
@@ -101,11 +159,12 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,
         "drafter": f"{c.num_hidden_layers} layers, {params / 1e6:.1f}M trainable parameters",
-        "message_size": f"up to {feature_bytes / 2**20:.1f} MiB of features per batch (--tokens_per_batch {cfg.tokens_per_batch})",
-        "target_rank_memory": f"~{target_params * bf16 / gib:.2f} GiB of weights (layers 0..{max(c.target_layer_ids)})",
-        "drafter_rank_memory": f"{params * 16 / gib:.2f} GiB (fp32 weights + grads + AdamW moments) "
-        f"+ {2 * info.vocab_size * info.hidden_size * bf16 / gib:.2f} GiB shared embedding/LM head",
-        "logits_peak_per_sequence": f"{full / gib:.2f} GiB unchunked -> {chunked / gib:.2f} GiB with --loss_chunk_size {cfg.loss_chunk_size}",
+        "message_size": f"up to {cfg.tokens_per_batch * width_bytes / 2**20:.1f} MiB of features per batch "
+        f"(--tokens_per_batch {cfg.tokens_per_batch})",
+        "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})",
+        "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
+        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}",
+        "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
     }
     for key, value in plan.items():
         print(f"{key:>26}: {value}")

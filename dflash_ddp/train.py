@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -40,6 +41,7 @@ from .run_setup import (
     Run,
     RunSetup,
     build_schedule,
+    check_memory,
     check_same_data,
     decide_start,
     load_data,
@@ -60,6 +62,14 @@ from .trainer import (
     build_drafter,
 )
 from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, PeerLost, StopFlag
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak so far: allocated tensors on CUDA, resident memory on the CPU (to set against
+    --plan's prediction)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -271,6 +281,7 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                     wait_fraction=float(stats[0]) / topo.num_drafters / elapsed,
                     hidden_state_bytes_per_s=float(stats[1]) / elapsed,
                     outside_compute_fraction=1.0 - (compute_s - window["compute"]) / elapsed,
+                    peak_memory_gib=peak_memory_bytes(device) / 2**30,
                     target_send_wait_s={str(k): round(v[0], 3) for k, v in sorted(senders.items())},
                     target_inflight={str(k): v[1] for k, v in sorted(senders.items())},
                 )
@@ -431,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.calibrate:
                 calibrate_split(cfg, setup, topology, where)
             return 0
+        check_memory(cfg, setup, topology)
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)
         run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))

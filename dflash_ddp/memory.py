@@ -1,0 +1,173 @@
+"""Predicted peak memory of a target rank and a drafter rank, and the check that a run fits its machine.
+
+The drafter's peak is set by one chunk of draft positions (`--drafter_chunk_tokens`), not by the batch:
+the tensors autograd keeps per draft position and layer are counted from the layer's code (see
+`saved_per_position`; a test measures them with saved-tensor hooks), plus the attention and loss
+workspaces, the received features, the weights with their gradients and AdamW moments, and the target's
+frozen embedding and LM head. The target's peak is its truncated weights plus one forward's activations
+at `--tokens_per_batch`. On a CPU the ranks of a node share its RAM, so the check adds them up; on GPUs
+each rank has its own device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .attention import WORKSPACE_BYTES
+from .model import DFlashDraftConfig
+from .target import TargetInfo
+
+GIB = 1 << 30
+CUDA_RESERVE = 2 * GIB  # CUDA context, allocator caching and fragmentation, outside the tensors counted here
+
+
+def saved_per_position(c: DFlashDraftConfig) -> int:
+    """Elements autograd keeps per draft position per drafter layer.
+
+    Two norm inputs and the two normed outputs read by q/k/v and gate/up (4 H), the keys/values input
+    (H), q and k before their norms, q/k/v after rope, the attention output and o_proj's input
+    (4 q-width + 3 kv-width), gate and up (2 I) and down_proj's input (I)."""
+    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return 5 * c.hidden_size + 4 * q_width + 3 * kv_width + 3 * c.intermediate_size
+
+
+def saved_per_context_token(c: DFlashDraftConfig) -> int:
+    """Elements kept per context token per layer: its keys/values input, k before its norm, k and v."""
+    return c.hidden_size + 3 * c.num_key_value_heads * c.head_dim
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes by component for one rank; `total` is the predicted peak."""
+
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts.items() if size) + " GiB"
+
+
+def drafter_memory(
+    c: DFlashDraftConfig,
+    num_params: int,
+    chunk_tokens: int,
+    tokens_per_batch: int,
+    max_seq_len: int,
+    loss_chunk_size: int,
+    attention: str,
+    dtype_bytes: int,
+    received_batches: int,
+) -> MemoryPlan:
+    """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features."""
+    width = len(c.target_layer_ids) * c.hidden_size
+    positions = chunk_tokens
+    context = min(chunk_tokens, tokens_per_batch)  # a chunk's padded context is bounded like its positions
+    per_layer = positions * saved_per_position(c) + context * saved_per_context_token(c)
+    # once per chunk: the features, fc's output, the block embeddings, the final norm and the loss's copy
+    once = context * (width + c.hidden_size) + positions * 3 * c.hidden_size
+    activations = (c.num_hidden_layers * per_layer + once) * dtype_bytes
+    # backward of one layer, next to the saved tensors: SwiGLU's sigmoid, silu and the gradients of gate, up,
+    # their product and down's input (6 I), fp32 q/k/v gradient accumulators and their casts, and the
+    # residual stream's and norms' gradients
+    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    backward = positions * (6 * c.intermediate_size + 8 * c.hidden_size + 2 * (q_width + 2 * kv_width)) * 4
+    if attention == "dense":
+        rows = positions * c.num_attention_heads
+        attention_ws = rows * (max_seq_len + positions) * 4 * 2 + positions * (max_seq_len + positions)
+    elif attention == "sparse":
+        attention_ws = 3 * WORKSPACE_BYTES
+    else:  # flex: tiles in on-chip memory; the BlockMask is small
+        attention_ws = 0
+    loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
+    return MemoryPlan(
+        {
+            "weights+grads+AdamW": num_params * 16,
+            "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
+            "received features": received_batches * tokens_per_batch * width * dtype_bytes,
+            "activations": activations + backward,
+            "attention workspace": attention_ws,
+            "loss workspace": loss_ws,
+        }
+    )
+
+
+def target_parameter_count(info: TargetInfo, layers: int) -> int:
+    """Parameters of the target's embedding and its first `layers` decoder layers (dense attention + MLP)."""
+    h, q, kv = (
+        info.hidden_size,
+        info.num_attention_heads * info.head_dim,
+        info.num_key_value_heads * info.head_dim,
+    )
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * info.intermediate_size + 2 * h + 2 * info.head_dim
+    return info.vocab_size * h + layers * per_layer
+
+
+def target_memory(
+    info: TargetInfo, target_layer_ids: list[int], tokens_per_batch: int, dtype_bytes: int, inflight: int
+) -> MemoryPlan:
+    """Predicted peak of a target rank: truncated weights, one forward's activations, features in flight."""
+    layers = max(target_layer_ids) + 1
+    width = len(target_layer_ids) * info.hidden_size
+    q = info.num_attention_heads * info.head_dim
+    # a layer's live tensors during a no-grad forward: residual, normed input, q/k/v, attention output,
+    # gate, up and their product
+    per_token = 4 * info.hidden_size + 2 * q + 3 * info.intermediate_size
+    return MemoryPlan(
+        {
+            "weights": target_parameter_count(info, layers) * dtype_bytes,
+            "activations": tokens_per_batch * per_token * dtype_bytes,
+            "tapped features": 3 * tokens_per_batch * width * dtype_bytes,  # taps, their concat, masked copy
+            "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,
+        }
+    )
+
+
+def process_baseline() -> int:
+    """This process's resident memory now (the runtime and libraries every rank carries on a CPU)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def available_host_memory() -> int:
+    """MemAvailable of this machine, plus what this process already holds."""
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024 + process_baseline()
+
+
+@dataclass
+class FitCheck:
+    """What a node must hold and what it has; `fits` decides whether the run may start."""
+
+    needed: int
+    available: int
+    where: str
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.available
+
+
+def check_fit(
+    drafter: MemoryPlan, target: MemoryPlan, node_roles: list[str], device: torch.device
+) -> FitCheck:
+    """Whether the ranks of this node fit: on a CPU all of them in one RAM, each with the runtime's own
+    baseline; on GPUs the larger rank against one device's memory. `node_roles`: target, drafter or
+    colocated, one per rank of the node."""
+    sizes = {"target": target.total, "drafter": drafter.total, "colocated": target.total + drafter.total}
+    if device.type == "cuda":
+        usable = torch.cuda.get_device_properties(device).total_memory - CUDA_RESERVE
+        name = torch.cuda.get_device_name(device)
+        return FitCheck(
+            max(sizes[r] for r in node_roles), usable, f"one {name} ({usable / GIB:.1f} GiB usable)"
+        )
+    needed = sum(sizes[r] + process_baseline() for r in node_roles)
+    available = available_host_memory()
+    ranks = f"{len(node_roles)} processes in " if len(node_roles) > 1 else ""
+    return FitCheck(needed, available, f"{ranks}this machine's RAM ({available / GIB:.1f} GiB available)")

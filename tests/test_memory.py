@@ -1,0 +1,99 @@
+"""--plan's memory prediction: per-position counts match autograd, the peak matches a real run, and a run
+that cannot fit is refused before anything loads."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from dflash_ddp.attention import block_layout
+from dflash_ddp.memory import saved_per_context_token, saved_per_position
+from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.objective import build_block_inputs
+from dflash_ddp.train import main
+
+
+def saved_bytes(num_layers: int, anchors: int, context: int, bs: int = 8) -> tuple[int, DFlashDraftConfig]:
+    """Bytes autograd keeps for one forward (each storage counted once)."""
+    torch.manual_seed(0)
+    config = DFlashDraftConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=63,
+        block_size=bs,
+    )
+    model = DFlashDraftModel(config).train()
+    inputs = build_block_inputs(
+        torch.zeros(1, context, dtype=torch.long), torch.ones(1, context), [torch.arange(anchors)], bs, 63
+    )
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(
+            torch.randn(1, anchors * bs, 48, requires_grad=True),
+            torch.randn(1, context, 96),
+            inputs.position_ids,
+            block_layout(inputs.anchors, context, bs, 4, torch.device("cpu")),
+        )
+    return sum(seen.values()), config
+
+
+def test_saved_tensors_per_layer_match_the_plan():
+    one, config = saved_bytes(1, anchors=40, context=64)
+    two, _ = saved_bytes(2, anchors=40, context=64)
+    positions, context = 40 * 8, 64
+    predicted = (positions * saved_per_position(config) + context * saved_per_context_token(config)) * 4
+    assert abs((two - one) - predicted) <= 0.05 * predicted, (two - one, predicted)
+
+
+def cli(*flags: str) -> str:
+    """Run the CLI in a fresh process (a peak resident size belongs to one process)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.train", *flags], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path):
+    """The embedded target with the paper's 512 anchors x 16: chunks of 4096 draft positions dominate."""
+    flags = [
+        "--block_size",
+        "16",
+        "--num_anchors",
+        "512",
+        "--drafter_chunk_tokens",
+        "4096",
+        "--max_steps",
+        "1",
+    ]
+    flags += ["--tokens_per_batch", "1024", "--save_steps", "100", "--eval_data", ""]
+    flags += ["--output_dir", str(tmp_path / "run")]
+    predicted = float(cli(*flags, "--plan").split("fits: yes: ")[1].split(" GiB")[0])
+    cli(*flags)
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    measured = max(json.loads(line)["peak_memory_gib"] for line in records)
+    assert 0.75 <= predicted / measured <= 1.25, (predicted, measured)
+
+
+def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path, capsys):
+    flags = ["--num_anchors", "512", "--block_size", "16", "--tokens_per_batch", "4000000"]
+    flags += ["--drafter_chunk_tokens", "100000000", "--output_dir", str(tmp_path / "run")]
+    assert main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1 and "exceeds this machine's RAM" in err[0] and "lower --drafter_chunk_tokens" in err[0]
+    )
+    assert not (tmp_path / "run").exists()  # refused before tokenizing or writing anything
