@@ -77,9 +77,11 @@ def drafter_memory(
     # residual stream's and norms' gradients
     q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     backward = positions * (6 * c.intermediate_size + 8 * c.hidden_size + 2 * (q_width + 2 * kv_width)) * 4
-    if attention == "dense":
-        rows = positions * c.num_attention_heads
-        attention_ws = rows * (max_seq_len + positions) * 4 * 2 + positions * (max_seq_len + positions)
+    if attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
+        # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
+        # scores and their softmax per head
+        per_entry = 8 * c.num_attention_heads if dtype_bytes == 2 else 10
+        attention_ws = per_entry * positions * (max_seq_len + positions)
     elif attention == "sparse":
         attention_ws = 3 * WORKSPACE_BYTES
     else:  # flex: tiles in on-chip memory; the BlockMask is small

@@ -258,7 +258,7 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
             if not topo.colocated:
                 senders.update({m.source: (m.sender_wait_s, m.sender_inflight) for m in messages})
             step_start = time.perf_counter()
-            metrics = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
+            result = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
             compute_s += time.perf_counter() - step_start
             # One all-reduce carries the step's tokens and whether any drafter rank was asked to stop,
             # so that every drafter rank stops after the same step.
@@ -274,6 +274,8 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                 stats = trainer.sum_over_drafters(
                     torch.tensor([source.wait_s - window["wait"], source.bytes_received - window["bytes"]])
                 )
+                trainer.check_finite()
+                metrics = result.metrics()
                 metrics.update(
                     epoch=messages[-1].epoch,
                     tokens_seen=tokens_seen,
@@ -290,6 +292,8 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
                 window = mark()
             saving = step % cfg.save_steps == 0 or step == schedule.total_steps or stopping
             rng_states = drafter_rng_states(group) if saving else {}  # every drafter rank takes part
+            if saving:
+                trainer.check_finite()  # never a checkpoint of weights a non-finite step touched
             if topo.is_leader and saving:
                 trainer_state = run.identity | {
                     "global_step": step,

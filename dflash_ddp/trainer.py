@@ -123,19 +123,28 @@ class DrafterTrainer:
         settings: StepSettings,
         optim: OptimizerSettings,
         group=None,
+        lazy_checks: bool | None = None,
     ):
         self.drafter = drafter
         self.group = group  # the drafter ranks' process group when M > 1
         self.head = head
         self.settings = settings
         self.device = next(drafter.parameters()).device
+        # Reading a device value stalls a GPU's queue: on CUDA the finite-loss check and the metrics wait
+        # for a logging step (on the CPU a read costs nothing, so the check happens before the update).
+        self.lazy_checks = self.device.type == "cuda" if lazy_checks is None else lazy_checks
         self.optimizer = torch.optim.AdamW(
-            drafter.parameters(), lr=optim.learning_rate, weight_decay=optim.weight_decay, betas=(0.9, 0.95)
+            drafter.parameters(),
+            lr=optim.learning_rate,
+            weight_decay=optim.weight_decay,
+            betas=(0.9, 0.95),
+            fused=self.lazy_checks,  # the fused kernel can skip a non-finite step on the device
         )
         self.scheduler = get_cosine_schedule_with_warmup(
             self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps
         )
         self.global_step = 0
+        self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -206,8 +215,8 @@ class DrafterTrainer:
             )
         return chunks
 
-    def step(self, micro_batches: list[tuple[Batch, torch.Tensor, int]]) -> dict:
-        """One optimizer step over (batch, target features, epoch) micro-batches; returns metrics.
+    def step(self, micro_batches: list[tuple[Batch, torch.Tensor, int]]) -> StepResult:
+        """One optimizer step over (batch, target features, epoch) micro-batches.
 
         Each micro-batch is processed in chunks bounded by --drafter_chunk_tokens; the loss is normalised by
         the weight sum of ALL chunks of ALL micro-batches of ALL drafter ranks, and the ranks' gradients are
@@ -238,16 +247,51 @@ class DrafterTrainer:
         if self.group is not None:
             self._sync_gradients()
             totals = LossTerms(*(self.sum_over_drafters(t) for t in vars(totals).values()))
-        if not math.isfinite(float(totals.loss_sum)):
-            raise FloatingPointError(f"non-finite loss at step {self.global_step + 1}; lower --learning_rate")
+        # 0/0 (nothing scored) counts as non-finite too
+        bad = ~torch.isfinite(totals.loss_sum) | ~(totals.weight_sum > 0)
+        if not self.lazy_checks and bool(bad):  # stop before the update
+            raise FloatingPointError(self._nonfinite_message(self.global_step + 1))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.max_grad_norm)
+        if self.lazy_checks:
+            # No host sync per step: the fused AdamW skips the update on the device when found_inf is set,
+            # and `check_finite` (each logging step, before any save) stops the run.
+            bad = bad | ~torch.isfinite(grad_norm)
+            self.optimizer.found_inf = bad.float()
+            self._first_bad_step = torch.where(
+                (self._first_bad_step == 0) & bad, self.global_step + 1, self._first_bad_step
+            )
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        metrics = totals.metrics()
-        metrics.update({"step": self.global_step, "lr": lr, "grad_norm": float(grad_norm)})
+        return StepResult(totals, grad_norm.detach(), self.global_step, lr)
+
+    def _nonfinite_message(self, step: int) -> str:
+        return (
+            f"non-finite loss or gradient at step {step}; the drafter was not updated with it: lower "
+            "--learning_rate (or --max_grad_norm) and resume from the last checkpoint"
+        )
+
+    def check_finite(self) -> None:
+        """Raise FloatingPointError if a step since the start had a non-finite loss (lazy checks only)."""
+        if self.lazy_checks and int(self._first_bad_step):
+            raise FloatingPointError(self._nonfinite_message(int(self._first_bad_step)))
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's sums on the device; read (one host sync) only when a step is logged."""
+
+    totals: LossTerms
+    grad_norm: torch.Tensor
+    step: int
+    lr: float
+
+    def metrics(self) -> dict:
+        """Loss, accuracy, estimated tau, grad norm, lr and step as plain numbers."""
+        metrics = self.totals.metrics()
+        metrics.update({"step": self.step, "lr": self.lr, "grad_norm": float(self.grad_norm)})
         return metrics
 
 

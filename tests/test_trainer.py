@@ -1,5 +1,6 @@
 """The drafter's optimizer step: chunking a batch changes nothing but the order of float sums."""
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -36,3 +37,88 @@ def test_chunked_steps_train_the_weights_of_unchunked_steps(tiny_target, chat_da
     assert any(not torch.equal(whole[k], chunked[k]) for k in whole)  # the sums did run in another order
     for k in whole:
         torch.testing.assert_close(chunked[k], whole[k], rtol=1e-4, atol=1e-6)
+
+
+def small_trainer(lazy_checks: bool, learning_rate: float = 1e-3):
+    from dflash_ddp.model import DFlashDraftConfig
+    from dflash_ddp.target import SharedTargetHead
+    from dflash_ddp.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+
+    config = DFlashDraftConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=63,
+        block_size=4,
+    )
+    drafter = build_drafter(config, 0, torch.device("cpu"))
+    head = SharedTargetHead(torch.randn(64, 32), torch.randn(64, 32))
+    settings = StepSettings(8, 0, 1.0, 16, "sparse", 24, None)
+    return DrafterTrainer(
+        drafter, head, settings, OptimizerSettings(learning_rate, 0.0, 0.0, 10), None, lazy_checks
+    )
+
+
+def random_batch(seed: int):
+    from dflash_ddp.data import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 60, (3, 30), generator=g)
+    attention = torch.ones(3, 30, dtype=torch.long)
+    attention[2, 20:] = 0
+    loss = attention.clone()
+    loss[:, :6] = 0
+    return [(Batch(ids, attention, loss, torch.arange(3) + 3 * seed), torch.randn(3, 30, 64, generator=g), 0)]
+
+
+def test_a_lazy_step_reads_nothing_back_from_the_device(monkeypatch):
+    """On CUDA a value read back (.item(), float(), nonzero) stalls the GPU's queue: outside the host-side
+    preparation of its inputs, a step with lazy checks makes no such read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class CountReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    trainer = small_trainer(lazy_checks=True)
+    batch = random_batch(0)
+    chunks = [c for b, f, e in batch for c in trainer._chunks(b, f, e)]
+    assert len(chunks) > 1
+    monkeypatch.setattr(trainer, "_chunks", lambda *a: chunks if a[0] is batch[0][0] else [])
+    with CountReads():
+        result = trainer.step(batch)
+    assert reads == []
+    assert result.metrics()["loss"] > 0  # the metrics are read once, when logged
+
+
+def test_lazy_checks_skip_a_non_finite_update_and_stop_at_the_next_check():
+    trainer = small_trainer(lazy_checks=True)
+    trainer.step(random_batch(0))
+    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    poisoned = random_batch(1)
+    poisoned[0][1][0, 3] = float("nan")
+    trainer.step(poisoned)  # no exception here: nothing is read back
+    for k, v in trainer.drafter.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was updated by a non-finite step"
+    with pytest.raises(FloatingPointError, match="at step 2"):
+        trainer.check_finite()
+
+
+def test_eager_checks_stop_before_the_update():
+    trainer = small_trainer(lazy_checks=False)
+    poisoned = random_batch(1)
+    poisoned[0][1][0, 3] = float("nan")
+    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="at step 1"):
+        trainer.step(poisoned)
+    assert all(torch.equal(v, before[k]) for k, v in trainer.drafter.state_dict().items())
