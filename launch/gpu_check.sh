@@ -23,8 +23,8 @@ step() {  # name, command...: run, keep the log and the exit code, go on with th
 
 # 1. the embedded default, colocated on the GPU: bf16 target, flex attention, real speculative decoding
 step colocated_flex python -m dflash_ddp.train --device cuda --attention flex --output_dir "$OUT/colocated_flex"
-# 2. the same with SDPA: the two attention paths should reach similar loss and tau
-step colocated_sdpa python -m dflash_ddp.train --device cuda --attention sdpa --output_dir "$OUT/colocated_sdpa"
+# 2. the same with the block-sparse path: the two attention paths should reach similar loss and tau
+step colocated_sparse python -m dflash_ddp.train --device cuda --attention sparse --output_dir "$OUT/colocated_sparse"
 # 3. regeneration on the GPU (bf16 generate, left padding), 64 rows
 head -n 64 dflash_ddp/assets/data/docstring_qa.jsonl > "$OUT/prompts.jsonl"
 step regenerate python -m dflash_ddp.regenerate --target_model dflash_ddp/assets/tiny_qwen3 \

@@ -1,4 +1,4 @@
-"""Benchmarks of the split job on CPU/gloo (figures, not timed tests). Run: `python -m dflash_ddp.bench`.
+"""The split job on CPU/gloo.
 
 (a) channel: the hidden-state channel's throughput against raw `send`/`recv` of the same bytes, measured
     side by side in one 2-process job, as a ratio;
@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .data import Batch
-from .transport import ChannelReceiver, ChannelSender, pack
+from ..data import Batch
+from ..transport import ChannelReceiver, ChannelSender, pack
 
 # (batch size, tokens per sequence, feature width): features of 5 tapped layers of a 1024-wide target,
 # then of a 4096-wide one (Qwen3-8B's width) at a smaller batch; fp32 on CPU.
@@ -111,7 +109,7 @@ def _torchrun(nproc: int, args: list[str]) -> str:
 
 
 def bench_channel() -> None:
-    results = json.loads(_torchrun(2, ["-m", "dflash_ddp.bench", "--worker"]).strip().splitlines()[-1])
+    results = json.loads(_torchrun(2, ["-m", "dflash_ddp.bench.channel"]).strip().splitlines()[-1])
     print("(a) hidden-state channel vs raw send/recv of the same bytes (gloo, 2 processes)")
     for r in results:
         ratio = r["channel_mib_s"] / r["raw_mib_s"]
@@ -149,18 +147,5 @@ def bench_job(steps: int) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of the 3+1 job")
-    args = parser.parse_args()
-    if args.worker:
-        _channel_worker()
-        return
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
-    bench_channel()
-    bench_job(args.steps)
-
-
 if __name__ == "__main__":
-    main()
+    _channel_worker()

@@ -1,0 +1,6 @@
+"""Benchmarks: figures printed side by side in one run, not timed tests. Run `python -m dflash_ddp.bench`.
+
+(a)-(c) the split job on CPU/gloo (channel.py); (d) the trainer against a plain loop around transformers'
+DFlash drafter (speed.py, plain_loop.py); (e)-(f) the drafter's step: dense vs block-sparse attention,
+and the paper's recipe in chunks with its predicted memory (drafter.py).
+"""

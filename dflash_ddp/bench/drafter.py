@@ -1,0 +1,139 @@
+"""The drafter's training step on the CPU: dense vs block-sparse attention, and chunked batches.
+
+Every point runs in a fresh process (`python -m dflash_ddp.bench.drafter POINT_JSON`) so that its peak
+resident memory is its own: the peak is measured as the resident size's high-water mark minus the
+resident size just before the first step, and set against memory.py's prediction of the same parts.
+Width: the embedded tiny target's (hidden 256, 4 heads, MLP 512, vocabulary 2048), one CPU thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from ..data import Batch
+from ..memory import GIB, drafter_memory
+from ..model import DFlashDraftConfig
+from ..target import SharedTargetHead
+from ..trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+
+
+def _config(layers: int) -> DFlashDraftConfig:
+    return DFlashDraftConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_target_layers=8,
+        target_layer_ids=[1, 2, 3, 4, 5],
+        mask_token_id=3,
+        block_size=16,
+    )
+
+
+def _batch(sequences: int, seq_len: int, seed: int) -> tuple[Batch, torch.Tensor]:
+    """Random sequences whose last 7/8 is response (the loss) and random 5-tap features."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 2048, (sequences, seq_len), generator=g)
+    attention = torch.ones(sequences, seq_len, dtype=torch.long)
+    loss = attention.clone()
+    loss[:, : seq_len // 8] = 0
+    features = torch.randn(sequences, seq_len, 5 * 256, generator=g)
+    return Batch(ids, attention, loss, torch.arange(sequences) + seed * sequences), features
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_point(point: dict) -> dict:
+    """Time `steps` training steps after one warm-up step; peak memory above the pre-step resident size."""
+    torch.set_num_threads(1)
+    config = _config(point["layers"])
+    drafter = build_drafter(config, 0, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    head = SharedTargetHead(
+        torch.randn(2048, 256, generator=g) * 0.02, torch.randn(2048, 256, generator=g) * 0.02
+    )
+    settings = StepSettings(point["anchors"], 0, 1.0, 1024, point["attention"], point["chunk_tokens"], None)
+    trainer = DrafterTrainer(drafter, head, settings, OptimizerSettings(6e-4, 0.0, 0.0, 100))
+    batches = [_batch(point["sequences"], point["seq_len"], seed) for seed in range(point["steps"] + 1)]
+    before = _resident()
+    trainer.step([(batches[0][0], batches[0][1], 0)])
+    start = time.perf_counter()
+    for batch, features in batches[1:]:
+        trainer.step([(batch, features, 0)])
+    seconds = (time.perf_counter() - start) / point["steps"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    anchors = min(point["anchors"], point["seq_len"] - point["seq_len"] // 8 - 1)  # response positions
+    positions = min(point["chunk_tokens"], point["sequences"] * anchors * 16)
+    tokens = point["sequences"] * point["seq_len"]
+    plan = drafter_memory(
+        config, 0, positions, tokens, point["seq_len"], 1024, point["attention"], 4, received_batches=0
+    )
+    # weights, gradients and AdamW moments exist only after the first step: part of the measured peak
+    predicted = plan.total + sum(p.numel() for p in drafter.parameters()) * 12
+    return {"s_per_step": seconds, "peak_gib": peak / GIB, "predicted_gib": predicted / GIB}
+
+
+def measure(point: dict) -> dict:
+    """`run_point` in a fresh process with one thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.bench.drafter", json.dumps(point)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-2000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def bench_attention_paths(anchor_counts=(64, 256, 512), lengths=(512, 1024, 3072)) -> None:
+    """Dense vs block-sparse attention: step time and peak memory of a 2-layer drafter, one sequence."""
+    print(
+        "(e) drafter step, dense boolean-mask SDPA vs block-sparse attention (2 layers, 1 sequence, 1 thread)"
+    )
+    for seq_len in lengths:
+        for anchors in anchor_counts:
+            point = {"layers": 2, "anchors": anchors, "seq_len": seq_len, "sequences": 1, "steps": 1}
+            point["chunk_tokens"] = anchors * 16
+            dense = measure({**point, "attention": "dense"})
+            sparse = measure({**point, "attention": "sparse"})
+            print(
+                f"    S={seq_len:5d} {anchors:3d} anchors: dense {dense['s_per_step']:6.2f} s {dense['peak_gib']:5.2f} GiB"
+                f" | sparse {sparse['s_per_step']:6.2f} s {sparse['peak_gib']:5.2f} GiB"
+                f" | {dense['s_per_step'] / sparse['s_per_step']:4.1f}x faster,"
+                f" {dense['peak_gib'] / sparse['peak_gib']:4.1f}x less memory"
+                f" (predicted sparse {sparse['predicted_gib']:.2f} GiB)"
+            )
+
+
+def bench_chunked_recipe(sequence_counts=(1, 2, 4, 8)) -> None:
+    """The recipe's shapes at reduced width: 5 layers, 512 anchors x 16, S=1024, chunks of 8192 positions."""
+    print(
+        "(f) the paper's recipe at reduced width, chunked (5 layers, 512 anchors x 16, S=1024, chunks of 8192)"
+    )
+    for sequences in sequence_counts:
+        point = {"layers": 5, "anchors": 512, "seq_len": 1024, "sequences": sequences, "steps": 1}
+        r = measure({**point, "attention": "sparse", "chunk_tokens": 8192})
+        print(
+            f"    {sequences:2d} sequences per batch: {r['s_per_step']:6.1f} s per step, "
+            f"{r['s_per_step'] / sequences:5.1f} s per sequence, peak {r['peak_gib']:.2f} GiB "
+            f"(predicted {r['predicted_gib']:.2f} GiB)"
+        )
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_point(json.loads(sys.argv[1]))))
