@@ -242,16 +242,25 @@ def read_latest(root: Path, report=print) -> Path | None:
 
 
 def remove_leftovers(output_dir: str | Path) -> list[str]:
-    """Delete what killed saves left in checkpoints/ (temporary directories, set-aside old saves, half
-    written `latest` files). Only safe while holding the output directory's lock. Returns lines to print."""
+    """Clear what killed saves left in checkpoints/: temporary directories, half-written `latest` files,
+    and older saves of a step set aside for a new save of that step. A set-aside save whose step has no
+    directory (the kill fell between the two renames) is its only copy and is moved back instead.
+    Only safe while holding the output directory's lock. Returns lines to print."""
     root = Path(output_dir) / "checkpoints"
     found = sorted(p for p in root.iterdir() if p.name.startswith(LEFTOVER_PREFIXES)) if root.is_dir() else []
+    notes = []
     for path in found:
+        stale = re.fullmatch(r"\.stale-(step-\d{8})-\d+", path.name)
+        if stale and path.is_dir() and not (root / stale[1]).exists():
+            os.replace(path, root / stale[1])
+            notes.append(f"moved {path.name} back to {stale[1]}: a save of that step was killed mid-way")
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return [f"removed {path.name}: left by a save that was killed" for path in found]
+        notes.append(f"removed {path.name}: left by a save that was killed")
+    return notes
 
 
 def save_checkpoint(

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -10,7 +11,14 @@ import sys
 import pytest
 import torch
 
-from dflash_ddp.checkpoint import SaveError, read_latest, save_checkpoint, verify_checkpoint, write_manifest
+from dflash_ddp.checkpoint import (
+    SaveError,
+    read_latest,
+    remove_leftovers,
+    save_checkpoint,
+    verify_checkpoint,
+    write_manifest,
+)
 from dflash_ddp.resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state
 from dflash_ddp.train import main
 
@@ -324,3 +332,16 @@ def test_a_failed_rotation_is_a_save_error_naming_the_complete_checkpoint(finish
         save_checkpoint(finished_run, 9, drafter, optimizer, scheduler, state, {0: {}}, 1)
     assert (finished_run / "checkpoints" / "latest").read_text().strip() == "step-00000009"
     assert verify_checkpoint(finished_run / "checkpoints" / "step-00000009") == []
+
+
+def test_leftovers_of_killed_saves_are_cleared_and_a_set_aside_only_copy_moved_back(finished_run):
+    root = finished_run / "checkpoints"
+    # killed between the two renames of a second save of step 6: its only copy is the set-aside one
+    os.replace(root / "step-00000006", root / ".stale-step-00000006-7")
+    shutil.copytree(root / "step-00000003", root / ".stale-step-00000003-8")  # its step exists: a leftover
+    (root / ".tmp-step-00000009-7").mkdir()
+    (root / ".latest-7").write_text("step-000")
+    notes = remove_leftovers(finished_run)
+    assert any("moved .stale-step-00000006-7 back to step-00000006" in n for n in notes)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003", "step-00000006"]
+    assert verify_checkpoint(root / "step-00000006") == []

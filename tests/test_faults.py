@@ -233,7 +233,7 @@ def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_
         first.wait()
     root = out / "checkpoints"
     root.mkdir(exist_ok=True)
-    for leftover in (".tmp-step-00000005-99", ".stale-step-00000004-99"):
+    for leftover in (".tmp-step-00000005-99",):
         (root / leftover).mkdir()
         (root / leftover / "model.safetensors").write_bytes(b"partial")
     (root / ".latest-99").write_text("step-0000")
@@ -251,5 +251,7 @@ def test_a_non_finite_loss_stops_the_run_with_one_line_and_no_checkpoint(
     # Adam moves every weight by about the learning rate: 1e30 overflows them and the next loss is nan
     assert main(flags(tiny_target, chat_data, out, max_steps=6, learning_rate=1e30)) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith("error: non-finite loss at step ") and "Traceback" not in err
+    assert (
+        err.strip().splitlines()[-1].startswith("error: non-finite loss") and "Traceback" not in err
+    )
     assert not list((out / "checkpoints").glob("step-*"))
