@@ -268,7 +268,12 @@ class DFlashDraftModel(PreTrainedModel):
                 f"{context_hidden_states.shape[1]} + block {noise_embeds.shape[1]}"
             )
         mask = _padding_mask_to_visibility(attention_mask)
-        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        features = context_hidden_states
+        if not torch.is_autocast_enabled(
+            features.device.type
+        ):  # under autocast fc reads bf16 features as they are
+            features = features.to(self.fc.weight.dtype)
+        context = self.hidden_norm(self.fc(features))
         hidden = noise_embeds.to(context.dtype)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         for layer in self.layers:
