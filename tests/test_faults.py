@@ -4,6 +4,7 @@ line, a non-zero exit status for errors, and nothing already written lost."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,14 @@ def run_at_step_3(tiny_target, chat_data, tmp_path):
     """A finished 3-step run (checkpoint step-00000003 and the tokenized cache), to be resumed."""
     out = tmp_path / "run"
     assert main(flags(tiny_target, chat_data, out)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_at_step_6(tiny_target, chat_data, tmp_path_factory):
+    """A finished 6-step run (checkpoints 3 and 6), copied by the tests that damage it."""
+    out = tmp_path_factory.mktemp("six_steps") / "run"
+    assert main(flags(tiny_target, chat_data, out, max_steps=6)) == 0
     return out
 
 
@@ -151,9 +160,11 @@ def test_sigterm_to_a_target_rank_only_stops_the_whole_job_with_a_checkpoint(
     ],
     ids=["random-bytes", "files-a-list", "files-empty", "not-an-object", "wrong-step"],
 )
-def test_an_ill_shaped_manifest_invalidates_its_checkpoint_only(tiny_target, chat_data, tmp_path, manifest):
+def test_an_ill_shaped_manifest_invalidates_its_checkpoint_only(
+    tiny_target, chat_data, tmp_path, run_at_step_6, manifest
+):
     out = tmp_path / "run"
-    assert main(flags(tiny_target, chat_data, out, max_steps=6)) == 0
+    shutil.copytree(run_at_step_6, out)
     newest = out / "checkpoints" / "step-00000006"
     if isinstance(manifest, str):  # every hash right: only the step disagrees with the directory
         manifest = json.dumps(json.loads((newest / "manifest.json").read_text()) | {"step": 9}).encode()
@@ -251,7 +262,5 @@ def test_a_non_finite_loss_stops_the_run_with_one_line_and_no_checkpoint(
     # Adam moves every weight by about the learning rate: 1e30 overflows them and the next loss is nan
     assert main(flags(tiny_target, chat_data, out, max_steps=6, learning_rate=1e30)) == 1
     err = capsys.readouterr().err
-    assert (
-        err.strip().splitlines()[-1].startswith("error: non-finite loss") and "Traceback" not in err
-    )
+    assert err.strip().splitlines()[-1].startswith("error: non-finite loss") and "Traceback" not in err
     assert not list((out / "checkpoints").glob("step-*"))
