@@ -86,6 +86,9 @@ class TrainConfig:
     # draft positions (anchors x block size, summed over sequences) per drafter forward/backward: bounds the
     # drafter's activation memory; 8192 is one sequence of the paper's recipe (512 anchors x 16)
     drafter_chunk_tokens: int = 8192
+    # per-layer activation checkpointing of the drafter (recomputes each layer in backward, about a third
+    # more compute); unset: on exactly when --plan predicts the run does not fit without it
+    gradient_checkpointing: bool | None = None
     memory_check: bool = True  # refuse at start a run whose predicted peak memory exceeds the machine's
     loss_chunk_size: int = 1024
     # bookkeeping

@@ -63,15 +63,24 @@ def drafter_memory(
     attention: str,
     dtype_bytes: int,
     received_batches: int,
+    checkpointing: bool = False,
 ) -> MemoryPlan:
-    """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features."""
+    """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features.
+
+    With per-layer gradient checkpointing the layers keep only their inputs, and one layer's activations
+    exist again while its backward recomputes them."""
     width = len(c.target_layer_ids) * c.hidden_size
     positions = chunk_tokens
     context = min(chunk_tokens, tokens_per_batch)  # a chunk's padded context is bounded like its positions
     per_layer = positions * saved_per_position(c) + context * saved_per_context_token(c)
     # once per chunk: the features, fc's output, the block embeddings, the final norm and the loss's copy
     once = context * (width + c.hidden_size) + positions * 3 * c.hidden_size
-    activations = (c.num_hidden_layers * per_layer + once) * dtype_bytes
+    kept = (
+        c.num_hidden_layers * positions * c.hidden_size + per_layer
+        if checkpointing
+        else c.num_hidden_layers * per_layer
+    )
+    activations = (kept + once) * dtype_bytes
     # backward of one layer, next to the saved tensors: SwiGLU's sigmoid, silu and the gradients of gate, up,
     # their product and down's input (6 I), fp32 q/k/v gradient accumulators and their casts, and the
     # residual stream's and norms' gradients

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -225,6 +226,7 @@ class DFlashDraftModel(PreTrainedModel):
     base_model_prefix = ""
     main_input_name = "noise_embeds"
     _no_split_modules = ["DFlashDecoderLayer"]
+    supports_gradient_checkpointing = True
 
     def __init__(self, config: DFlashDraftConfig):
         super().__init__(config)
@@ -234,6 +236,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False  # per layer (--gradient_checkpointing)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -277,7 +280,11 @@ class DFlashDraftModel(PreTrainedModel):
         hidden = noise_embeds.to(context.dtype)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, mask, cache)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep only the layer's input; its activations are recomputed in backward
+                hidden = checkpoint(layer, hidden, context, cos, sin, mask, cache, use_reentrant=False)
+            else:
+                hidden = layer(hidden, context, cos, sin, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
 
 

@@ -37,6 +37,7 @@ class RunSetup:
     info: TargetInfo
     tokenizer: object
     drafter_config: DFlashDraftConfig
+    gradient_checkpointing: bool = False  # resolved by `check_memory` when --gradient_checkpointing is unset
 
 
 def prepare(cfg: TrainConfig) -> RunSetup:
@@ -85,7 +86,9 @@ def run_device(cfg: TrainConfig) -> torch.device:
     return select_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def memory_plans(cfg: TrainConfig, setup: RunSetup, device: torch.device) -> tuple[MemoryPlan, MemoryPlan]:
+def memory_plans(
+    cfg: TrainConfig, setup: RunSetup, device: torch.device, checkpointing: bool
+) -> tuple[MemoryPlan, MemoryPlan]:
     """Predicted peaks of a drafter rank and of a target rank for this run (see memory.py)."""
     c, dtype_bytes = setup.drafter_config, 2 if device.type == "cuda" else 4
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
@@ -105,6 +108,7 @@ def memory_plans(cfg: TrainConfig, setup: RunSetup, device: torch.device) -> tup
         attention,
         dtype_bytes,
         received_batches=2 if cfg.drafter_ranks < int(os.environ.get("WORLD_SIZE", 1)) else 1,
+        checkpointing=checkpointing,
     )
     inflight = cfg.max_inflight if int(os.environ.get("WORLD_SIZE", 1)) > 1 else 0  # colocated: no sends
     target = target_memory(setup.info, c.target_layer_ids, cfg.tokens_per_batch, dtype_bytes, inflight)
@@ -121,11 +125,25 @@ def node_roles(topology: Topology) -> list[str]:
     return ["drafter" if r in drafters else "target" for r in range(first, first + count)]
 
 
-def check_memory(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> FitCheck:
-    """Refuse, before anything loads, a run whose predicted peak exceeds what this node has."""
-    drafter, target = memory_plans(cfg, setup, run_device(cfg))
-    roles = node_roles(topology)
-    fit = check_fit(drafter, target, roles, run_device(cfg))
+def plan_memory(
+    cfg: TrainConfig, setup: RunSetup, topology: Topology
+) -> tuple[MemoryPlan, MemoryPlan, FitCheck, bool]:
+    """Drafter and target predictions, whether this node fits them, and whether the drafter checkpoints
+    its layers (--gradient_checkpointing, or when unset: only if the run fits with it and not without)."""
+    device, roles = run_device(cfg), node_roles(topology)
+    checkpointing = bool(cfg.gradient_checkpointing)
+    drafter, target = memory_plans(cfg, setup, device, checkpointing)
+    fit = check_fit(drafter, target, roles, device)
+    if cfg.gradient_checkpointing is None and not fit.fits:
+        drafter, target = memory_plans(cfg, setup, device, True)
+        fit, checkpointing = check_fit(drafter, target, roles, device), True
+    return drafter, target, fit, checkpointing
+
+
+def check_memory(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
+    """Refuse, before anything loads, a run whose predicted peak exceeds what this node has; decide
+    gradient checkpointing."""
+    drafter, target, fit, setup.gradient_checkpointing = plan_memory(cfg, setup, topology)
     if cfg.memory_check and not fit.fits:
         biggest = max((*drafter.parts.items(), *target.parts.items()), key=lambda kv: kv[1])[0]
         advice = {
@@ -139,7 +157,6 @@ def check_memory(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> FitCh
             f"predicted peak memory {fit.needed / GIB:.1f} GiB exceeds {fit.where}; its largest part is the "
             f"{biggest}: lower {advice} (--plan shows every part; --memory_check false skips this check)"
         )
-    return fit
 
 
 def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
@@ -147,8 +164,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     c, info = setup.drafter_config, setup.info
     params = drafter_parameter_count(c)
     device = run_device(cfg)
-    drafter, target = memory_plans(cfg, setup, device)
-    fit = check_fit(drafter, target, node_roles(topology), device)
+    drafter, target, fit, checkpointing = plan_memory(cfg, setup, topology)
     width_bytes = len(c.target_layer_ids) * info.hidden_size * (2 if device.type == "cuda" else 4)
     for line in topology.describe():
         print(f"{'topology':>26}: {line}")
@@ -163,7 +179,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         f"(--tokens_per_batch {cfg.tokens_per_batch})",
         "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})",
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
-        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}",
+        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}, gradient checkpointing {'on' if checkpointing else 'off'}",
         "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
     }
     for key, value in plan.items():

@@ -160,6 +160,7 @@ def build_trainer(
     """A freshly initialised drafter with the target's shared head, AdamW and the schedule, as configured."""
     head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
     drafter = build_drafter(setup.drafter_config, cfg.seed, device)
+    drafter.gradient_checkpointing = setup.gradient_checkpointing
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
     settings = StepSettings(
         cfg.num_anchors,

@@ -14,7 +14,9 @@ from dflash_ddp.objective import build_block_inputs
 from dflash_ddp.train import main
 
 
-def saved_bytes(num_layers: int, anchors: int, context: int, bs: int = 8) -> tuple[int, DFlashDraftConfig]:
+def saved_bytes(
+    num_layers: int, anchors: int, context: int, bs: int = 8, checkpointing: bool = False
+) -> tuple[int, DFlashDraftConfig]:
     """Bytes autograd keeps for one forward (each storage counted once)."""
     torch.manual_seed(0)
     config = DFlashDraftConfig(
@@ -31,6 +33,7 @@ def saved_bytes(num_layers: int, anchors: int, context: int, bs: int = 8) -> tup
         block_size=bs,
     )
     model = DFlashDraftModel(config).train()
+    model.gradient_checkpointing = checkpointing
     inputs = build_block_inputs(
         torch.zeros(1, context, dtype=torch.long), torch.ones(1, context), [torch.arange(anchors)], bs, 63
     )
@@ -56,6 +59,12 @@ def test_saved_tensors_per_layer_match_the_plan():
     positions, context = 40 * 8, 64
     predicted = (positions * saved_per_position(config) + context * saved_per_context_token(config)) * 4
     assert abs((two - one) - predicted) <= 0.05 * predicted, (two - one, predicted)
+
+
+def test_checkpointed_layers_keep_only_their_inputs():
+    one, config = saved_bytes(1, anchors=40, context=64, checkpointing=True)
+    two, _ = saved_bytes(2, anchors=40, context=64, checkpointing=True)
+    assert two - one == 40 * 8 * config.hidden_size * 4  # the second layer's input, nothing else
 
 
 def cli(*flags: str) -> str:

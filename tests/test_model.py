@@ -165,3 +165,20 @@ def test_lean_norm_and_swiglu_have_exact_gradients():
     assert torch.autograd.gradcheck(mlp, (h,))
     plain = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
     torch.testing.assert_close(mlp(h), plain)
+
+
+def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():
+    from dflash_ddp.attention import block_layout
+
+    inputs, features, embeds = setup_inputs()
+    layout = block_layout(inputs.anchors, SEQ, BS, 4, torch.device("cpu"))
+    results = []
+    for checkpointing in (False, True):
+        drafter = small_drafter().train()
+        drafter.gradient_checkpointing = checkpointing
+        out = drafter(embeds, features, inputs.position_ids, layout).last_hidden_state
+        out.square().sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in drafter.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7)

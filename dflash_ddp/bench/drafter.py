@@ -57,10 +57,12 @@ def _resident() -> int:
 
 
 def run_point(point: dict) -> dict:
-    """Time `steps` training steps after one warm-up step; peak memory above the pre-step resident size."""
+    """Time `steps` training steps (after a warm-up step if `warmup`); peak memory above the resident size
+    before the first step."""
     torch.set_num_threads(1)
     config = _config(point["layers"])
     drafter = build_drafter(config, 0, torch.device("cpu"))
+    drafter.gradient_checkpointing = point.get("checkpointing", False)
     g = torch.Generator().manual_seed(1)
     head = SharedTargetHead(
         torch.randn(2048, 256, generator=g) * 0.02, torch.randn(2048, 256, generator=g) * 0.02
@@ -68,10 +70,12 @@ def run_point(point: dict) -> dict:
     settings = StepSettings(point["anchors"], 0, 1.0, 1024, point["attention"], point["chunk_tokens"], None)
     trainer = DrafterTrainer(drafter, head, settings, OptimizerSettings(6e-4, 0.0, 0.0, 100))
     batches = [_batch(point["sequences"], point["seq_len"], seed) for seed in range(point["steps"] + 1)]
+    batches = batches if point["warmup"] else batches[1:]
     before = _resident()
-    trainer.step([(batches[0][0], batches[0][1], 0)])
+    if point["warmup"]:
+        trainer.step([(batches[0][0], batches[0][1], 0)])
     start = time.perf_counter()
-    for batch, features in batches[1:]:
+    for batch, features in batches[1 if point["warmup"] else 0 :]:
         trainer.step([(batch, features, 0)])
     seconds = (time.perf_counter() - start) / point["steps"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
@@ -79,7 +83,16 @@ def run_point(point: dict) -> dict:
     positions = min(point["chunk_tokens"], point["sequences"] * anchors * 16)
     tokens = point["sequences"] * point["seq_len"]
     plan = drafter_memory(
-        config, 0, positions, tokens, point["seq_len"], 1024, point["attention"], 4, received_batches=0
+        config,
+        0,
+        positions,
+        tokens,
+        point["seq_len"],
+        1024,
+        point["attention"],
+        4,
+        0,
+        drafter.gradient_checkpointing,
     )
     # weights, gradients and AdamW moments exist only after the first step: part of the measured peak
     predicted = plan.total + sum(p.numel() for p in drafter.parameters()) * 12
@@ -107,26 +120,44 @@ def bench_attention_paths(anchor_counts=(64, 256, 512), lengths=(512, 1024, 3072
     )
     for seq_len in lengths:
         for anchors in anchor_counts:
-            point = {"layers": 2, "anchors": anchors, "seq_len": seq_len, "sequences": 1, "steps": 1}
+            point = {
+                "layers": 2,
+                "anchors": anchors,
+                "seq_len": seq_len,
+                "sequences": 1,
+                "steps": 1,
+                "warmup": 1,
+            }
             point["chunk_tokens"] = anchors * 16
             dense = measure({**point, "attention": "dense"})
             sparse = measure({**point, "attention": "sparse"})
+            ckpt = measure({**point, "attention": "sparse", "checkpointing": True})
             print(
                 f"    S={seq_len:5d} {anchors:3d} anchors: dense {dense['s_per_step']:6.2f} s {dense['peak_gib']:5.2f} GiB"
                 f" | sparse {sparse['s_per_step']:6.2f} s {sparse['peak_gib']:5.2f} GiB"
-                f" | {dense['s_per_step'] / sparse['s_per_step']:4.1f}x faster,"
-                f" {dense['peak_gib'] / sparse['peak_gib']:4.1f}x less memory"
-                f" (predicted sparse {sparse['predicted_gib']:.2f} GiB)"
+                f" ({dense['s_per_step'] / sparse['s_per_step']:4.1f}x faster,"
+                f" {dense['peak_gib'] / sparse['peak_gib']:4.1f}x less memory; predicted {sparse['predicted_gib']:.2f} GiB)"
+                f" | + checkpointing {ckpt['s_per_step']:6.2f} s {ckpt['peak_gib']:5.2f} GiB"
+                f" ({dense['s_per_step'] / ckpt['s_per_step']:4.1f}x, {dense['peak_gib'] / ckpt['peak_gib']:4.1f}x;"
+                f" predicted {ckpt['predicted_gib']:.2f} GiB)"
             )
 
 
-def bench_chunked_recipe(sequence_counts=(1, 2, 4, 8)) -> None:
-    """The recipe's shapes at reduced width: 5 layers, 512 anchors x 16, S=1024, chunks of 8192 positions."""
+def bench_chunked_recipe(sequence_counts=(1, 2, 4)) -> None:
+    """The recipe's shapes at reduced width: 5 layers, 512 anchors x 16, S=1024, chunks of 8192 positions;
+    one cold step each (its peak includes the first allocation of gradients and AdamW moments)."""
     print(
         "(f) the paper's recipe at reduced width, chunked (5 layers, 512 anchors x 16, S=1024, chunks of 8192)"
     )
     for sequences in sequence_counts:
-        point = {"layers": 5, "anchors": 512, "seq_len": 1024, "sequences": sequences, "steps": 1}
+        point = {
+            "layers": 5,
+            "anchors": 512,
+            "seq_len": 1024,
+            "sequences": sequences,
+            "steps": 1,
+            "warmup": 0,
+        }
         r = measure({**point, "attention": "sparse", "chunk_tokens": 8192})
         print(
             f"    {sequences:2d} sequences per batch: {r['s_per_step']:6.1f} s per step, "
