@@ -171,7 +171,11 @@ def check_fit(
     """Whether the ranks of this node fit: on a CPU all of them in one RAM, each with the runtime's own
     baseline; on GPUs the larger rank against one device's memory. `node_roles`: target, drafter or
     colocated, one per rank of the node."""
-    sizes = {"target": target.total, "drafter": drafter.total, "colocated": target.total + drafter.total}
+    # colocated: the target's forward ends before the drafter's step begins, so only the target's weights
+    # and the larger of the two transient parts add up
+    state = drafter.parts["weights+grads+AdamW"] + drafter.parts["target embedding+LM head"]
+    colocated = target.parts["weights"] + max(drafter.total, target.total - target.parts["weights"] + state)
+    sizes = {"target": target.total, "drafter": drafter.total, "colocated": colocated}
     if device.type == "cuda":
         usable = torch.cuda.get_device_properties(device).total_memory - CUDA_RESERVE
         name = torch.cuda.get_device_name(device)
