@@ -11,6 +11,28 @@ import sys
 import time
 from pathlib import Path
 
+
+def small_draft_config(**overrides):
+    """A drafter config small enough for exact CPU checks: 2 layers of width 32 (4 heads x 8, 2 KV heads),
+    a 50-token vocabulary with mask id 49, taps [0, 2] of a 4-layer target, block size 4."""
+    from dflash_ddp.model import DFlashDraftConfig
+
+    settings = dict(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=49,
+        block_size=4,
+    )
+    return DFlashDraftConfig(**{**settings, **overrides})
+
+
 # A job small enough for a 2-core CI machine: one drafter layer, short sequences, small batches.
 SMALL_JOB = {
     "num_draft_layers": 1,

@@ -6,8 +6,10 @@ import torch.nn.functional as F
 
 import dflash_ddp.attention as attention
 from dflash_ddp.attention import block_layout, block_sparse_attention, dense_attention
-from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.model import DFlashDraftModel
 from dflash_ddp.objective import build_block_inputs, dense_block_mask, flex_block_mask
+
+from helpers import small_draft_config
 
 
 def random_case(seed, batch, slots, seq, bs, heads, kv_heads, dim=8, dtype=torch.float64):
@@ -94,22 +96,9 @@ def test_flex_tiles_at_the_recipe_shape():
     assert 1.0 <= float(tiles * q_tile * kv_tile / allowed) <= 1.4
 
 
-def drafter(num_heads=4, kv_heads=2):
+def drafter():
     torch.manual_seed(0)
-    config = DFlashDraftConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=num_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=8,
-        num_target_layers=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=49,
-        block_size=4,
-    )
-    return DFlashDraftModel(config)
+    return DFlashDraftModel(small_draft_config(num_hidden_layers=1))
 
 
 def test_dense_path_hands_sdpa_as_many_key_heads_as_query_heads_when_masked(monkeypatch):

@@ -14,24 +14,22 @@ from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
 from dflash_ddp.objective import build_block_inputs
 from dflash_ddp.train import main
 
+from helpers import small_draft_config
+
 
 def saved_bytes(
     num_layers: int, anchors: int, context: int, bs: int = 8, checkpointing: bool = False
 ) -> tuple[int, DFlashDraftConfig]:
     """Bytes autograd keeps for one forward (each storage counted once)."""
     torch.manual_seed(0)
-    config = DFlashDraftConfig(
+    config = small_draft_config(
         vocab_size=64,
         hidden_size=48,
         intermediate_size=80,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
-        num_target_layers=4,
-        target_layer_ids=[0, 2],
         mask_token_id=63,
         block_size=bs,
+        num_hidden_layers=num_layers,
     )
     model = DFlashDraftModel(config).train()
     model.gradient_checkpointing = checkpointing

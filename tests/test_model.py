@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from dflash_ddp.attention import block_layout
-from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.model import DFlashDraftModel
 from dflash_ddp.objective import build_block_inputs, dense_block_mask, flex_block_mask
+
+from helpers import small_draft_config
 
 
 def sparse_layout(anchors, context_len, block_size):
@@ -21,20 +23,7 @@ ANCHORS = [5, 7, 15]  # 5 and 7 are closer than a block: their blocks overlap in
 
 def small_drafter(seed=0):
     torch.manual_seed(seed)
-    config = DFlashDraftConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_target_layers=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=49,
-        block_size=BS,
-    )
-    return DFlashDraftModel(config).eval()
+    return DFlashDraftModel(small_draft_config()).eval()
 
 
 def setup_inputs(seed=0):

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 import dflash_ddp.trainer as trainer_module
 from dflash_ddp.train import main
 
-from helpers import train_flags
+from helpers import small_draft_config, train_flags
 
 
 def final_weights(out):
@@ -40,23 +40,10 @@ def test_chunked_steps_train_the_weights_of_unchunked_steps(tiny_target, chat_da
 
 
 def small_trainer(lazy_checks: bool, learning_rate: float = 1e-3):
-    from dflash_ddp.model import DFlashDraftConfig
     from dflash_ddp.target import SharedTargetHead
     from dflash_ddp.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
 
-    config = DFlashDraftConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_target_layers=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=63,
-        block_size=4,
-    )
+    config = small_draft_config(vocab_size=64, mask_token_id=63)
     drafter = build_drafter(config, 0, torch.device("cpu"))
     head = SharedTargetHead(torch.randn(64, 32), torch.randn(64, 32))
     settings = StepSettings(8, 0, 1.0, 16, "sparse", 24, None)
