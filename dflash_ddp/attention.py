@@ -3,7 +3,7 @@
 A block of `block_size` draft queries anchored at position a sees the context keys j < a and the keys of
 its own block, nothing else; padding blocks (anchor -1) see nothing and return zeros. With A anchors per
 sequence the dense mask is [A*bs, S + A*bs], of which the block part is (A-1)/A masked out; at the paper's
-512 anchors that is more than 99% of the block part. So training on the SDPA path uses
+512 anchors that is more than 99% of the block part. So training without flex uses
 `block_sparse_attention`, whose time and memory grow with the allowed entries only:
 
 - context part: queries against context keys, chunked over anchors so that one chunk's scores stay under

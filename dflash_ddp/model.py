@@ -6,8 +6,9 @@ final-normed hidden states of the block tokens. The target's LM head turns them 
 drafter owns neither the embedding nor the LM head.
 
 The same `forward` serves training (a `BlockLayout` for the block-sparse path, a flex-attention
-BlockMask, or a 4-D boolean mask, each describing many blocks per sequence) and inference (a `transformers` cache holding previous context keys/values, as
-`generate(..., speculation_type="dflash")` calls it).
+BlockMask, or a 4-D boolean mask, each describing many blocks per sequence) and inference (a
+`transformers` cache holding previous context keys/values, as `generate(..., speculation_type="dflash")`
+calls it).
 """
 
 from __future__ import annotations

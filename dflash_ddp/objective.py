@@ -281,9 +281,3 @@ def block_loss_terms(
         accepted_sum=((1 + prefix) * blocks).sum().float(),
         num_blocks=blocks.sum().float(),
     )
-
-
-def peak_logits_bytes(num_rows: int, vocab: int, chunk: int, bytes_per: int = 4) -> tuple[int, int]:
-    """(unchunked, chunked) bytes of the fp32 logits (+ their softmax/grad copy) for `num_rows` positions."""
-    full = 2 * num_rows * vocab * bytes_per
-    return full, 2 * min(chunk, num_rows) * vocab * bytes_per
