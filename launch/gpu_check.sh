@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One pass over the CUDA paths that CPU CI cannot reach, for a machine with one GPU (the device
-# sessions get one H200). A split job needs one GPU per rank (NCCL refuses two ranks on one device), so
+# One pass over the CUDA paths that CPU CI cannot reach, for a machine with one GPU (for example one
+# H200). A split job needs one GPU per rank (NCCL refuses two ranks on one device), so
 # the NCCL channel needs a machine with 2+ GPUs: torchrun --nproc-per-node 2 -m dflash_ddp.train. Everything lands in ${OUT:-gpu_check}/ (logs + eval/metrics JSON); keep that
 # folder in docs/ when it ran. A few minutes on an H200.
 #   launch/gpu_check.sh
