@@ -26,16 +26,12 @@ import time
 from pathlib import Path
 
 from .config import ASSETS, EMBEDDED_TARGET
+from .jobs import SMALL_JOB, as_flags, torchrun_cmd, worker_pids
 
 SETTINGS = {
     "target_model": str(EMBEDDED_TARGET),
     "data": str(ASSETS / "data" / "docstring_qa_regenerated.jsonl"),
-    "num_draft_layers": 1,
-    "block_size": 4,
-    "num_anchors": 8,
-    "max_seq_len": 128,
-    "tokens_per_batch": 512,
-    "logging_steps": 1,
+    **SMALL_JOB,
     "save_steps": 4,
     "seed": 5,
     "dist_timeout": 60,
@@ -48,32 +44,7 @@ FULL_DISK_BYTES = 64 * 1024  # above metrics.jsonl's size, below every checkpoin
 def job_command(out: Path, cache: Path, steps: int) -> list[str]:
     """torchrun of the 3+1 job writing to `out`."""
     flags = SETTINGS | {"output_dir": str(out), "cache_dir": str(cache), "max_steps": steps}
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(WORLD),
-        "-m",
-        "dflash_ddp.train",
-        *[x for key, value in flags.items() for x in (f"--{key}", str(value))],
-    ]
-
-
-def worker_pids(agent: int) -> dict[int, int]:
-    """RANK -> pid of the torchrun agent's worker processes."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != agent:
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        found.update({int(v[5:]): int(entry.name) for v in env if v.startswith(b"RANK=")})
-    return found
+    return [*torchrun_cmd(WORLD), "-m", "dflash_ddp.train", *as_flags(flags)]
 
 
 def logged_steps(out: Path) -> list[dict]:

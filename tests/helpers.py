@@ -7,9 +7,21 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from dflash_ddp.jobs import SMALL_JOB, as_flags, torchrun_cmd
+from dflash_ddp.jobs import worker_pids as rank_pids
+
+__all__ = [
+    "SMALL_JOB",
+    "file_size_limit",
+    "kill_job",
+    "rank_pids",
+    "small_draft_config",
+    "torchrun_cmd",
+    "train_flags",
+]
 
 
 def small_draft_config(**overrides):
@@ -33,27 +45,9 @@ def small_draft_config(**overrides):
     return DFlashDraftConfig(**{**settings, **overrides})
 
 
-# A job small enough for a 2-core CI machine: one drafter layer, short sequences, small batches.
-SMALL_JOB = {
-    "num_draft_layers": 1,
-    "block_size": 4,
-    "num_anchors": 8,
-    "max_seq_len": 128,
-    "tokens_per_batch": 512,
-    "logging_steps": 1,
-}
-
-
 def train_flags(target, data, out, **settings) -> list[str]:
     """`--key value` flags of a small training job on `target`/`data` writing to `out`."""
-    merged = {"target_model": target, "data": data, "output_dir": out, **SMALL_JOB, **settings}
-    return [x for key, value in merged.items() for x in (f"--{key}", str(value))]
-
-
-def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
-    """`torchrun --nproc-per-node N` on this machine (standalone rendezvous unless --nnodes is given)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra]
-    return cmd if any(e.startswith("--nnodes") for e in extra) else [*cmd, "--standalone"]
+    return as_flags({"target_model": target, "data": data, "output_dir": out, **SMALL_JOB, **settings})
 
 
 def _running(pid: int) -> bool:
@@ -94,22 +88,3 @@ def file_size_limit(nbytes: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
 
     return limit
-
-
-def rank_pids(parent: int) -> dict[int, int]:
-    """RANK -> pid of torchrun's worker processes."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, StopIteration):
-            continue
-        if ppid == parent:
-            for var in env:
-                if var.startswith(b"RANK="):
-                    found[int(var[5:])] = int(entry.name)
-    return found
