@@ -38,6 +38,11 @@ def warmup_steps(device: torch.device) -> int:
     return 2 if device.type == "cuda" else 1
 
 
+def calibration_steps(device: torch.device) -> int:
+    """All optimizer steps of a calibration: the untimed ones, then TIMED_STEPS."""
+    return warmup_steps(device) + TIMED_STEPS
+
+
 @dataclass(frozen=True)
 class Rates:
     """Sequences per second of one target rank and of one drafter rank, each on its own device."""
@@ -137,7 +142,7 @@ def measure_rates(
     trainer: DrafterTrainer,
     accumulation: int,
 ) -> Measurement:
-    """Time warmup_steps() + TIMED_STEPS optimizer steps of `accumulation` (batch, epoch) pairs each: every
+    """Time calibration_steps() optimizer steps of `accumulation` (batch, epoch) pairs each: every
     batch through the target's forward, then each step's batches through the drafter's training step.
 
     Both sides see the same batches, so the ratio of their rates does not depend on which were drawn."""
@@ -145,7 +150,7 @@ def measure_rates(
     target_s = drafter_s = 0.0
     sequences = timed_batches = 0
     warmup = warmup_steps(device)
-    for step in range(warmup + TIMED_STEPS):
+    for step in range(calibration_steps(device)):
         micro_batches, step_target_s = [], 0.0
         for _ in range(accumulation):
             batch, epoch = next(batches)

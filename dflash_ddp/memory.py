@@ -108,22 +108,16 @@ def drafter_memory(
     )
 
 
-def target_parameter_count(info: TargetInfo, layers: int) -> int:
-    """Parameters of the target's embedding and its first `layers` decoder layers (dense attention + MLP)."""
-    h, q, kv = (
-        info.hidden_size,
-        info.num_attention_heads * info.head_dim,
-        info.num_key_value_heads * info.head_dim,
-    )
-    per_layer = h * q * 2 + h * kv * 2 + 3 * h * info.intermediate_size + 2 * h + 2 * info.head_dim
-    return info.vocab_size * h + layers * per_layer
-
-
 def target_memory(
-    info: TargetInfo, target_layer_ids: list[int], tokens_per_batch: int, dtype_bytes: int, inflight: int
+    info: TargetInfo,
+    num_params: int,
+    target_layer_ids: list[int],
+    tokens_per_batch: int,
+    dtype_bytes: int,
+    inflight: int,
 ) -> MemoryPlan:
-    """Predicted peak of a target rank: truncated weights, one forward's activations, features in flight."""
-    layers = max(target_layer_ids) + 1
+    """Predicted peak of a target rank: truncated weights (`num_params`), one forward's activations,
+    features in flight."""
     width = len(target_layer_ids) * info.hidden_size
     q = info.num_attention_heads * info.head_dim
     # a layer's live tensors during a no-grad forward: residual, normed input, q/k/v, attention output,
@@ -131,7 +125,7 @@ def target_memory(
     per_token = 4 * info.hidden_size + 2 * q + 3 * info.intermediate_size
     return MemoryPlan(
         {
-            "weights": target_parameter_count(info, layers) * dtype_bytes,
+            "weights": num_params * dtype_bytes,
             "activations": tokens_per_batch * per_token * dtype_bytes,
             "tapped features": 3 * tokens_per_batch * width * dtype_bytes,  # taps, their concat, masked copy
             "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,
@@ -182,7 +176,7 @@ def check_fit(
         return FitCheck(
             max(sizes[r] for r in node_roles), usable, f"one {name} ({usable / GIB:.1f} GiB usable)"
         )
-    needed = sum(sizes[r] + process_baseline() for r in node_roles)
+    needed = sum(sizes[r] for r in node_roles) + len(node_roles) * process_baseline()
     available = available_host_memory()
     ranks = f"{len(node_roles)} processes in " if len(node_roles) > 1 else ""
     return FitCheck(needed, available, f"{ranks}this machine's RAM ({available / GIB:.1f} GiB available)")

@@ -25,9 +25,15 @@ from .memory import GIB, FitCheck, MemoryPlan, check_fit, drafter_memory, target
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .resume import check_same_run, find_checkpoint, load_trainer_state
 from .schedule import BatchSchedule
-from .target import TargetInfo, inspect_target, target_fingerprint
-from .topology import DistributedContext, Topology, select_device
-from .trainer import drafter_config_for, resolve_mask_token_id, resolve_target_layer_ids
+from .target import TargetInfo, inspect_target, target_fingerprint, truncated_parameter_count
+from .topology import DistributedContext, Topology, env_world, select_device
+from .trainer import (
+    compute_dtype,
+    drafter_config_for,
+    resolve_attention,
+    resolve_mask_token_id,
+    resolve_target_layer_ids,
+)
 
 
 @dataclass
@@ -37,17 +43,18 @@ class RunSetup:
     info: TargetInfo
     tokenizer: object
     drafter_config: DFlashDraftConfig
-    gradient_checkpointing: bool = False  # resolved by `check_memory` when --gradient_checkpointing is unset
+    memory: RunMemory  # predicted peaks, whether they fit, and whether the drafter checkpoints its layers
 
 
-def prepare(cfg: TrainConfig) -> RunSetup:
-    """Read the target's config and tokenizer and size the drafter; no weights are loaded."""
+def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
+    """Read the target's config and tokenizer, size the drafter and predict the memory of this rank's node;
+    no weights are loaded."""
     info = inspect_target(cfg.target_model)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
     drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
-    return RunSetup(info, tokenizer, drafter_config)
+    return RunSetup(info, tokenizer, drafter_config, plan_memory(cfg, info, drafter_config, topology))
 
 
 def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedDataset, DataStats]:
@@ -83,69 +90,80 @@ def drafter_parameter_count(config: DFlashDraftConfig) -> int:
 
 def run_device(cfg: TrainConfig) -> torch.device:
     """The device this rank will train on (before any process group exists)."""
-    return select_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def memory_plans(
-    cfg: TrainConfig, setup: RunSetup, device: torch.device, checkpointing: bool
-) -> tuple[MemoryPlan, MemoryPlan]:
-    """Predicted peaks of a drafter rank and of a target rank for this run (see memory.py)."""
-    c, dtype_bytes = setup.drafter_config, 2 if device.type == "cuda" else 4
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
-    # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
-    # sequences (at least 2 x block_size tokens each) can hold
-    rows = max(1, cfg.tokens_per_batch // (2 * c.block_size))
-    positions = min(
-        cfg.drafter_chunk_tokens, c.block_size * min(cfg.tokens_per_batch, cfg.num_anchors * rows)
-    )
-    drafter = drafter_memory(
-        c,
-        drafter_parameter_count(c),
-        positions,
-        cfg.tokens_per_batch,
-        cfg.max_seq_len,
-        cfg.loss_chunk_size,
-        attention,
-        dtype_bytes,
-        received_batches=2 if cfg.drafter_ranks < int(os.environ.get("WORLD_SIZE", 1)) else 1,
-        checkpointing=checkpointing,
-    )
-    inflight = cfg.max_inflight if int(os.environ.get("WORLD_SIZE", 1)) > 1 else 0  # colocated: no sends
-    target = target_memory(setup.info, c.target_layer_ids, cfg.tokens_per_batch, dtype_bytes, inflight)
-    return drafter, target
+    return select_device(cfg.device, env_world()[2])
 
 
 def node_roles(topology: Topology) -> list[str]:
     """The roles of the ranks on this rank's node (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE)."""
     if topology.colocated:
         return ["colocated"]
-    first = topology.rank - int(os.environ.get("LOCAL_RANK", 0))
+    first = topology.rank - env_world()[2]
     count = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
     drafters = set(topology.drafter_ranks)
     return ["drafter" if r in drafters else "target" for r in range(first, first + count)]
 
 
-def plan_memory(
-    cfg: TrainConfig, setup: RunSetup, topology: Topology
-) -> tuple[MemoryPlan, MemoryPlan, FitCheck, bool]:
-    """Drafter and target predictions, whether this node fits them, and whether the drafter checkpoints
-    its layers (--gradient_checkpointing, or when unset: only if the run fits with it and not without)."""
+@dataclass
+class RunMemory:
+    """The predicted peaks of a drafter rank and a target rank, whether this node holds them, and whether
+    the drafter checkpoints its layers (--gradient_checkpointing; unset: only if that alone makes it fit)."""
+
+    drafter: MemoryPlan
+    target: MemoryPlan
+    fit: FitCheck
+    checkpointing: bool
+    drafter_params: int
+
+
+def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topology: Topology) -> RunMemory:
+    """Predict this run's memory (see memory.py) for the device and node of this rank."""
     device, roles = run_device(cfg), node_roles(topology)
+    dtype_bytes = compute_dtype(device).itemsize
+    params = drafter_parameter_count(c)
+    # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
+    # sequences (at least 2 x block_size tokens each) can hold
+    rows = max(1, cfg.tokens_per_batch // (2 * c.block_size))
+    positions = min(
+        cfg.drafter_chunk_tokens, c.block_size * min(cfg.tokens_per_batch, cfg.num_anchors * rows)
+    )
+
+    def drafter(checkpointing: bool) -> MemoryPlan:
+        return drafter_memory(
+            c,
+            params,
+            positions,
+            cfg.tokens_per_batch,
+            cfg.max_seq_len,
+            cfg.loss_chunk_size,
+            resolve_attention(cfg.attention, device),
+            dtype_bytes,
+            received_batches=1 if topology.colocated else 2,  # split: the next batch arrives meanwhile
+            checkpointing=checkpointing,
+        )
+
+    target = target_memory(
+        info,
+        truncated_parameter_count(info, max(c.target_layer_ids) + 1),
+        c.target_layer_ids,
+        cfg.tokens_per_batch,
+        dtype_bytes,
+        0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
+    )
     checkpointing = bool(cfg.gradient_checkpointing)
-    drafter, target = memory_plans(cfg, setup, device, checkpointing)
-    fit = check_fit(drafter, target, roles, device)
+    plan = drafter(checkpointing)
+    fit = check_fit(plan, target, roles, device)
     if cfg.gradient_checkpointing is None and not fit.fits:
-        drafter, target = memory_plans(cfg, setup, device, True)
-        fit, checkpointing = check_fit(drafter, target, roles, device), True
-    return drafter, target, fit, checkpointing
+        checkpointing, plan = True, drafter(True)
+        fit = check_fit(plan, target, roles, device)
+    return RunMemory(plan, target, fit, checkpointing, params)
 
 
-def check_memory(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
-    """Refuse, before anything loads, a run whose predicted peak exceeds what this node has; decide
-    gradient checkpointing."""
-    drafter, target, fit, setup.gradient_checkpointing = plan_memory(cfg, setup, topology)
-    if cfg.memory_check and not fit.fits:
-        biggest = max((*drafter.parts.items(), *target.parts.items()), key=lambda kv: kv[1])[0]
+def check_memory(cfg: TrainConfig, setup: RunSetup) -> None:
+    """Refuse, before anything loads, a run whose predicted peak exceeds what this node has."""
+    memory = setup.memory
+    if cfg.memory_check and not memory.fit.fits:
+        parts = (*memory.drafter.parts.items(), *memory.target.parts.items())
+        biggest = max(parts, key=lambda kv: kv[1])[0]
         advice = {
             "activations": "--drafter_chunk_tokens",
             "attention workspace": "--drafter_chunk_tokens (or use --attention sparse)",
@@ -154,18 +172,17 @@ def check_memory(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             "sends in flight": "--max_inflight or --tokens_per_batch",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(
-            f"predicted peak memory {fit.needed / GIB:.1f} GiB exceeds {fit.where}; its largest part is the "
-            f"{biggest}: lower {advice} (--plan shows every part; --memory_check false skips this check)"
+            f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "
+            f"part is the {biggest}: lower {advice} (--plan shows every part; --memory_check false skips "
+            "this check)"
         )
 
 
 def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     """Topology, sizes and predicted memory per rank; loads no weights."""
-    c, info = setup.drafter_config, setup.info
-    params = drafter_parameter_count(c)
-    device = run_device(cfg)
-    drafter, target, fit, checkpointing = plan_memory(cfg, setup, topology)
-    width_bytes = len(c.target_layer_ids) * info.hidden_size * (2 if device.type == "cuda" else 4)
+    c, info, memory = setup.drafter_config, setup.info, setup.memory
+    drafter, target, fit = memory.drafter, memory.target, memory.fit
+    width_bytes = len(c.target_layer_ids) * info.hidden_size * compute_dtype(run_device(cfg)).itemsize
     for line in topology.describe():
         print(f"{'topology':>26}: {line}")
     plan = {
@@ -174,12 +191,12 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,
-        "drafter": f"{c.num_hidden_layers} layers, {params / 1e6:.1f}M trainable parameters",
+        "drafter": f"{c.num_hidden_layers} layers, {memory.drafter_params / 1e6:.1f}M trainable parameters",
         "message_size": f"up to {cfg.tokens_per_batch * width_bytes / 2**20:.1f} MiB of features per batch "
         f"(--tokens_per_batch {cfg.tokens_per_batch})",
         "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})",
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
-        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}, gradient checkpointing {'on' if checkpointing else 'off'}",
+        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}, gradient checkpointing {'on' if memory.checkpointing else 'off'}",
         "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
     }
     for key, value in plan.items():

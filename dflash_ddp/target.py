@@ -206,6 +206,14 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def truncated_parameter_count(info: TargetInfo, layers: int) -> int:
+    """Parameters of the target cut after `layers` decoder layers (what a target rank loads), counted on the
+    meta device from its own config: exact for any architecture transformers builds (biases, experts)."""
+    config = AutoConfig.from_pretrained(info.path, num_hidden_layers=layers, local_files_only=True)
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModel.from_config(config).parameters())
+
+
 class TargetFeatureExtractor:
     """A frozen target truncated after its last tapped layer; returns the concatenated tapped features."""
 

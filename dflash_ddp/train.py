@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .calibrate import TIMED_STEPS, calibration_batches, measure_rates, report, warmup_steps
+from .calibrate import calibration_batches, calibration_steps, measure_rates, report
 from .checkpoint import (
     CheckpointWriter,
     SaveError,
@@ -48,18 +48,21 @@ from .run_setup import (
     prepare,
     print_plan,
     prune_metrics,
+    run_device,
     run_identity,
     share_start,
 )
 from .schedule import ScheduledBatch
 from .signals import GracefulStop
 from .target import SharedTargetHead, TargetFeatureExtractor
-from .topology import DistributedContext, Topology, env_world, init_distributed, select_device, shutdown
+from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from .trainer import (
     DrafterTrainer,
     OptimizerSettings,
     StepSettings,
     build_drafter,
+    compute_dtype,
+    resolve_attention,
 )
 from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, PeerLost, StopFlag
 
@@ -70,11 +73,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def compute_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA; fp32 on the CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32  # fp32 on CPU: exact parity tests
 
 
 # --------------------------------------------------------------------------------------------- roles
@@ -160,8 +158,8 @@ def build_trainer(
     """A freshly initialised drafter with the target's shared head, AdamW and the schedule, as configured."""
     head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
     drafter = build_drafter(setup.drafter_config, cfg.seed, device)
-    drafter.gradient_checkpointing = setup.gradient_checkpointing
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "sparse")
+    drafter.gradient_checkpointing = setup.memory.checkpointing
+    attention = resolve_attention(cfg.attention, device)
     settings = StepSettings(
         cfg.num_anchors,
         cfg.seed,
@@ -351,10 +349,10 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
     process's device with the first batches of the run's schedule, then print the split that trains fastest.
     A fresh drafter trains a few steps; nothing is restored or saved (the tokenized data cache is kept)."""
     data, _ = load_data(cfg, setup, where)
-    device = select_device(cfg.device, env_world()[2])
+    device = run_device(cfg)
     accumulation = cfg.gradient_accumulation_steps
     pad_id = setup.tokenizer.pad_token_id or 0
-    steps = warmup_steps(device) + TIMED_STEPS
+    steps = calibration_steps(device)
     batches = calibration_batches(data, cfg.tokens_per_batch, cfg.seed, accumulation, pad_id, steps)
     taps = setup.drafter_config.target_layer_ids
     extractor = TargetFeatureExtractor(setup.info, taps, device, compute_dtype(device))
@@ -441,13 +439,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no --target_model given: training the embedded default (tiny target {cfg.target_model})")
         if cfg.plan and not leader:  # only the drafter leader plans (and measures); the others have no part
             return 0
-        setup = prepare(cfg)
+        setup = prepare(cfg, topology)
         if cfg.plan:
             print_plan(cfg, setup, topology)
             if cfg.calibrate:
                 calibrate_split(cfg, setup, topology, where)
             return 0
-        check_memory(cfg, setup, topology)
+        check_memory(cfg, setup)
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)
         run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))

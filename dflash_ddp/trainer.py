@@ -30,6 +30,18 @@ from .objective import (
 from .target import SharedTargetHead, TargetInfo, default_target_layer_ids
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA; fp32 on the CPU (exact, and what the parity tests compare)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    """--attention auto: the compiled flex kernel on CUDA, the block-sparse path elsewhere."""
+    if requested != "auto":
+        return requested
+    return "flex" if device.type == "cuda" else "sparse"
+
+
 def resolve_mask_token_id(tokenizer, info: TargetInfo, requested: int | None) -> int:
     """The mask token: --mask_token_id, else the tokenizer's mask token; it must have an embedding row."""
     mask_id = requested if requested is not None else getattr(tokenizer, "mask_token_id", None)
