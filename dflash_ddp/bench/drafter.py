@@ -17,43 +17,31 @@ import time
 
 import torch
 
+from ..chat_template import load_target_tokenizer
+from ..config import EMBEDDED_TARGET
 from ..data import Batch
-from ..memory import GIB, drafter_memory
+from ..memory import GIB, drafter_memory, process_baseline
 from ..model import DFlashDraftConfig
-from ..target import SharedTargetHead
-from ..trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from ..target import SharedTargetHead, default_target_layer_ids, inspect_target
+from ..trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter, drafter_config_for
 
 
 def _config(layers: int) -> DFlashDraftConfig:
-    return DFlashDraftConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_target_layers=8,
-        target_layer_ids=[1, 2, 3, 4, 5],
-        mask_token_id=3,
-        block_size=16,
-    )
+    """A drafter of the embedded tiny target's width with `layers` layers, block 16."""
+    info = inspect_target(EMBEDDED_TARGET)
+    mask_id = load_target_tokenizer(info.path, "").mask_token_id
+    return drafter_config_for(info, layers, default_target_layer_ids(info.num_layers), mask_id, 16)
 
 
-def _batch(sequences: int, seq_len: int, seed: int) -> tuple[Batch, torch.Tensor]:
-    """Random sequences whose last 7/8 is response (the loss) and random 5-tap features."""
+def _batch(c: DFlashDraftConfig, sequences: int, seq_len: int, seed: int) -> tuple[Batch, torch.Tensor]:
+    """Random sequences whose last 7/8 is response (the loss) and random tapped features."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 2048, (sequences, seq_len), generator=g)
+    ids = torch.randint(4, c.vocab_size, (sequences, seq_len), generator=g)
     attention = torch.ones(sequences, seq_len, dtype=torch.long)
     loss = attention.clone()
     loss[:, : seq_len // 8] = 0
-    features = torch.randn(sequences, seq_len, 5 * 256, generator=g)
+    features = torch.randn(sequences, seq_len, len(c.target_layer_ids) * c.hidden_size, generator=g)
     return Batch(ids, attention, loss, torch.arange(sequences) + seed * sequences), features
-
-
-def _resident() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run_point(point: dict) -> dict:
@@ -65,17 +53,19 @@ def run_point(point: dict) -> dict:
     drafter.gradient_checkpointing = point.get("checkpointing", False)
     g = torch.Generator().manual_seed(1)
     head = SharedTargetHead(
-        torch.randn(2048, 256, generator=g) * 0.02, torch.randn(2048, 256, generator=g) * 0.02
+        *(torch.randn(config.vocab_size, config.hidden_size, generator=g) * 0.02 for _ in range(2))
     )
     settings = StepSettings(point["anchors"], 0, 1.0, 1024, point["attention"], point["chunk_tokens"], None)
     trainer = DrafterTrainer(drafter, head, settings, OptimizerSettings(6e-4, 0.0, 0.0, 100))
-    batches = [_batch(point["sequences"], point["seq_len"], seed) for seed in range(point["steps"] + 1)]
-    batches = batches if point["warmup"] else batches[1:]
-    before = _resident()
+    first = 0 if point["warmup"] else 1  # batch 0 is the warm-up step's
+    batches = [
+        _batch(config, point["sequences"], point["seq_len"], s) for s in range(first, point["steps"] + 1)
+    ]
+    before = process_baseline()
     if point["warmup"]:
-        trainer.step([(batches[0][0], batches[0][1], 0)])
+        trainer.step([(*batches.pop(0), 0)])
     start = time.perf_counter()
-    for batch, features in batches[1 if point["warmup"] else 0 :]:
+    for batch, features in batches:
         trainer.step([(batch, features, 0)])
     seconds = (time.perf_counter() - start) / point["steps"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
@@ -94,8 +84,9 @@ def run_point(point: dict) -> dict:
         0,
         drafter.gradient_checkpointing,
     )
-    # weights, gradients and AdamW moments exist only after the first step: part of the measured peak
-    predicted = plan.total + sum(p.numel() for p in drafter.parameters()) * 12
+    # weights and the head exist before `before`; gradients and AdamW moments only after the first step
+    head_part = plan.parts["target embedding+LM head"]
+    predicted = plan.total - head_part + sum(p.numel() for p in drafter.parameters()) * 12
     return {"s_per_step": seconds, "peak_gib": peak / GIB, "predicted_gib": predicted / GIB}
 
 

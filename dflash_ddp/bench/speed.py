@@ -7,6 +7,7 @@ real CLI (`python -m dflash_ddp.train`, colocated), the loop as `dflash_ddp.benc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -46,7 +47,7 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def trainer_seconds_per_step(flags: list[str], warmup: int) -> float:
+def trainer_seconds_per_step(flags: list[str]) -> float:
     """Run the real CLI; seconds per step over the logging windows after the first."""
     out = Path(flags[flags.index("--output_dir") + 1])
     subprocess.run(
@@ -78,41 +79,43 @@ def bench_plain_loop(steps: int, anchor_counts: tuple[int, ...] = (64, 512), rou
     print(
         f"(d) trainer vs a plain loop around transformers' DFlash drafter ({steps} steps, 1 thread, 2 layers)"
     )
+    data = work / "long.jsonl"
+    base = {
+        "--data": str(data),
+        "--target_model": str(EMBEDDED_TARGET),
+        "--num_draft_layers": "2",
+        "--block_size": "16",
+        "--max_seq_len": str(SEQ_LEN),
+        "--tokens_per_batch": str(SEQ_LEN),
+        "--eval_data": "",
+        "--cache_dir": str(work / "cache"),  # every run reads the one tokenized copy
+    }
+    cfg, _ = parse_config([x for kv in base.items() for x in kv] + ["--output_dir", str(work / "plan")])
+    setup = prepare(cfg, Topology(1, 0, 1))
+    long_conversations(data, setup.tokenizer)
+    tokenized, _ = load_data(cfg, setup, "")
+    c = setup.drafter_config
     for anchors in anchor_counts:
         n = steps if anchors <= 64 else max(12, steps // 8)
         warmup = max(2, n // 10)
-        data = work / "long.jsonl"
         settings = {
-            "--data": str(data),
-            "--target_model": str(EMBEDDED_TARGET),
-            "--num_draft_layers": "2",
-            "--block_size": "16",
+            **base,
             "--num_anchors": str(anchors),
-            "--max_seq_len": str(SEQ_LEN),
-            "--tokens_per_batch": str(SEQ_LEN),
             "--max_steps": str(n),
             "--logging_steps": str(warmup),
             "--save_steps": str(n),
-            "--eval_data": "",
         }
-        cfg, _ = parse_config(
-            [x for kv in settings.items() for x in kv] + ["--output_dir", str(work / "plan")]
-        )
-        setup = prepare(cfg)
-        if not data.exists():
-            long_conversations(data, setup.tokenizer)
-        tokenized, _ = load_data(cfg, setup, "")
-        schedule = build_schedule(cfg, tokenized, Topology(1, 0, 1))
+        schedule = build_schedule(dataclasses.replace(cfg, max_steps=n), tokenized, Topology(1, 0, 1))
         batches = [item.members for item in schedule.batches(0, n)]
         assert all(len(m) == 1 for m in batches), "one sequence per step, as in the plain loop"
         spec = {
             "sequences": [[torch.as_tensor(x).tolist() for x in tokenized.sample(m[0])] for m in batches],
             "target_dir": str(EMBEDDED_TARGET),
-            "layer_ids": setup.drafter_config.target_layer_ids,
-            "mask_id": setup.drafter_config.mask_token_id,
+            "layer_ids": c.target_layer_ids,
+            "mask_id": c.mask_token_id,
             "num_anchors": anchors,
-            "block_size": 16,
-            "num_layers": 2,
+            "block_size": c.block_size,
+            "num_layers": c.num_hidden_layers,
             "warmup": warmup,
             "threads": 1,
         }
@@ -122,7 +125,7 @@ def bench_plain_loop(steps: int, anchor_counts: tuple[int, ...] = (64, 512), rou
                 "--output_dir",
                 str(work / f"run-{anchors}-{r}"),
             ]
-            ours.append(trainer_seconds_per_step(flags, warmup))
+            ours.append(trainer_seconds_per_step(flags))
             plain.append(plain_seconds_per_step(spec))
         print(
             f"    {anchors:4d} anchors: trainer {min(ours) * 1e3:7.1f} ms/step, plain loop {min(plain) * 1e3:7.1f} "
