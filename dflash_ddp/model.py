@@ -273,9 +273,8 @@ class DFlashDraftModel(PreTrainedModel):
             )
         mask = _padding_mask_to_visibility(attention_mask)
         features = context_hidden_states
-        if not torch.is_autocast_enabled(
-            features.device.type
-        ):  # under autocast fc reads bf16 features as they are
+        # under autocast fc reads bf16 features as they are; otherwise they take the weights' dtype
+        if not torch.is_autocast_enabled(features.device.type):
             features = features.to(self.fc.weight.dtype)
         context = self.hidden_norm(self.fc(features))
         hidden = noise_embeds.to(context.dtype)
@@ -291,9 +290,8 @@ class DFlashDraftModel(PreTrainedModel):
 
 def _padding_mask_to_visibility(attention_mask):
     """A 2-D 0/1 key padding mask (as transformers' generate passes it) becomes a boolean key mask."""
-    if attention_mask is None or isinstance(attention_mask, BlockLayout):
-        return attention_mask
-    if BlockMask is not None and isinstance(attention_mask, BlockMask):
+    training_masks = (BlockLayout,) if BlockMask is None else (BlockLayout, BlockMask)
+    if attention_mask is None or isinstance(attention_mask, training_masks):
         return attention_mask
     if attention_mask.dim() == 2:
         if bool(attention_mask.all()):

@@ -222,7 +222,7 @@ class DrafterTrainer:
                     # contiguous whatever the sender's padding: GEMM blocking (and rounding) follows strides
                     features[:, :context_len].index_select(0, rows_t),
                     self._mask(inputs.anchors, context_len),
-                    float(inputs.weights.sum()),
+                    float(inputs.weight_sum),
                 )
             )
         return chunks
