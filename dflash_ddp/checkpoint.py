@@ -187,7 +187,7 @@ def write_checkpoint(
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise SaveError(
-            f"saving checkpoint {final.name} failed ({_describe(e)}); earlier checkpoints and 'latest' "
+            f"saving checkpoint {final.name} failed ({describe_error(e)}); earlier checkpoints and 'latest' "
             "are intact; free space (or fix permissions) under --output_dir and resume"
         ) from None
     except BaseException:
@@ -197,16 +197,20 @@ def write_checkpoint(
         _rotate(root, keep=save_total_limit, protect={final.name, *protect})
     except Exception as e:
         raise SaveError(
-            f"removing old checkpoints after saving {final.name} failed ({_describe(e)}); {final.name} and "
+            f"removing old checkpoints after saving {final.name} failed ({describe_error(e)}); {final.name} and "
             "'latest' are complete; fix the directory's permissions and resume"
         ) from None
     return final
 
 
-def _describe(error: BaseException) -> str:
-    """One line for an exception: its type and the first line of its message."""
+def describe_error(error: BaseException, with_type: bool = True) -> str:
+    """One line for an exception: its type and the first line of its message (without the type: the first
+    line alone, or the type's name when the message is empty)."""
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    first = lines[0] if lines else ""
+    if not with_type:
+        return first or type(error).__name__
+    return f"{type(error).__name__}: {first}"
 
 
 def write_latest(root: Path, name: str) -> None:
@@ -230,7 +234,7 @@ def read_latest(root: Path, report=print) -> Path | None:
     try:
         name = latest.read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
-        report(f"warning: ignoring {latest} ({_describe(e)}); using the newest valid checkpoint")
+        report(f"warning: ignoring {latest} ({describe_error(e)}); using the newest valid checkpoint")
         return None
     if not STEP_NAME.fullmatch(name) or not (root / name).is_dir():
         report(
@@ -387,7 +391,7 @@ def _state_problems(path: Path, step: int, files: dict) -> list[str]:
         state = json.loads((path / "trainer_state.json").read_text())
         saved_step, drafters = state["global_step"], int(state["topology"]["drafter_ranks"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{path / 'trainer_state.json'}: unreadable ({_describe(e)})"]
+        return [f"{path / 'trainer_state.json'}: unreadable ({describe_error(e)})"]
     if saved_step != step:
         return [f"{path / 'trainer_state.json'}: global_step {saved_step}, the manifest says {step}"]
     missing = [f"rng-rank{i}.pt" for i in range(drafters) if f"rng-rank{i}.pt" not in files]
@@ -405,7 +409,7 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as e:  # random bytes: UnicodeDecodeError and JSONDecodeError are both here
-        return [f"{manifest_path}: unreadable ({_describe(e)})"]
+        return [f"{manifest_path}: unreadable ({describe_error(e)})"]
     problems = _manifest_problems(path, manifest)
     if problems:
         return problems

@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .chat_template import ChatTokenizer
-from .checkpoint import file_sha256
+from .checkpoint import describe_error, file_sha256
 from .data import BadRow, Batch, DataStats, data_file_contents, read_conversations
 
 CHUNK_ROWS = 256  # rows per task of a tokenization worker
@@ -294,7 +294,7 @@ def load_or_tokenize(
         # a full disk is an OSError from Python but a SafetensorError from safetensors' writer
         except (OSError, SafetensorError) as e:
             raise ValueError(
-                f"--cache_dir {cache_dir}: cannot write the tokenized-data cache ({type(e).__name__}: {e}); "
+                f"--cache_dir {cache_dir}: cannot write the tokenized-data cache ({describe_error(e)}); "
                 "free space there or pass another --cache_dir"
             ) from None
         log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
@@ -307,5 +307,5 @@ def _try_read_cache(path: Path, log) -> tuple[TokenizedDataset, DataStats] | Non
     try:
         return _read_cache(path)
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:  # a damaged or foreign file
-        log(f"ignoring the unreadable cache file {path} ({type(e).__name__}: {e}); tokenizing again")
+        log(f"ignoring the unreadable cache file {path} ({describe_error(e)}); tokenizing again")
         return None

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .checkpoint import existing_checkpoints, verify_checkpoint
+from .checkpoint import describe_error, existing_checkpoints, verify_checkpoint
 from .config import RESUME_OVERRIDABLE
 from .model import DFlashDraftModel, trainable_state_dict
 
@@ -77,7 +77,7 @@ def load_trainer_state(path: Path) -> dict:
     try:
         state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}/trainer_state.json: unreadable ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{path}/trainer_state.json: unreadable ({describe_error(e)})") from None
     if not isinstance(state, dict):
         raise ValueError(f"{path}/trainer_state.json: not a JSON object")
     missing = [k for k in REQUIRED_STATE if k not in state]
@@ -137,7 +137,7 @@ def load_weights(path: Path, drafter: DFlashDraftModel) -> None:
     try:
         state = load_file(path / "model.safetensors")
     except Exception as e:  # SafetensorError, OSError: a file damaged after its hash was checked
-        raise ValueError(f"{path}/model.safetensors: refused to load ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{path}/model.safetensors: refused to load ({describe_error(e)})") from None
     own = trainable_state_dict(drafter)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [
@@ -160,4 +160,4 @@ def load_tensor_file(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # an UnpicklingError for anything that would run code
-        raise ValueError(f"{path}: refused to load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ValueError(f"{path}: refused to load ({describe_error(e)})") from None
