@@ -213,16 +213,27 @@ def describe_error(error: BaseException, with_type: bool = True) -> str:
     return f"{type(error).__name__}: {first}"
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace a small file so that it holds the old text or the new one, never a part (also after a power
+    loss): written aside as .NAME-PID, fsynced, renamed, directory fsynced; the aside file is removed when
+    any step fails (a full disk)."""
+    tmp = path.with_name(f".{path.name}-{os.getpid()}")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def write_latest(root: Path, name: str) -> None:
-    """Point checkpoints/latest at `name`: written aside, fsynced, renamed, directory fsynced (after a
-    power loss `latest` holds the old name or the new one, never nothing)."""
-    tmp = root / f".latest-{os.getpid()}"
-    with tmp.open("w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / "latest")
-    fsync_dir(root)
+    """Point checkpoints/latest at `name` atomically (after a power loss `latest` holds the old name or the
+    new one, never nothing)."""
+    atomic_write_text(root / "latest", name + "\n")
 
 
 def read_latest(root: Path, report=print) -> Path | None:
@@ -352,8 +363,7 @@ def write_manifest(directory: Path, step: int) -> None:
 def _rotate(root: Path, keep: int, protect: set[str]) -> None:
     if keep <= 0:
         return
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
-    for old in done[:-keep]:
+    for old in _step_dirs(root)[:-keep]:
         if old.name not in protect:
             shutil.rmtree(old)
 
@@ -424,12 +434,16 @@ def verify_checkpoint(path: str | Path) -> list[str]:
     return problems or _state_problems(path, manifest["step"], manifest["files"])
 
 
-def existing_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete-looking checkpoint directories under output_dir, oldest first."""
-    root = Path(output_dir) / "checkpoints"
+def _step_dirs(root: Path) -> list[Path]:
+    """The step-NNNNNNNN directories in a checkpoints folder, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    return sorted(p for p in root.iterdir() if STEP_NAME.fullmatch(p.name) and p.is_dir())
+
+
+def existing_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete-looking checkpoint directories under output_dir, oldest first."""
+    return _step_dirs(Path(output_dir) / "checkpoints")
 
 
 def set_aside_later(output_dir: str | Path, resumed: Path, step: int) -> list[str]:
@@ -462,9 +476,9 @@ def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or an output directory / its checkpoints/ folder (then `latest`, or the
     newest checkpoint when `latest` names nothing usable; the warning goes to stderr)."""
     for root in (path / "checkpoints", path):
-        if (root / "latest").exists() or any(root.glob("step-*")):
+        found = _step_dirs(root)
+        if (root / "latest").exists() or found:
             named = read_latest(root, report=lambda line: print(line, file=sys.stderr))
-            found = sorted(p for p in root.glob("step-*") if p.is_dir())
             return named or (found[-1] if found else path)
     return path
 

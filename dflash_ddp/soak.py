@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .checkpoint import existing_checkpoints
 from .config import ASSETS, EMBEDDED_TARGET
 from .jobs import SMALL_JOB, as_flags, torchrun_cmd, worker_pids
 
@@ -62,12 +63,8 @@ def logged_steps(out: Path) -> list[dict]:
 
 def saved_step(out: Path) -> int:
     """The step of the newest checkpoint (0 when none)."""
-    steps = (
-        [int(p.name[5:]) for p in (out / "checkpoints").glob("step-*")]
-        if (out / "checkpoints").is_dir()
-        else []
-    )
-    return max(steps, default=0)
+    found = existing_checkpoints(out)
+    return int(found[-1].name[5:]) if found else 0
 
 
 def run_with_fault(out: Path, cache: Path, steps: int, kind: str, planned: int, rng: random.Random) -> dict:
