@@ -114,9 +114,9 @@ class TrainConfig:
             if getattr(self, name) < low:
                 wanted = "a positive integer" if low == 1 else f"at least {low}"
                 raise ValueError(f"--{name} {getattr(self, name)}: must be {wanted}")
-        for name, (low, high, what) in FLOAT_RANGES.items():
+        for name, (in_range, what) in FLOAT_RANGES.items():
             value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and low(value) and high(value)):
+            if value is not None and not (math.isfinite(value) and in_range(value)):
                 raise ValueError(f"--{name} {value}: must be {what}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed {self.seed}: must be in [0, 2^63)")
@@ -186,14 +186,14 @@ INT_MINIMUM = {
     "eval_max_new_tokens": 1,
 }
 
-# Float settings: (lower test, upper test, the range in words). Every one must also be finite.
+# Float settings: (whether a value is in range, the range in words). Every one must also be finite.
 FLOAT_RANGES = {
-    "learning_rate": (lambda v: v > 0, lambda v: True, "a finite number > 0"),
-    "warmup_ratio": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
-    "weight_decay": (lambda v: v >= 0, lambda v: True, "a finite number >= 0"),
-    "max_grad_norm": (lambda v: v > 0, lambda v: True, "a finite number > 0 (the clipping threshold)"),
-    "loss_gamma": (lambda v: v > 0, lambda v: True, "a finite number > 0 (the position-decay scale)"),
-    "dist_timeout": (lambda v: v > 0, lambda v: v <= 1e7, "a finite number of seconds in (0, 1e7]"),
+    "learning_rate": (lambda v: v > 0, "a finite number > 0"),
+    "warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
+    "max_grad_norm": (lambda v: v > 0, "a finite number > 0 (the clipping threshold)"),
+    "loss_gamma": (lambda v: v > 0, "a finite number > 0 (the position-decay scale)"),
+    "dist_timeout": (lambda v: 0 < v <= 1e7, "a finite number of seconds in (0, 1e7]"),
 }
 
 # Settings a resumed run may change when named in --resume_override (a change of any other setting that

@@ -31,8 +31,6 @@ REQUIRED_STATE = (
 )
 # Settings whose change makes the checkpoint belong to a different run: never overridable.
 IDENTITY = ("fingerprints.target", "fingerprints.tokenizer", "fingerprints.data", "drafter")
-# Optimisation settings: a change is refused unless the user names it in --resume_override.
-OPTIMISATION = RESUME_OVERRIDABLE
 
 
 class RestoreError(ValueError):
@@ -110,12 +108,13 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
     ]
     if identity:
         raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity))
-    missing = [k for k in OPTIMISATION if k not in saved["config"]]
+    # optimisation settings: a change is refused unless the user names it in --resume_override
+    missing = [k for k in RESUME_OVERRIDABLE if k not in saved["config"]]
     if missing:
         raise ValueError(f"{where}/trainer_state.json: config lacks {missing}")
     changed = {
         k: (saved["config"][k], current["config"][k])
-        for k in OPTIMISATION
+        for k in RESUME_OVERRIDABLE
         if saved["config"][k] != current["config"][k]
     }
     refused = [
