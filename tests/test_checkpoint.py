@@ -42,6 +42,17 @@ def _newest(out):
     return out / "checkpoints" / "step-00000006"
 
 
+def _training_objects(ckpt):
+    """A drafter of the checkpoint's shape with a fresh AdamW and a constant schedule, to save."""
+    from dflash_ddp.export import from_zlab_config
+    from dflash_ddp.model import DFlashDraftModel
+
+    drafter = DFlashDraftModel(from_zlab_config(json.loads((ckpt / "config.json").read_text())))
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return drafter, optimizer, scheduler
+
+
 @pytest.mark.parametrize(
     "damage",
     ["truncate_weights", "flip_optimizer_byte", "remove_manifest"],
@@ -184,13 +195,7 @@ def test_a_refused_pickle_in_a_real_resume_is_one_line_exit_2(
 
 
 def test_a_failed_save_leaves_earlier_checkpoints_and_latest_intact(finished_run, monkeypatch):
-    from dflash_ddp.export import from_zlab_config
-    from dflash_ddp.model import DFlashDraftModel
-
-    ckpt = _newest(finished_run)
-    drafter = DFlashDraftModel(from_zlab_config(json.loads((ckpt / "config.json").read_text())))
-    optimizer = torch.optim.AdamW(drafter.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    drafter, optimizer, scheduler = _training_objects(_newest(finished_run))
 
     def disk_full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -311,13 +316,9 @@ def test_latest_is_only_followed_to_a_checkpoint_beside_it(finished_run):
 
 def test_a_failed_rotation_is_a_save_error_naming_the_complete_checkpoint(finished_run, monkeypatch):
     from dflash_ddp import checkpoint
-    from dflash_ddp.export import from_zlab_config
-    from dflash_ddp.model import DFlashDraftModel
 
     ckpt = _newest(finished_run)
-    drafter = DFlashDraftModel(from_zlab_config(json.loads((ckpt / "config.json").read_text())))
-    optimizer = torch.optim.AdamW(drafter.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    drafter, optimizer, scheduler = _training_objects(ckpt)
     state = json.loads((ckpt / "trainer_state.json").read_text()) | {"global_step": 9}
 
     def refuse(path, *args, **kwargs):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ddp import soak
 from dflash_ddp.checkpoint import verify_checkpoint
 from dflash_ddp.train import main
 
@@ -50,7 +51,7 @@ def resume_flags(tiny_target, chat_data, out, **settings):
 
 
 def logged_steps(out: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [record["step"] for record in soak.logged_steps(out)]
 
 
 def assert_only_step_3_is_left(out: Path) -> None:
