@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .chat_template import ChatTokenizer, load_target_tokenizer
-from .checkpoint import checkpoint_name, set_aside_later
+from .checkpoint import atomic_write_text, checkpoint_name, set_aside_later
 from .config import TrainConfig, config_to_dict
 from .data import DataStats
 from .dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
@@ -342,12 +342,13 @@ def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
 def prune_metrics(output_dir: str, start_step: int) -> list[str]:
     """Drop metrics.jsonl lines after the resume point (a killed run may have logged past its checkpoint)
     and lines that do not parse (a power loss or full disk during an append leaves a partial last line);
-    the kept lines are rewritten atomically. Returns lines to print."""
+    the kept lines are rewritten atomically (only when that changes the file). Returns lines to print."""
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
+    raw = path.read_bytes()
     kept, dropped = [], []
-    for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1):
+    for number, line in enumerate(raw.decode(errors="replace").splitlines(), 1):
         try:
             step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
@@ -355,12 +356,9 @@ def prune_metrics(output_dir: str, start_step: int) -> list[str]:
             continue
         if isinstance(step, int) and step <= start_step:
             kept.append(line)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write("".join(line + "\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    text = "".join(line + "\n" for line in kept)
+    if text.encode() != raw:
+        atomic_write_text(path, text)
     if not dropped:
         return []
     return [
