@@ -403,7 +403,9 @@ def lost_peer(error: RuntimeError) -> bool:
 CONSEQUENCE_DELAY_S = 1.0
 
 
-def fail(message: str, code: int, split: bool, consequence: bool = False) -> int:
+def fail(
+    message: str, code: int, split: bool, consequence: bool = False, lock: OutputDirLock | None = None
+) -> int:
     """Print this rank's one-line error and end the rank with `code`.
 
     In a split job the rank exits at once without tearing down the process group: the drafter's receiver
@@ -411,10 +413,14 @@ def fail(message: str, code: int, split: bool, consequence: bool = False) -> int
     'terminate called without an active exception') after this message, and torchrun then blames another
     rank. A rank failing only as a `consequence` of another's failure first waits CONSEQUENCE_DELAY_S
     (torchrun's SIGTERM ends the wait at once). A background checkpoint write still in flight has been
-    waited for by the loop's own cleanup before this point."""
+    waited for by the loop's own cleanup before this point. The output directory's `lock` is released
+    first: exiting skips `main`'s release, and a lock file still naming this job would make the next job
+    report taking it over from one that ended without releasing it."""
     print(message, file=sys.stderr, flush=True)
     if not split:
         return code
+    if lock:
+        lock.release()
     if consequence:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
@@ -498,11 +504,11 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
     try:
         stopped = ROLES[topology.role](ctx, run)
     except RestoreError as e:
-        return fail(f"error{where}: {e}", 2, split)
+        return fail(f"error{where}: {e}", 2, split, lock=lock)
     except PeerLost as e:  # another rank failed first and says why
-        return fail(f"error{where}: {e}", 1, split, consequence=True)
+        return fail(f"error{where}: {e}", 1, split, consequence=True, lock=lock)
     except (ChannelError, SaveError, FloatingPointError) as e:  # a full disk, bad numbers: no traceback
-        return fail(f"error{where}: {e}", 1, split)
+        return fail(f"error{where}: {e}", 1, split, lock=lock)
     except RuntimeError as e:
         if not lost_peer(e):
             raise  # a bug: keep its traceback
@@ -510,7 +516,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
             f"error{where}: lost the connection to another rank of the job, which most likely failed first "
             f"(see its message above): {' '.join(str(e).split())[:500]}"
         )
-        return fail(message, 1, split, consequence=True)
+        return fail(message, 1, split, consequence=True, lock=lock)
     finally:
         shutdown()
     if leader:

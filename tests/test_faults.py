@@ -15,6 +15,7 @@ import pytest
 
 from dflash_ddp import soak
 from dflash_ddp.checkpoint import verify_checkpoint
+from dflash_ddp.run_lock import OutputDirLock
 from dflash_ddp.train import main
 
 from helpers import file_size_limit, rank_pids, torchrun_cmd, train_flags
@@ -120,6 +121,10 @@ def test_a_failing_drafter_rank_exits_with_its_own_message_and_is_the_root_cause
     root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
     assert " rank      : 1 " in root_cause and "exitcode  : 1 " in root_cause, result.stderr[-3000:]
     assert_only_step_3_is_left(run_at_step_3)
+    # the failing rank released the output directory before exiting: the next job takes over no lock
+    lock = OutputDirLock(run_at_step_3)
+    assert lock.acquire() == []
+    lock.release()
 
 
 def test_sigterm_to_a_target_rank_only_stops_the_whole_job_with_a_checkpoint(
