@@ -32,7 +32,14 @@ from .chat_template import load_target_tokenizer
 from .data import read_conversations
 from .export import load_drafter
 from .model import DFlashDraftConfig, DFlashDraftModel
-from .target import TargetInfo, _decoder_layers, capture_layer_outputs, inspect_target, load_causal_lm
+from .target import (
+    TargetInfo,
+    _decoder_layers,
+    capture_layer_outputs,
+    inspect_target,
+    last_layer_norm,
+    load_causal_lm,
+)
 
 METHODS = ("dflash", "dflash_untrained", "prompt_lookup", "transformers_dflash")
 METHOD_LABELS = {
@@ -130,7 +137,8 @@ def speculative_generate(
     accepted: list[int] = []
     _sync(device)
     start = time.perf_counter()
-    with capture_layer_outputs(_decoder_layers(target), layer_ids, stop_after_last=False) as captured:
+    final_norm = last_layer_norm(target, layer_ids, target.config.get_text_config().num_hidden_layers)
+    with capture_layer_outputs(_decoder_layers(target), layer_ids, False, final_norm) as captured:
         logits = target(input_ids=ids, cache=target_cache, use_cache=True, logits_to_keep=1).logits
         context = torch.cat([captured[i] for i in layer_ids], dim=-1)
         context_start = 0  # position of context[:, 0]

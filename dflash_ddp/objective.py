@@ -47,11 +47,13 @@ def sample_anchors(
 ) -> torch.Tensor:
     """Sorted anchor positions for one sequence: a pure function of (seed, epoch, sample id) and its mask.
 
-    Candidates are positions a whose next token a+1 is a response token. At most `num_anchors` are
-    drawn uniformly without replacement.
+    Candidates are positions a where the anchor token a and the next token a+1 are both response tokens.
+    At inference the first block's anchor is the target's first generated token, so an anchor on the last
+    prompt token (the generation prompt's end) would train a case that never occurs; SpecForge's trainer
+    applies the same rule. At most `num_anchors` are drawn uniformly without replacement.
     """
     loss_mask = loss_mask.bool().cpu()
-    candidates = torch.nonzero(loss_mask[1:], as_tuple=False).flatten()  # a with mask[a + 1]
+    candidates = torch.nonzero(loss_mask[:-1] & loss_mask[1:], as_tuple=False).flatten()
     count = min(num_anchors, candidates.numel())
     gen = torch.Generator().manual_seed(_anchor_seed(seed, epoch, sample_id))
     chosen = candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]

@@ -173,16 +173,42 @@ def _layer_output(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> nn.Module | None:
+    """The target's final norm when `layer_ids` include its last decoder layer N-1, else None.
+
+    A tap on layer L reads transformers' `hidden_states[L + 1]`, and for L = N-1 transformers puts the
+    final-normed output there, not the layer's raw output. transformers' own DFlash generate and the z-lab
+    reference read exactly that entry when serving, so training must see the same features (on the tiny
+    target the raw and normed outputs differ by up to 3.4)."""
+    if num_layers - 1 not in layer_ids:
+        return None
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(
+            f"--target_layer_ids {list(layer_ids)} include the target's last layer {num_layers - 1}, whose "
+            f"features are its final-normed output, but {type(model).__name__} has no final norm at `.norm` "
+            f"or `.model.norm`; tap layers below {num_layers - 1}"
+        )
+    return norm
+
+
 @contextlib.contextmanager
-def capture_layer_outputs(layers: nn.ModuleList, layer_ids: list[int], stop_after_last: bool):
+def capture_layer_outputs(
+    layers: nn.ModuleList, layer_ids: list[int], stop_after_last: bool, final_norm: nn.Module | None = None
+):
     """Record the outputs of `layers[i]` for i in layer_ids (the OUTPUT of decoder layer L is the
-    `hidden_states[L + 1]` of transformers). Yields the dict that fills during the forward."""
+    `hidden_states[L + 1]` of transformers). Yields the dict that fills during the forward.
+
+    `final_norm` (from `last_layer_norm`, given when `layers` is the whole decoder and its last layer is
+    tapped) is applied to that layer's output, as transformers does for `hidden_states[N]`."""
     captured: dict[int, torch.Tensor] = {}
     last = max(layer_ids)
+    normed = len(layers) - 1 if final_norm is not None else None
 
     def make_hook(idx):
         def hook(_module, _inputs, output):
-            captured[idx] = _layer_output(output)
+            out = _layer_output(output)
+            captured[idx] = final_norm(out) if idx == normed else out
             if stop_after_last and idx == last:
                 raise _StopForward
 
@@ -234,6 +260,7 @@ class TargetFeatureExtractor:
             hf_logging.set_verbosity(verbosity)
         self.model.to(device).eval().requires_grad_(False)
         self.layers = _decoder_layers(self.model)
+        self.final_norm = last_layer_norm(self.model, self.target_layer_ids, info.num_layers)
         self.device = device
 
     @torch.no_grad()  # not inference_mode: the drafter's autograd graph reads these features
@@ -242,14 +269,19 @@ class TargetFeatureExtractor:
 
         Padding positions are zeroed so that a batch's features are the same whether they were computed
         here or packed, sent and re-padded by the channel."""
-        features = tapped_features(self.model, self.layers, self.target_layer_ids, input_ids, attention_mask)
+        features = tapped_features(
+            self.model, self.layers, self.target_layer_ids, input_ids, attention_mask, self.final_norm
+        )
         return features * attention_mask[..., None].to(features.dtype)
 
 
-def tapped_features(model, layers, layer_ids, input_ids, attention_mask, **kwargs) -> torch.Tensor:
-    """Run `model` until the last tapped layer and concatenate the tapped layers' outputs."""
+def tapped_features(
+    model, layers, layer_ids, input_ids, attention_mask, final_norm=None, **kwargs
+) -> torch.Tensor:
+    """Run `model` until the last tapped layer and concatenate the tapped layers' outputs (the last
+    layer's through `final_norm`, see `capture_layer_outputs`)."""
     with (
-        capture_layer_outputs(layers, layer_ids, stop_after_last=True) as captured,
+        capture_layer_outputs(layers, layer_ids, stop_after_last=True, final_norm=final_norm) as captured,
         contextlib.suppress(_StopForward),
     ):
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)

@@ -22,12 +22,20 @@ def test_anchors_are_a_pure_function_and_precede_response_tokens():
     assert not torch.equal(a, sample_anchors(mask, 16, seed=3, epoch=2, sample_id=7))  # re-sampled per epoch
     assert not torch.equal(a, sample_anchors(mask, 16, seed=3, epoch=1, sample_id=8))
     assert a.numel() == 16 and torch.all(a[1:] > a[:-1])
-    assert all(mask[int(p) + 1] == 1 for p in a)
+    assert all(mask[int(p)] == 1 and mask[int(p) + 1] == 1 for p in a)
 
 
 def test_anchor_count_is_capped_by_what_the_sequence_has():
     mask = torch.tensor([0] * 5 + [1] * 6)
-    assert sample_anchors(mask, 512, 0, 0, 0).tolist() == [4, 5, 6, 7, 8, 9]
+    assert sample_anchors(mask, 512, 0, 0, 0).tolist() == [5, 6, 7, 8, 9]
+
+
+def test_anchors_sit_where_the_anchor_and_the_next_token_are_both_response_tokens():
+    """Never on the last prompt token before an answer (inference never anchors there: the first block starts
+    at the target's first generated token), nor on an answer's last token before the next user turn."""
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 1])
+    assert sample_anchors(mask, 512, 0, 0, 0).tolist() == [3, 4, 8]
+    assert sample_anchors(torch.tensor([0, 1, 0, 1]), 512, 0, 0, 0).numel() == 0
 
 
 def test_block_position_k_is_scored_against_the_token_at_anchor_plus_k():

@@ -9,8 +9,11 @@ from transformers import AutoModelForCausalLM
 from dflash_ddp.target import (
     SharedTargetHead,
     TargetFeatureExtractor,
+    _decoder_layers,
+    capture_layer_outputs,
     default_target_layer_ids,
     inspect_target,
+    last_layer_norm,
 )
 
 
@@ -28,6 +31,31 @@ def test_layer_id_l_taps_hidden_states_l_plus_one(tiny_target):
     torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
     # later layers are not even loaded
     assert len(extractor.layers) == max(taps) + 1
+
+
+def test_a_tap_on_the_last_layer_reads_the_final_normed_output_as_transformers_does(tiny_target):
+    """transformers' hidden_states[N] (what its DFlash generate and the z-lab reference feed the drafter for a
+    tap on layer N-1) is the final-normed output; training and our decode loop must read the same."""
+    info = inspect_target(tiny_target)
+    last = info.num_layers - 1
+    full = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    ids = torch.randint(5, 200, (2, 17))
+    attn = torch.ones_like(ids)
+    taps = [1, last]
+    with torch.no_grad():
+        reference = full(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+        raw = capture_layer_outputs(_decoder_layers(full), taps, stop_after_last=False)
+        normed = capture_layer_outputs(
+            _decoder_layers(full), taps, False, last_layer_norm(full, taps, info.num_layers)
+        )
+        with raw as unnormed, normed as decoded:
+            full(input_ids=ids, attention_mask=attn)
+    expected = torch.cat([reference[i + 1] for i in taps], dim=-1)
+    assert not torch.allclose(unnormed[last], reference[last + 1], atol=1e-2)  # the rule matters here
+    torch.testing.assert_close(torch.cat([decoded[i] for i in taps], dim=-1), expected, rtol=1e-5, atol=1e-5)
+    extractor = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(extractor(ids, attn), expected, rtol=1e-5, atol=1e-5)
+    assert last_layer_norm(full, [1, last - 1], info.num_layers) is None
 
 
 def test_shared_head_reads_only_embedding_and_lm_head(tiny_target):

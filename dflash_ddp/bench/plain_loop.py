@@ -59,7 +59,7 @@ def train(sequences, target_dir, layer_ids, mask_id, num_anchors, block_size, nu
         with torch.no_grad():
             hidden = target.model(ids[None], output_hidden_states=True).hidden_states
             features = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
-        candidates = torch.nonzero(loss_mask[1:]).flatten()
+        candidates = torch.nonzero(loss_mask[:-1] & loss_mask[1:]).flatten()  # as the trainer anchors
         anchors = candidates[torch.randperm(len(candidates))[:num_anchors]].sort().values
         pos = (anchors[:, None] + torch.arange(block_size)).clamp(max=seq_len - 1)
         block_ids = torch.full(pos.shape, mask_id)
