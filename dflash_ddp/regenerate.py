@@ -22,7 +22,8 @@ Determinism and resume contract:
   template and every generation setting; a run with other ones is refused, never mixed in. --skip_bad_rows
   is not among them (the row count guards the numbering), so a run stopped at a bad row continues with it.
 - The process that finds every row finished writes OUT atomically (temporary file, fsync, rename), rows in
-  input order, each once, as {"messages": [...]}, then removes OUT.parts. Bad rows, rows with an empty
+  input order, each once, as {"messages": [...]}, keeps the settings beside it as OUT.settings.json (the
+  drafter export stamps them), then removes OUT.parts. Bad rows, rows with an empty
   generated answer (the trainer refuses those) and rows cut off by --max_new_tokens (training would append an
   end of turn to them; --keep_truncated, read by the merging process, keeps them) are left out and counted.
 - OUT.lock (an flock, removed at the end) makes the start-up checks and the merge of the ranks run one at a

@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import fsync_dir
+from .checkpoint import atomic_write_text, fsync_dir
 
 ROW_PREFIX = re.compile(rb'^\{"row": (\d+), ')  # how json.dumps starts every part-file record
 TAIL_CHUNK = 1 << 20  # bytes read at a time, from the end, to find a part file's last complete line
@@ -137,6 +137,11 @@ class Summary:
     new_tokens: int = 0
 
 
+def settings_path(out: Path) -> Path:
+    """OUT.settings.json: the settings a finished OUT was generated with (a drafter's export stamps them)."""
+    return out.with_name(out.name + ".settings.json")
+
+
 def merge(out: Path, parts: Path, num_rows: int, keep_truncated: bool = False) -> Summary | None:
     """Write OUT from the part files when every row is finished, then remove OUT.parts. Called under the
     lock; None when rows are still missing (another rank is at work, or one died: run again)."""
@@ -175,6 +180,10 @@ def merge(out: Path, parts: Path, num_rows: int, keep_truncated: bool = False) -
             src.close()
         dst.flush()
         os.fsync(dst.fileno())
+    # OUT.parts, which holds the settings, is removed below: they stay beside OUT (written first, so OUT never
+    # exists without them) for the export to stamp into the drafter it trained.
+    settings = json.loads((parts / "settings.json").read_text()) | {"keep_truncated": keep_truncated}
+    atomic_write_text(settings_path(out), json.dumps(settings, indent=2) + "\n")
     os.replace(tmp, out)
     fsync_dir(out.parent)
     shutil.rmtree(parts)

@@ -1,15 +1,26 @@
 """The serving export (z-lab layout) and loading drafters back."""
 
+import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-from dflash_ddp.export import load_drafter, save_drafter, to_zlab_config, zlab_keys
+from dflash_ddp.evaluate import as_transformers_assistant
+from dflash_ddp.export import load_drafter, main, package_version, save_drafter, to_zlab_config, zlab_keys
 from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.regenerate_parts import settings_path
+from dflash_ddp.run_setup import fingerprint_files
+from dflash_ddp.target import target_fingerprint
+
+from helpers import small_draft_config
 
 
 def drafter():
@@ -33,7 +44,7 @@ def drafter():
 
 def test_export_round_trip_is_bit_identical_with_exact_zlab_keys(tmp_path):
     model = drafter()
-    save_drafter(model, tmp_path)
+    save_drafter(model, tmp_path, dtype="float32")
     stored = load_file(tmp_path / "model.safetensors")
     assert set(stored) == zlab_keys(3)
     assert not any("embed" in k or "lm_head" in k for k in stored)
@@ -78,7 +89,7 @@ def test_extra_or_missing_keys_are_refused(tmp_path):
 
 
 def test_export_cli_from_a_checkpoint_directory(tmp_path):
-    save_drafter(drafter(), tmp_path / "ckpt")
+    save_drafter(drafter(), tmp_path / "ckpt", dtype="float32")
     result = subprocess.run(
         [sys.executable, "-m", "dflash_ddp.export", str(tmp_path / "ckpt"), str(tmp_path / "out")],
         capture_output=True,
@@ -95,3 +106,164 @@ def test_export_cli_from_a_checkpoint_directory(tmp_path):
         text=True,
     )
     assert bad.returncode == 1 and "no config.json" in bad.stderr
+
+
+def test_the_export_is_bf16_by_default_with_what_older_readers_and_vllm_read(tmp_path):
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_draft_config(rope_parameters=llama3_rope))
+    umask = os.umask(0o077)  # a umask that would make the files private to the trainer's user
+    try:
+        save_drafter(model, tmp_path)
+    finally:
+        os.umask(umask)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    for name, p in model.named_parameters():
+        assert torch.equal(stored[name], p.detach().to(torch.bfloat16)), name
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert config["rope_parameters"] == llama3_rope
+    assert config["rope_scaling"] == {k: v for k, v in llama3_rope.items() if k != "rope_theta"}
+    assert config["rope_theta"] == 500000.0
+    # vLLM reads these as given: the inputs of target layers 1 and 3 are the outputs of taps 0 and 2
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644
+    # our own loader takes bf16 files back (into fp32 training weights)
+    assert load_drafter(tmp_path).fc.weight.dtype == torch.float32
+    save_drafter(DFlashDraftModel(small_draft_config()), tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["rope_scaling"] is None
+
+
+def tiny_target_drafter(tiny_target, **overrides) -> DFlashDraftModel:
+    """A random one-layer drafter that fits the tiny_target fixture (6 layers, hidden 64, mask id 3)."""
+    torch.manual_seed(0)
+    vocab = len(AutoTokenizer.from_pretrained(tiny_target))
+    shape = dict(hidden_size=64, intermediate_size=128, head_dim=16, num_hidden_layers=1, vocab_size=vocab)
+    shape |= dict(num_target_layers=6, target_layer_ids=[1, 3], mask_token_id=3)
+    return DFlashDraftModel(small_draft_config(**shape | overrides))
+
+
+def fake_checkpoint(tmp_path, tiny_target, chat_data) -> tuple:
+    """A checkpoint directory as training writes it (fp32 weights, trainer_state.json), for data that came
+    from the regenerate tool (its settings file beside it)."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000007"
+    save_drafter(tiny_target_drafter(tiny_target), ckpt, dtype="float32")
+    data = tmp_path / "regenerated.jsonl"
+    shutil.copy(chat_data, data)
+    regeneration = {
+        "max_new_tokens": 64,
+        "temperature": 0.0,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    settings_path(data).write_text(json.dumps(regeneration))
+    state = {
+        "global_step": 7,
+        "config": {
+            "target_model": str(tiny_target),
+            "chat_template": "",
+            "chat_template_kwargs": {"enable_thinking": False},
+            "data": [str(data)],
+        },
+        "fingerprints": {
+            "target": target_fingerprint(tiny_target),
+            "tokenizer": fingerprint_files(sorted(tiny_target.glob("tokenizer*"))),
+            "data": "0123456789abcdef",
+        },
+    }
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    return tmp_path / "run", data, regeneration
+
+
+def test_the_export_is_stamped_with_how_the_drafter_was_trained(tmp_path, tiny_target, chat_data, capsys):
+    run, data, regeneration = fake_checkpoint(tmp_path, tiny_target, chat_data)
+    assert main([str(run), str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    template = AutoTokenizer.from_pretrained(tiny_target).chat_template
+    assert config["dflash_ddp"] == {
+        "version": package_version(),
+        "global_step": 7,
+        "target_fingerprint": target_fingerprint(tiny_target),
+        "tokenizer_fingerprint": fingerprint_files(sorted(tiny_target.glob("tokenizer*"))),
+        "data_fingerprint": "0123456789abcdef",
+        "chat_template_kwargs": {"enable_thinking": False},
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "regeneration": {str(data): regeneration},
+    }
+    assert config["dflash_config"]["mask_token"] == "<|mask|>"  # id 3 of the fixture's tokenizer
+    # a re-export (here to fp32) keeps the stamp and the mask token
+    assert main([str(tmp_path / "out"), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    again = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    assert again["dflash_ddp"] == config["dflash_ddp"] and again["dflash_config"] == config["dflash_config"]
+    assert again["dtype"] == "float32"
+    assert {t.dtype for t in load_file(tmp_path / "fp32" / "model.safetensors").values()} == {torch.float32}
+
+    # the target moved: a clear error, and --target_model points at it
+    moved = tmp_path / "moved_target"
+    shutil.move(tiny_target, moved)
+    try:
+        assert main([str(run), str(tmp_path / "o2")]) == 1
+        assert f"the target {tiny_target} (recorded in" in capsys.readouterr().err
+        assert main([str(run), str(tmp_path / "o2"), "--target_model", str(moved)]) == 0
+        other = tmp_path / "other_tokenizer"
+        shutil.copytree(moved, other)
+        (other / "tokenizer_config.json").write_text((other / "tokenizer_config.json").read_text() + " ")
+        assert main([str(run), str(tmp_path / "o3"), "--target_model", str(other)]) == 1
+        assert "is not the one the drafter was trained with" in capsys.readouterr().err
+    finally:
+        shutil.move(moved, tiny_target)
+
+
+def test_transformers_dflash_drafter_loads_the_export_and_generates_with_a_bf16_target(tmp_path, tiny_target):
+    """What an engine does: build transformers' own DFlash drafter class from config.json, load the bf16
+    weights strictly (only fc and hidden_norm are named differently there), and run
+    `generate(speculation_type="dflash")` against a bf16 target: greedy output equals the target's own."""
+    ours = tiny_target_drafter(tiny_target)
+    save_drafter(ours, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    dflash = config["dflash_config"]
+    glimmer_config = MuseGlimmerAssistantConfig(
+        **{k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "rms_norm_eps")},
+        **{k: config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")},
+        **{k: config[k] for k in ("rope_parameters", "max_position_embeddings")},
+        layer_types=["full_attention"] * config["num_hidden_layers"],
+        block_size=dflash["block_size"],
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=dflash["target_layer_ids"],
+    )
+    renamed = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+    state = {renamed.get(k, k): v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    glimmer = MuseGlimmerAssistantModel(glimmer_config).eval()
+    glimmer.load_state_dict(state, strict=True)
+    for p in glimmer.parameters():  # weights only: Module.to would round the fp32 rotary frequencies too
+        p.data = p.data.to(torch.bfloat16)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.bfloat16).eval()
+
+    # the same drafter forward as our class on the same inputs
+    mine = as_transformers_assistant(load_drafter(tmp_path), target)
+    noise = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    context = torch.randn(1, 9, 128, dtype=torch.bfloat16)
+    positions = torch.arange(13)[None]
+    with torch.no_grad():
+        a = glimmer(
+            noise_embeds=noise, context_hidden_states=context, position_ids=positions
+        ).last_hidden_state
+        b = mine(noise_embeds=noise, context_hidden_states=context, position_ids=positions).last_hidden_state
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+    ids = torch.tensor([[5, 17, 33, 80, 12, 9, 40]])
+    plain = target.generate(ids, do_sample=False, max_new_tokens=16)
+    speculative = target.generate(
+        ids, do_sample=False, max_new_tokens=16, assistant_model=glimmer, speculation_type="dflash"
+    )
+    assert speculative.tolist() == plain.tolist()

@@ -16,6 +16,7 @@ import torch
 from dflash_ddp import regenerate as rg
 from dflash_ddp.chat_template import load_target_tokenizer
 from dflash_ddp.data import BadRow
+from dflash_ddp.regenerate_parts import settings_path
 from dflash_ddp.target import inspect_target, load_causal_lm
 
 from conftest import CHATML_TEMPLATE
@@ -271,6 +272,9 @@ def test_sampling_is_seeded_per_batch(tiny_target, chat_data, tmp_path, monkeypa
     assert run(tiny_target, data, tmp_path / "b.jsonl", **settings) == sampled
     assert run(tiny_target, data, tmp_path / "c.jsonl", **settings, seed=1) != sampled
     assert sampled != greedy
+    # the settings stay beside the finished output (the parts directory is gone), for the export's stamp
+    recorded = json.loads(settings_path(tmp_path / "a.jsonl").read_text())
+    assert {k: recorded[k] for k in settings} == settings and recorded["keep_truncated"] is True
 
     # Two ranks of a world of 2, one after the other in this process: rank 1 takes batches 1 and 3 with a
     # fresh RNG, rank 0 then takes 0 and 2 and merges; the output is the one-process output.
