@@ -1,0 +1,71 @@
+"""`python -m dflash_ddp.plot RUN_DIR`: PNGs from metrics.jsonl (and real tau where it was measured)."""
+
+import json
+
+import pytest
+
+from dflash_ddp.plot import PLOTS, main
+
+pytest.importorskip("matplotlib", reason='the plots need the optional extra: pip install -e ".[plot]"')
+
+
+def metrics_line(step: int, targets: int = 2) -> dict:
+    """One metrics.jsonl record with the keys and shapes a split job's drafter leader writes."""
+    return {
+        "time": 1.5 * step,
+        "loss": 6.0 - 0.1 * step,
+        "accuracy": 0.05 + 0.01 * step,
+        "tau_estimate": 1.0 + 0.05 * step,
+        "accuracy_per_position": [0.06 + 0.01 * step, 0.05, 0.04],
+        "step": step,
+        "lr": 0.002,
+        "grad_norm": 0.9,
+        "epoch": 0,
+        "tokens_seen": 4000 * step,
+        "tokens_per_s": 2800.0 + step,
+        "wait_fraction": 0.01,
+        "hidden_state_bytes_per_s": 2.1e7,
+        "outside_compute_fraction": 0.02,
+        "target_send_wait_s": {str(r): 0.1 * step for r in range(targets)},
+        "target_inflight": {str(r): (step + r) % 3 for r in range(targets)},
+    }
+
+
+def write_run(run_dir, steps=range(1, 11), targets=2):
+    run_dir.mkdir(exist_ok=True)
+    lines = [json.dumps(metrics_line(s, targets)) for s in steps]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def test_the_plot_command_writes_non_empty_pngs(tmp_path, capsys):
+    run = write_run(tmp_path / "run")
+    (run / "eval.jsonl").write_text(
+        "".join(json.dumps({"step": s, "tau": 1.2 + 0.1 * s, "lossless": True}) + "\n" for s in (5, 10))
+    )
+    (run / "eval.json").write_text(json.dumps({"dflash": {"tau": 2.06}}))
+    assert main([str(run)]) == 0
+    for name in PLOTS:
+        data = (run / f"{name}.png").read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, name
+    # a colocated run (no target ranks) and a line a running job is still writing
+    colocated = write_run(tmp_path / "colocated", targets=0)
+    with (colocated / "metrics.jsonl").open("a") as f:
+        f.write('{"time": 16.5, "loss": 5.')
+    assert main([str(colocated), "--out", str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(f"{n}.png" for n in PLOTS)
+    assert "metrics.jsonl:11: skipped an unreadable last line" in capsys.readouterr().err
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere")]) == 1
+    assert "metrics.jsonl: no such file" in capsys.readouterr().err
+    run = write_run(tmp_path / "run")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    assert main([str(run)]) == 1
+    assert "metrics.jsonl:2: not a JSON object" in capsys.readouterr().err
+    write_run(run)
+    (run / "eval.jsonl").write_text(json.dumps({"step": 5}) + "\n")
+    assert main([str(run)]) == 1
+    assert "eval.jsonl:1: no 'tau'" in capsys.readouterr().err
