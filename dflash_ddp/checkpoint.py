@@ -96,19 +96,6 @@ def drafter_rng_states(group) -> dict[int, dict]:
     }
 
 
-def restore_rng(path: Path, index: int, load) -> bool:
-    """Restore drafter rank `index`'s generators from rng-rank{index}.pt (via `load`, a weights_only
-    loader); False when the checkpoint has none for that index (it was saved with fewer drafter ranks)."""
-    file = path / f"rng-rank{index}.pt"
-    if not file.is_file():
-        return False
-    state = load(file)
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    return True
-
-
 @dataclass
 class Snapshot:
     """Everything a checkpoint holds, copied to CPU at a step boundary (training may go on meanwhile)."""

@@ -160,3 +160,15 @@ def load_tensor_file(path: Path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # an UnpicklingError for anything that would run code
         raise ValueError(f"{path}: refused to load ({describe_error(e)})") from None
+
+
+def restore_rng(path: Path, index: int) -> None:
+    """Restore drafter rank `index`'s generators from the checkpoint's rng-rank{index}.pt (weights_only);
+    nothing to do when it has none for that index (it was saved with fewer drafter ranks)."""
+    file = path / f"rng-rank{index}.pt"
+    if not file.is_file():
+        return
+    state = load_tensor_file(file)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

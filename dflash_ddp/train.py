@@ -27,15 +27,14 @@ from .calibrate import calibration_batches, calibration_steps, measure_rates, re
 from .checkpoint import (
     CheckpointWriter,
     SaveError,
+    describe_error,
     drafter_rng_states,
-    existing_checkpoints,
-    read_latest,
     remove_leftovers,
-    restore_rng,
+    resolve_checkpoint,
 )
 from .config import TrainConfig, config_to_dict, parse_config, usage
 from .progress import TrainingMonitor
-from .resume import RestoreError, load_tensor_file, load_trainer_state, load_weights
+from .resume import RestoreError, load_tensor_file, load_trainer_state, load_weights, restore_rng
 from .run_lock import OutputDirLock
 from .run_setup import (
     Run,
@@ -183,12 +182,10 @@ def restore(run: Run, trainer: DrafterTrainer, drafter_index: int) -> int:
         load_weights(path, trainer.drafter)
         trainer.optimizer.load_state_dict(load_tensor_file(path / "optimizer.pt"))
         trainer.scheduler.load_state_dict(load_tensor_file(path / "scheduler.pt"))
-        restore_rng(path, drafter_index, load_tensor_file)
+        restore_rng(path, drafter_index)
         tokens_seen = int(load_trainer_state(path)["tokens_seen"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state that does not fit the objects
-        raise RestoreError(
-            f"cannot resume from {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from None
+        raise RestoreError(f"cannot resume from {path}: {describe_error(e, with_type=False)}") from None
     # The loaded states carry the checkpoint's lr and weight decay; this run's settings win (they differ
     # only when the user accepted the change with --resume_override).
     cfg, scheduler = run.cfg, trainer.scheduler
@@ -324,8 +321,8 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
             source.drain()
             if group is not None:  # every drafter rank drops incoming batches before any target stops
                 dist.barrier(group=group)
-            if topo.is_leader and not topo.colocated:
-                StopFlag().set()
+            if requests is not None:  # the drafter leader of a split job: the targets stop
+                requests.set()
         source.close()
         if writer:
             writer.wait()  # the last checkpoint is on disk before the job reports success
@@ -367,8 +364,7 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
     """Measure tau with real speculative decoding on held-out conversations, against baselines."""
     from .evaluate import evaluate, print_report
 
-    root = Path(cfg.output_dir) / "checkpoints"
-    checkpoint = read_latest(root) or existing_checkpoints(cfg.output_dir)[-1]
+    checkpoint = resolve_checkpoint(Path(cfg.output_dir))
     report = evaluate(
         target_dir=cfg.target_model,
         drafter=checkpoint,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import Batch
+from ..jobs import torchrun_cmd
 from ..transport import ChannelReceiver, ChannelSender, pack
 
 # (batch size, tokens per sequence, feature width): features of 5 tapped layers of a 1024-wide target,
@@ -96,15 +96,7 @@ def _channel_worker() -> None:
 
 
 def _torchrun(nproc: int, args: list[str]) -> str:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        *args,
-    ]
+    cmd = [*torchrun_cmd(nproc), *args]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
