@@ -1,34 +1,248 @@
 #!/usr/bin/env bash
-# One pass over the CUDA paths that CPU CI cannot reach, for a machine with one GPU (for example one
-# H200). A split job needs one GPU per rank (NCCL refuses two ranks on one device), so
-# the NCCL channel needs a machine with 2+ GPUs: torchrun --nproc-per-node 2 -m dflash_ddp.train. Everything lands in ${OUT:-gpu_check}/ (logs + eval/metrics JSON); keep that
-# folder in docs/ when it ran. A few minutes on an H200.
-#   launch/gpu_check.sh
+# The evidence a first GPU run needs, in one command of at most BUDGET_S seconds (default 450, so that
+# it ends within 8 minutes with room for start-up), for a machine with one GPU (for example one H200).
+#   launch/gpu_check.sh                # on the GPU; everything lands in ${OUT:-gpu_check}/
+#   launch/gpu_check.sh --dry-run      # the same steps on the CPU with tiny sizes (= DEVICE=cpu; tested;
+#                                      # the flex steps use --attention dense: no flex backward on a CPU)
+# Steps, each under `timeout` and within what is left of the budget, each with its own log:
+#   preflight         versions, device, free memory, a C compiler, a tiny torch.compile; stops the run
+#                     with one line when something is missing (about 20 s on a GPU)
+#   colocated_flex    the embedded default, --attention flex, --max_steps 40, then the one evaluation
+#                     (real speculative decoding, 10 prompts x 96 tokens: tau and the losslessness check)
+#   plan_large        --plan of the next step: the predicted peak memory to set against the measured one
+#   large             a recipe-shaped drafter on the embedded target: 5 layers, 512 anchors x block 16,
+#                     sequences of 1024 tokens (conversations of 14 joined rows of the embedded data),
+#                     8 sequences per batch in 8 chunks of 8192 draft positions, bf16, flex, gradient
+#                     checkpointing forced on, 20 steps
+#   colocated_sparse  the embedded default with --attention sparse, 40 steps, no evaluation
+#   regenerate        32 prompts, 128 new tokens, batches of 16
+# The flex steps run with TORCH_LOGS=recompiles (the summary counts the recompiles); the compile caches
+# (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) live in OUT/compile_cache and are removed at the end unless
+# KEEP_COMPILE_CACHE=1; output is unbuffered, so a step killed at its limit keeps its log up to the kill.
+# OUT/summary.txt: per step the exit code, seconds, peak memory (GPU: max_memory_allocated; CPU: resident
+# set), seconds per optimizer step after the first logging window, loss, tau (the training estimate, and
+# the evaluation's where it ran) and the plan's prediction. Exit status: the number of failed steps.
+# A split job needs one GPU per rank (NCCL refuses two ranks on one device): the NCCL channel needs 2+
+# GPUs, `torchrun --nproc-per-node 2 -m dflash_ddp.train`, and is not part of this check.
+#
+# Sizing. The dry run on a 2-core CPU machine loaded by other jobs (load 6-7), seconds per step:
+# preflight 16, colocated_flex 28, plan_large 19, large 21, colocated_sparse 28, regenerate 19; 133 in
+# all, most of it the start of each process (importing torch and transformers: 6-7 s of CPU each).
+# On the CPU a recipe-shaped step (512 anchors x 16, S = 1024, 5 layers) takes minutes, so the GPU sizes
+# cannot be timed here; the GPU limits below are estimates for a cold compile cache.
 set -uo pipefail
-OUT=${OUT:-gpu_check}
-mkdir -p "$OUT"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))" \
-  > "$OUT/torch.txt" 2>&1
 
+usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; }
+case "${1:-}" in
+  --dry-run) DEVICE=cpu ;;
+  "") ;;
+  -h | --help) usage; exit 0 ;;
+  *) echo "gpu_check.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+esac
+DEVICE=${DEVICE:-cuda}
+PYTHON=${PYTHON:-python}
+OUT=$(realpath -m "${OUT:-gpu_check}")
+cd "$(dirname "$0")/.." || exit 2  # the repository root: the embedded assets are read from there
+ASSETS=dflash_ddp/assets
+mkdir -p "$OUT"
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TORCHINDUCTOR_CACHE_DIR="$OUT/compile_cache/inductor" TRITON_CACHE_DIR="$OUT/compile_cache/triton"
+
+# ------------------------------------------------------------------------------------------- sizes
+if [ "$DEVICE" = cpu ]; then  # the dry run: every step, tiny
+  BUDGET_S=${BUDGET_S:-600}
+  STEPS=2 LOG_STEPS=1 TRAIN_ROWS=24 EVAL=(--eval_prompts 1 --eval_max_new_tokens 8)
+  LARGE=(--num_draft_layers 2 --block_size 16 --num_anchors 32 --max_seq_len 256 --tokens_per_batch 512
+    --drafter_chunk_tokens 256 --max_steps 1 --logging_steps 1)
+  JOIN_ROWS=4 LARGE_ROWS=64 REGEN_ROWS=2 REGEN=(--max_new_tokens 8 --batch_size 2)
+  COMPILE_BACKEND=eager  # inductor on the CPU would time the C++ compiler, not the check
+  FLEX=dense             # flex has no backward on the CPU; dense is the reference of the same mask
+  # limits in seconds: preflight, colocated_flex, plan_large, large, colocated_sparse, regenerate
+  L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 NUM_PROC=1
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 2 threads on a loaded 2-core machine: 4x slower steps
+else
+  BUDGET_S=${BUDGET_S:-450}
+  STEPS=40 LOG_STEPS=10 TRAIN_ROWS=0 EVAL=(--eval_prompts 10 --eval_max_new_tokens 96)
+  LARGE=(--num_draft_layers 5 --block_size 16 --num_anchors 512 --max_seq_len 1024 --tokens_per_batch 8192
+    --drafter_chunk_tokens 8192 --max_steps 20 --logging_steps 5)
+  JOIN_ROWS=14 LARGE_ROWS=0 REGEN_ROWS=32 REGEN=(--max_new_tokens 128 --batch_size 16)
+  COMPILE_BACKEND=inductor FLEX=flex
+  # cold compile cache; a step cut by its limit is reported, and the budget cuts the last ones first
+  L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 NUM_PROC=$(($(nproc) < 8 ? $(nproc) : 8))
+fi
+COMMON=(--device "$DEVICE" --cache_dir "$OUT/data_cache" --num_proc "$NUM_PROC" --save_steps 1000)
+
+# ------------------------------------------------------------------------------------------- steps
+START=$SECONDS
 failed=0
-step() {  # name, command...: run, keep the log and the exit code, go on with the next step
-  local name=$1; shift
-  local start=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
-  local code=$?
-  echo "$name: exit $code in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
-  [ "$code" -eq 0 ] || failed=$((failed + 1))
+: > "$OUT/summary.txt"
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+# Reads what a step left (OUT/NAME/metrics.jsonl, eval.json, OUT/plan_NAME.log, its log) into one line.
+summarize() {  # name, exit code, seconds
+  "$PYTHON" - "$OUT" "$@" <<'EOF'
+import json, re, sys
+from pathlib import Path
+
+out, name, code, seconds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+fields = {"exit": code, "seconds": seconds}
+if code == 124 or code == 137:
+    fields["exit"] = f"{code}(timed-out)"
+run = out / name
+metrics = []
+if (run / "metrics.jsonl").is_file():
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            metrics.append(json.loads(line))
+        except ValueError:
+            pass  # a line cut by the kill
+if metrics:
+    fields["steps"] = metrics[-1]["step"]
+    fields["peak_gib"] = f"{max(m['peak_memory_gib'] for m in metrics):.2f}"
+    if len(metrics) > 1:
+        a, b = metrics[0], metrics[-1]
+        fields["s_per_step"] = f"{(b['time'] - a['time']) / (b['step'] - a['step']):.3f}"
+    fields["loss"] = f"{metrics[-1]['loss']:.3f}"
+    fields["tau_train"] = f"{metrics[-1]['tau_estimate']:.2f}"
+if (run / "eval.json").is_file():
+    report = json.loads((run / "eval.json").read_text())
+    fields["tau_eval"] = f"{report['dflash']['tau']:.2f}"
+    fields["lossless"] = report["lossless"]
+plan = out / f"plan_{name}.log"
+if plan.is_file():
+    found = re.search(r"fits: \w+: ([0-9.]+) GiB needed", plan.read_text())
+    fields["plan_gib"] = found.group(1) if found else "?"
+log = out / f"{name}.log"
+text = log.read_text(errors="replace") if log.is_file() else ""
+if name in ("colocated_flex", "large"):  # the steps run with TORCH_LOGS=recompiles
+    fields["recompiles"] = text.count("Recompiling function")
+last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
+if code != 0 or name == "preflight":
+    fields["last_line"] = repr(last[0][-200:])
+print(f"{name:<17}" + " ".join(f"{k}={v}" for k, v in fields.items()))
+EOF
 }
 
-# 1. the embedded default, colocated on the GPU: bf16 target, flex attention, real speculative decoding
-step colocated_flex python -m dflash_ddp.train --device cuda --attention flex --output_dir "$OUT/colocated_flex"
-# 2. the same with the block-sparse path: the two attention paths should reach similar loss and tau
-step colocated_sparse python -m dflash_ddp.train --device cuda --attention sparse --output_dir "$OUT/colocated_sparse"
-# 3. regeneration on the GPU (bf16 generate, left padding), 64 rows
-head -n 64 dflash_ddp/assets/data/docstring_qa.jsonl > "$OUT/prompts.jsonl"
-step regenerate python -m dflash_ddp.regenerate --target_model dflash_ddp/assets/tiny_qwen3 \
-  --data "$OUT/prompts.jsonl" --out "$OUT/regenerated.jsonl" --max_new_tokens 128 --batch_size 16
-rm -rf "$OUT"/*/checkpoints "$OUT"/*/cache  # keep logs, metrics.jsonl, data_stats.json, eval.json
-echo "$failed step(s) failed" | tee -a "$OUT/summary.txt"
+step() {  # name, limit in seconds, command...: run under timeout, keep its log, summarize, go on
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - (SECONDS - START)))
+  [ "$limit" -le "$left" ] || limit=$left
+  if [ "$limit" -lt 5 ]; then
+    note "$(printf '%-17s' "$name")exit=skipped(budget) seconds=0"
+    failed=$((failed + 1))
+    return 1
+  fi
+  echo "-- $name: up to ${limit} s ($(date +%T))"
+  local began=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local code=$?
+  summarize "$name" "$code" "$((SECONDS - began))" | tee -a "$OUT/summary.txt"
+  if [ "$code" -ne 0 ]; then
+    failed=$((failed + 1))
+    tail -n 15 "$OUT/$name.log" | sed "s/^/   $name| /"
+  fi
+  return "$code"
+}
+
+note "gpu_check: device $DEVICE, budget ${BUDGET_S} s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo '+changes'), $(date -u +%FT%TZ)"
+if [ "$DEVICE" != cpu ] && command -v nvidia-smi > /dev/null; then nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; fi
+
+# 1. preflight: stop at once, with one line, when the run cannot work
+step preflight "$L_PRE" env PREFLIGHT_BACKEND="$COMPILE_BACKEND" "$PYTHON" -u - "$DEVICE" <<'EOF' || {
+import os, shutil, sys, time
+
+begin = time.time()
+device = sys.argv[1]
+
+
+def fail(why):
+    print(f"preflight FAILED: {why}")
+    sys.exit(1)
+
+
+try:
+    import torch
+except Exception as error:  # noqa: BLE001 - any import failure is the answer
+    fail(f"import torch: {error}")
+version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+if version < (2, 13):
+    fail(f"torch {torch.__version__}: this project needs torch>=2.13 (flex attention with mixed q/k/v dtypes)")
+try:
+    import transformers
+except Exception as error:  # noqa: BLE001
+    fail(f"import transformers: {error}")
+compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+if not compiler:
+    fail("no C compiler (cc/gcc) on PATH: Triton and torch.compile need one; install build-essential")
+parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"transformers {transformers.__version__}"]
+parts.append(f"compiler {compiler}")
+if device == "cuda":
+    if not torch.cuda.is_available():
+        fail(f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {torch.version.cuda})")
+    free, total = torch.cuda.mem_get_info()
+    parts.append(f"{torch.cuda.get_device_name(0)}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+backend = os.environ.get("PREFLIGHT_BACKEND", "inductor")
+start = time.time()
+try:
+    fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2 + 1, backend=backend)
+    x = torch.randn(256, 256, device=device)
+    ok = torch.allclose(fn(x), torch.nn.functional.silu(x) * 2 + 1, atol=1e-5)
+except Exception as error:  # noqa: BLE001
+    fail(f"a tiny torch.compile ({backend}) on {device}: {type(error).__name__}: {str(error)[:300]}")
+if not ok:
+    fail(f"a tiny torch.compile ({backend}) on {device} gave wrong values")
+parts.append(f"torch.compile ({backend}) {time.time() - start:.1f} s")
+print("preflight ok: " + "; ".join(parts) + f"; {time.time() - begin:.1f} s")
+EOF
+  note "stopped after the preflight ($(tail -n 1 "$OUT/preflight.log" 2> /dev/null)): nothing else was run"
+  exit 1
+}
+
+# the data of the steps below
+if [ "$TRAIN_ROWS" -gt 0 ]; then
+  head -n "$TRAIN_ROWS" "$ASSETS/data/docstring_qa_regenerated.jsonl" > "$OUT/train_rows.jsonl"
+  DATA=(--data "$OUT/train_rows.jsonl")
+else
+  DATA=()  # the embedded default's own data
+fi
+# long conversations: JOIN_ROWS consecutive rows joined into one (their system turns after the first
+# dropped); truncated to --max_seq_len by the trainer
+"$PYTHON" - "$ASSETS/data/docstring_qa_regenerated.jsonl" "$OUT/long.jsonl" "$JOIN_ROWS" "$LARGE_ROWS" <<'EOF'
+import json, sys
+
+rows = [json.loads(line)["messages"] for line in open(sys.argv[1])]
+join, limit = int(sys.argv[3]), int(sys.argv[4])
+rows = rows[:limit] if limit else rows
+with open(sys.argv[2], "w") as f:
+    for i in range(0, len(rows) - join + 1, join):
+        turns = [m for j, r in enumerate(rows[i : i + join]) for m in r if j == 0 or m["role"] != "system"]
+        f.write(json.dumps({"messages": turns}) + "\n")
+EOF
+head -n "$REGEN_ROWS" "$ASSETS/data/docstring_qa.jsonl" > "$OUT/prompts.jsonl"
+
+# 2. the embedded default on the device with flex attention, and the run's one evaluation
+step colocated_flex "$L_FLEX" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" \
+  "${DATA[@]}" --attention "$FLEX" --max_steps "$STEPS" --logging_steps "$LOG_STEPS" "${EVAL[@]}" \
+  --output_dir "$OUT/colocated_flex"
+# 3-4. the recipe-shaped drafter: predicted peak, then measured (bf16 on CUDA, chunks, checkpointing)
+LARGE+=(--data "$OUT/long.jsonl" --attention "$FLEX" --gradient_checkpointing true --eval_data "")
+step plan_large "$L_PLAN" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LARGE[@]}" --plan \
+  --output_dir "$OUT/large"
+step large "$L_LARGE" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LARGE[@]}" \
+  --output_dir "$OUT/large"
+# 5. the block-sparse path on the same run: loss should follow the flex run's
+step colocated_sparse "$L_SPARSE" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${DATA[@]}" \
+  --attention sparse --max_steps "$STEPS" --logging_steps "$LOG_STEPS" --eval_data "" \
+  --output_dir "$OUT/colocated_sparse"
+# 6. regeneration on the device (bf16 generate on CUDA, left padding)
+step regenerate "$L_REGEN" "$PYTHON" -u -m dflash_ddp.regenerate --target_model "$ASSETS/tiny_qwen3" \
+  --data "$OUT/prompts.jsonl" --out "$OUT/regenerated.jsonl" --device "$DEVICE" "${REGEN[@]}"
+
+# keep logs, metrics.jsonl, data_stats.json, eval.json, the summary; drop weights and caches
+note "compile cache: $(du -sh "$OUT/compile_cache" 2> /dev/null | cut -f1 || echo none)"
+rm -rf "$OUT"/*/checkpoints "$OUT/data_cache" "$OUT/regenerated.jsonl.parts"
+[ "${KEEP_COMPILE_CACHE:-0}" = 1 ] || rm -rf "$OUT/compile_cache"
+note "$failed step(s) failed; $((SECONDS - START)) s in all"
 exit "$failed"

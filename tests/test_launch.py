@@ -1,0 +1,82 @@
+"""The launch files: one torch version everywhere, and launch/gpu_check.sh run for real on the CPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_CHECK = ROOT / "launch" / "gpu_check.sh"
+STEPS = ["preflight", "colocated_flex", "plan_large", "large", "colocated_sparse", "regenerate"]
+
+
+def run_gpu_check(out: Path, *args: str, env: dict | None = None, timeout: float = 600):
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(
+        ["bash", str(GPU_CHECK), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def summary_lines(out: Path) -> dict[str, str]:
+    """First word of each line of summary.txt -> the rest of the line."""
+    lines = (out / "summary.txt").read_text().splitlines()
+    return {line.split()[0]: line for line in lines if line.strip()}
+
+
+def test_torch_version_is_the_same_in_dockerfile_readme_pyproject_and_preflight():
+    docker = re.findall(r"torch==(\d+\.\d+\.\d+)", (ROOT / "Dockerfile").read_text())
+    readme = re.findall(r'pip install "torch==(\d+\.\d+\.\d+)"', (ROOT / "README.md").read_text())
+    lower = re.findall(r'"torch([^"]*)"', (ROOT / "pyproject.toml").read_text())
+    preflight = re.findall(r"version < \((\d+), (\d+)\)", GPU_CHECK.read_text())
+    assert len(docker) == 1 and len(readme) == 1, (docker, readme)
+    assert docker == readme, f"Dockerfile pins torch {docker[0]}, the README's install line {readme[0]}"
+    minor = ".".join(docker[0].split(".")[:2])
+    assert lower == [f">={minor}"], f"pyproject requires torch{lower}, the pin is {docker[0]}"
+    assert preflight == [tuple(minor.split("."))], f"gpu_check.sh's preflight checks {preflight}"
+
+
+def test_gpu_check_parses():
+    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
+
+
+def test_gpu_check_stops_after_a_failed_preflight(tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "torch.py").write_text("raise ImportError('no torch in this environment')\n")
+    out = tmp_path / "out"
+    result = run_gpu_check(out, "--dry-run", env={"PYTHONPATH": str(fake)}, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    summary = summary_lines(out)
+    assert "preflight FAILED: import torch: no torch in this environment" in summary["preflight"]
+    assert "nothing else was run" in (out / "summary.txt").read_text()
+    assert not set(STEPS[1:]) & set(summary)
+
+
+def test_gpu_check_times_out_a_hung_step(tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "torch.py").write_text("import time\nprint('hanging', flush=True)\ntime.sleep(600)\n")
+    out = tmp_path / "out"
+    result = run_gpu_check(out, "--dry-run", env={"PYTHONPATH": str(fake), "BUDGET_S": "6"}, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "exit=124(timed-out)" in summary_lines(out)["preflight"]
+    assert (out / "preflight.log").read_text() == "hanging\n"  # unbuffered: the log holds the output
+
+
+def test_gpu_check_dry_run_runs_every_step(tmp_path):
+    out = tmp_path / "out"
+    result = run_gpu_check(out, "--dry-run")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    summary = summary_lines(out)
+    for name in STEPS:
+        assert "exit=0 " in summary[name], summary.get(name)
+    for name in ("colocated_flex", "large", "colocated_sparse"):
+        assert re.search(r"peak_gib=\d", summary[name]) and "tau_train=" in summary[name], summary[name]
+    assert "s_per_step=" in summary["colocated_flex"] and "lossless=True" in summary["colocated_flex"]
+    assert re.search(r"plan_gib=\d", summary["large"]) and "recompiles=0" in summary["large"]
+    assert "0 step(s) failed" in (out / "summary.txt").read_text()
+    assert (out / "regenerated.jsonl").is_file() and (out / "colocated_flex" / "eval.json").is_file()
+    assert not list(out.glob("*/checkpoints")) and not (out / "compile_cache").exists()
