@@ -24,10 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-try:  # flex attention is optional: CPU training uses the block-sparse path.
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # pragma: no cover - torch without flex attention
-    BlockMask, flex_attention = None, None
+from .flex import BlockMask, flex_attend
 
 # Upper bound of one anchor chunk's fp32 scores (all heads) in the block-sparse path; the backward holds
 # about three such buffers at once. `--plan` counts this as the attention workspace.
@@ -198,19 +195,6 @@ def dense_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
     return out * has_key.to(out.dtype)
 
 
-_COMPILED_FLEX = None
-
-
-def _flex_for(device: torch.device):
-    """The fused (compiled) flex kernel on CUDA; the eager reference implementation elsewhere."""
-    global _COMPILED_FLEX
-    if device.type != "cuda":
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED_FLEX
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     """Attention of block queries over [context keys, block keys], by the kind of `mask`.
 
@@ -219,5 +203,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     if isinstance(mask, BlockLayout):
         return block_sparse_attention(q, k, v, mask)
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return _flex_for(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+        return flex_attend(q, k, v, mask)
     return dense_attention(q, k, v, mask)

@@ -14,11 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    from torch.nn.attention.flex_attention import create_block_mask
-except ImportError:  # pragma: no cover
-    create_block_mask = None
-
 # The paper's decay constants (appendix A.1); other block sizes interpolate (bs + 5) / 3, which hits all three.
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -122,11 +117,13 @@ def build_block_inputs(
     block_size: int,
     mask_token_id: int,
     gamma: float | None = None,
+    min_slots: int = 1,
 ) -> BlockInputs:
-    """Assemble block tokens, positions, labels and weights from per-sequence anchor lists."""
+    """Assemble block tokens, positions, labels and weights from per-sequence anchor lists, with at least
+    `min_slots` anchor slots (padding blocks, anchor -1, weight 0)."""
     batch, seq_len = input_ids.shape
     device = input_ids.device
-    num_slots = max(1, max(a.numel() for a in anchors))
+    num_slots = max(min_slots, max(a.numel() for a in anchors))
     anchor_t = torch.full((batch, num_slots), -1, dtype=torch.long, device=device)
     for b, a in enumerate(anchors):
         anchor_t[b, : a.numel()] = a.to(device)
@@ -164,25 +161,6 @@ def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -
     same_block = (q_block[:, None] == q_block[None, :])[None]
     mask = torch.cat([ctx, same_block.expand(anchors.shape[0], -1, -1)], dim=-1) & valid
     return mask[:, None]
-
-
-def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
-    """The same rule as `dense_block_mask`, as a block-sparse flex-attention BlockMask (CUDA path)."""
-    if create_block_mask is None:
-        raise RuntimeError("this torch has no flex attention; use --attention sdpa")
-    batch, slots = anchors.shape
-    num_q = slots * block_size
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        block = q_idx // block_size
-        anchor = anchors[b, block]
-        ctx = (kv_idx < context_len) & (kv_idx < anchor)
-        same = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
-        return (anchor >= 0) & (ctx | same)
-
-    return create_block_mask(
-        mask_mod, batch, None, num_q, context_len + num_q, device=anchors.device, _compile=anchors.is_cuda
-    )
 
 
 class _ChunkedLMHeadCE(torch.autograd.Function):

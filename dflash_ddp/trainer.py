@@ -16,6 +16,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from .attention import block_layout
 from .data import Batch
+from .flex import flex_block_mask, min_anchor_slots
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .objective import (
     BlockInputs,
@@ -23,7 +24,6 @@ from .objective import (
     block_loss_terms,
     build_block_inputs,
     dense_block_mask,
-    flex_block_mask,
     plan_draft_chunks,
     sample_anchors,
 )
@@ -203,6 +203,7 @@ class DrafterTrainer:
             )
             for b in range(len(lengths))
         ]
+        min_slots = min_anchor_slots(cfg.block_size) if settings.attention == "flex" else 1
         chunks = []
         for pieces in plan_draft_chunks(anchors, lengths, cfg.block_size, settings.chunk_tokens):
             rows = [row for row, _ in pieces]
@@ -214,6 +215,7 @@ class DrafterTrainer:
                 cfg.block_size,
                 cfg.mask_token_id,
                 settings.loss_gamma,
+                min_slots,
             )
             rows_t = torch.tensor(rows, device=features.device)
             chunks.append(

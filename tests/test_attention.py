@@ -6,8 +6,9 @@ import torch.nn.functional as F
 
 import dflash_ddp.attention as attention
 from dflash_ddp.attention import block_layout, block_sparse_attention, dense_attention
+from dflash_ddp.flex import flex_block_mask
 from dflash_ddp.model import DFlashDraftModel
-from dflash_ddp.objective import build_block_inputs, dense_block_mask, flex_block_mask
+from dflash_ddp.objective import build_block_inputs, dense_block_mask
 
 from helpers import small_draft_config
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from dflash_ddp.attention import block_layout
+from dflash_ddp.flex import flex_block_mask
 from dflash_ddp.model import DFlashDraftModel
-from dflash_ddp.objective import build_block_inputs, dense_block_mask, flex_block_mask
+from dflash_ddp.objective import build_block_inputs, dense_block_mask
 
 from helpers import small_draft_config
 
