@@ -74,13 +74,11 @@ def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
     partial = (seen > 0).any(dim=2) & ~full
 
     def as_indices(tiles: torch.Tensor):  # [B, q_tiles, kv_tiles] bool -> counts and tile indices, heads = 1
-        tiles = tiles[
-            :, None
-        ]  # the results are fresh tensors, not views: dynamo guards a view's base strides
-        counts = tiles.sum(dim=-1, dtype=torch.int32)
-        return counts, torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(
-            torch.int32
-        )
+        # reduced over a [B, 1, ...] view, so the results are fresh tensors, not views: dynamo guards a
+        # view's base strides (one more graph)
+        tiles = tiles[:, None].to(torch.int8)
+        order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+        return tiles.sum(dim=-1, dtype=torch.int32), order.to(torch.int32)
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
