@@ -25,11 +25,14 @@
 # A split job needs one GPU per rank (NCCL refuses two ranks on one device): the NCCL channel needs 2+
 # GPUs, `torchrun --nproc-per-node 2 -m dflash_ddp.train`, and is not part of this check.
 #
-# Sizing. The dry run on a 2-core CPU machine loaded by other jobs (load 6-7), seconds per step:
-# preflight 16, colocated_flex 28, plan_large 19, large 21, colocated_sparse 28, regenerate 19; 133 in
-# all, most of it the start of each process (importing torch and transformers: 6-7 s of CPU each).
-# On the CPU a recipe-shaped step (512 anchors x 16, S = 1024, 5 layers) takes minutes, so the GPU sizes
-# cannot be timed here; the GPU limits below are estimates for a cold compile cache.
+# Sizing. The dry run on a 2-core CPU machine shared with another test suite (load 3.5), seconds per
+# step: preflight 7, colocated_flex 15, plan_large 12, large 13, colocated_sparse 13, regenerate 14; 74 in
+# all, 37 s of CPU, most of it each process's start (importing dflash_ddp.train: 6-7 s of CPU); at load
+# 6-7, 133 s. On that CPU one recipe-shaped step (512 anchors x 16, S = 1024, 5 layers, sparse) takes
+# 100-120 s, so the GPU sizes cannot be timed there. Estimated for one H200 and a cold compile cache (not
+# measured): preflight 15-25 s, colocated_flex 60-150 s (the flex compile and its recompiles dominate;
+# the evaluation took 46 s of CPU), plan_large 10 s, large 40-100 s, colocated_sparse 20-30 s,
+# regenerate 15 s: 3-6 minutes. The limits below are set from these; the budget cuts the last steps first.
 set -uo pipefail
 
 usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; }
