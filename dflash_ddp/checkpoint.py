@@ -107,33 +107,76 @@ class Snapshot:
     trainer_state: dict
     drafter_config: dict
     rng_states: dict[int, dict]
+    copied: torch.cuda.Event | None = None  # recorded after the last device-to-host copy; None on the CPU
+
+    def wait_copied(self) -> None:
+        """Block until the host copies have landed (they were issued without blocking the training thread)."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
 
-def _cpu_copy(obj):
-    """A deep copy with every tensor on the CPU and detached from the live training state."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        return t.clone() if t.device.type == "cpu" else t.to("cpu")
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
+class HostStaging:
+    """Host copies of the training state, allocated at the first save and refilled by every later one.
+
+    An 8B-class drafter's weights and optimizer are about 12 GB: copying them into fresh pageable memory at
+    every save stalls training for seconds and churns host memory. Buffers here are kept per place in the
+    state (a new one only when that place's shape or dtype changes), pinned when the state lives on a GPU
+    so that the copies run without blocking; `Snapshot.wait_copied` then waits for one event. Reusing them
+    is safe because a save starts only after the previous write has finished (`CheckpointWriter.save`)."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._device_copies = False
+
+    def copy(self, obj, key: tuple = ()):
+        """A copy of `obj` (tensors, dicts, lists, tuples, plain values) whose tensors are host buffers."""
+        if isinstance(obj, torch.Tensor):
+            return self._copy_tensor(obj.detach(), key)
+        if isinstance(obj, dict):
+            return {k: self.copy(v, (*key, k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, (*key, i)) for i, v in enumerate(obj))
+        return obj
+
+    def _copy_tensor(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
+        on_device = t.device.type != "cpu"
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_device and torch.cuda.is_available())
+            self._buffers[key] = buffer
+        buffer.copy_(t, non_blocking=on_device)
+        self._device_copies |= on_device
+        return buffer
+
+    def finish(self) -> torch.cuda.Event | None:
+        """An event recorded after the copies issued since the last call (None when all were host copies)."""
+        if not self._device_copies:
+            return None
+        self._device_copies = False
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
 
 def snapshot(
-    step, drafter: DFlashDraftModel, optimizer, scheduler, trainer_state: dict, rng_states
+    step, drafter: DFlashDraftModel, optimizer, scheduler, trainer_state: dict, rng_states, staging=None
 ) -> Snapshot:
-    """Copy the trainable weights (fp32), optimizer, scheduler and RNG states to CPU memory."""
-    weights = {k: v.float().contiguous() for k, v in _cpu_copy(trainable_state_dict(drafter)).items()}
+    """Copy the trainable weights, optimizer, scheduler and RNG states to CPU memory (into `staging`'s
+    reused buffers when given)."""
+    staging = staging or HostStaging()
+    weights = staging.copy(trainable_state_dict(drafter), ("weights",))
+    optimizer_state = staging.copy(optimizer.state_dict(), ("optimizer",))
+    scheduler_state = staging.copy(scheduler.state_dict(), ("scheduler",))
+    rng = staging.copy(rng_states, ("rng",))
     return Snapshot(
         step,
         weights,
-        _cpu_copy(optimizer.state_dict()),
-        _cpu_copy(scheduler.state_dict()),
+        optimizer_state,
+        scheduler_state,
         json.loads(json.dumps(trainer_state)),
         to_zlab_config(drafter.config),
-        _cpu_copy(rng_states),
+        rng,
+        staging.finish(),
     )
 
 
@@ -152,9 +195,13 @@ def write_checkpoint(
     tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    snap.wait_copied()
     try:
         tmp.mkdir()
-        save_file(snap.weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        weights = {
+            k: v.float().contiguous() for k, v in snap.weights.items()
+        }  # fp32 whatever the training dtype
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         torch.save(snap.optimizer, tmp / "optimizer.pt")
         torch.save(snap.scheduler, tmp / "scheduler.pt")
         for index, state in sorted(snap.rng_states.items()):
@@ -295,13 +342,14 @@ class CheckpointWriter:
         )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.staging = HostStaging()
         self.stall_s = 0.0  # total time training waited for snapshots (and for a previous write to end)
 
     def save(self, step, drafter, optimizer, scheduler, trainer_state: dict, rng_states) -> None:
         """Snapshot now (after the previous save has finished), write in the background."""
         start = time.perf_counter()
         self.wait()
-        snap = snapshot(step, drafter, optimizer, scheduler, trainer_state, rng_states)
+        snap = snapshot(step, drafter, optimizer, scheduler, trainer_state, rng_states, self.staging)
         stall = time.perf_counter() - start
         self.stall_s += stall
         self._thread = threading.Thread(target=self._write, args=(snap, stall), name="checkpoint-writer")

@@ -344,3 +344,45 @@ def test_leftovers_of_killed_saves_are_cleared_and_a_set_aside_only_copy_moved_b
     assert any("moved .stale-step-00000006-7 back to step-00000006" in n for n in notes)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003", "step-00000006"]
     assert verify_checkpoint(root / "step-00000006") == []
+
+
+def test_snapshots_reuse_host_buffers_and_write_the_same_files(tmp_path):
+    """A writer's second save refills the host buffers of its first (no new allocation per save), and the
+    files equal those of a save into fresh memory."""
+    from dflash_ddp.checkpoint import HostStaging, snapshot, write_checkpoint
+    from dflash_ddp.model import DFlashDraftModel
+
+    from helpers import small_draft_config
+
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(small_draft_config())
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    def train_one_step():
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+
+    def tensors(snap):
+        found = []
+        for part in (snap.weights, snap.optimizer["state"], snap.rng_states):
+            stack = [part]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, torch.Tensor):
+                    found.append(item)
+                elif isinstance(item, dict):
+                    stack.extend(item.values())
+        return found
+
+    staging, state, rng = HostStaging(), {"tokens_seen": 0}, {0: {"torch": torch.get_rng_state()}}
+    train_one_step()
+    first = snapshot(1, drafter, optimizer, scheduler, state, rng, staging)  # kept alive: no address reuse
+    train_one_step()
+    second = snapshot(2, drafter, optimizer, scheduler, state, rng, staging)
+    assert [t.data_ptr() for t in tensors(second)] == [t.data_ptr() for t in tensors(first)]
+    reused = write_checkpoint(tmp_path / "reused", second, 2)
+    fresh = save_checkpoint(tmp_path / "fresh", 2, drafter, optimizer, scheduler, state, rng, 2)
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng-rank0.pt", "manifest.json"):
+        assert (reused / name).read_bytes() == (fresh / name).read_bytes(), name
