@@ -28,7 +28,7 @@ from .flex import BlockMask, flex_attend
 
 # Upper bound of one anchor chunk's fp32 scores (all heads) in the block-sparse path; the backward holds
 # about three such buffers at once. `--plan` counts this as the attention workspace.
-WORKSPACE_BYTES = 16 << 20
+WORKSPACE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,18 @@ def _views(q, k, v, layout: BlockLayout):
     return q6, k[:, :, :s], v[:, :, :s], k[:, :, s:].view(blk), v[:, :, s:].view(blk)
 
 
+def _head_major(t: torch.Tensor, shape) -> torch.Tensor:
+    """[B, H, A*bs, D] as [B, KVH, g, A, bs, D], a view when t is stored token-major ([B, A*bs, H, D]) as
+    the output is."""
+    b, kvh, g, slots, bs, d = shape
+    return t.transpose(1, 2).reshape(b, slots, bs, kvh, g, d).permute(0, 3, 4, 1, 2, 5)
+
+
+def _times(t: torch.Tensor, factor) -> torch.Tensor:
+    """t * factor in one fresh contiguous tensor of t's dtype (whatever t's strides)."""
+    return torch.mul(t, factor, out=torch.empty(t.shape, dtype=t.dtype, device=t.device))
+
+
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
     """Softmax and gradient sums in fp32 for half-precision inputs, else in the input's own precision."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
@@ -112,14 +124,18 @@ def _chunk_scores(q_c, k_ctx, k_blk, anchors, keys):
 
 
 def _sparse_forward(q, k, v, layout: BlockLayout):
-    q6, k_ctx, v_ctx, k_blk, v_blk = _views(q * (1.0 / math.sqrt(q.shape[-1])), k, v, layout)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q6, k_ctx, v_ctx, k_blk, v_blk = _views(q, k, v, layout)
     b, kvh, g, _, bs, d = q6.shape
     acc = _accumulation(q.dtype)
-    out6 = torch.empty_like(q6)
+    # stored token-major, so that o_proj's input [B, A*bs, H*D] is a view of it, not a copy kept beside it
+    out = q.new_empty(b, q.shape[2], q.shape[1], d).transpose(1, 2)
+    out6 = _head_major(out, q6.shape)
     lse = q6.new_empty(q6.shape[:-1], dtype=acc)
     for a0, a1, keys in layout.chunks:
         n, anchors = a1 - a0, layout.anchors[:, a0:a1]
-        s_ctx, s_blk = _chunk_scores(q6[:, :, :, a0:a1], k_ctx, k_blk[:, :, a0:a1], anchors, keys)
+        q_c = _times(q6[:, :, :, a0:a1], scale)  # scaled per chunk: no scaled copy of all queries
+        s_ctx, s_blk = _chunk_scores(q_c, k_ctx, k_blk[:, :, a0:a1], anchors, keys)
         m = s_blk.amax(-1, keepdim=True)  # finite: a block always sees itself
         if keys:
             m = torch.maximum(m, s_ctx.amax(-1, keepdim=True))
@@ -130,30 +146,32 @@ def _sparse_forward(q, k, v, layout: BlockLayout):
         valid = (anchors >= 0)[:, None, None, :, None, None]
         out6[:, :, :, a0:a1] = (o / norm * valid).to(q.dtype)
         lse[:, :, :, a0:a1] = (m + norm.log()).squeeze(-1)
-    return out6.view_as(q), lse
+    return out, lse
 
 
 def _sparse_backward(q, k, v, out, lse, grad_out, layout: BlockLayout):
+    """Gradients chunk by chunk; besides dq/dk/dv nothing larger than one chunk is allocated."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    q6, k_ctx, v_ctx, k_blk, v_blk = _views(q * scale, k, v, layout)
+    q6, k_ctx, v_ctx, k_blk, v_blk = _views(q, k, v, layout)
     b, kvh, g, slots, bs, d = q6.shape
+    s = layout.context_len
     acc = _accumulation(q.dtype)
-    valid = (layout.anchors >= 0)[:, None, None, :, None, None]
-    do6 = grad_out.reshape(q6.shape) * valid  # padding blocks returned constant zeros
-    o6 = out.view(q6.shape)
+    do6, o6 = _head_major(grad_out, q6.shape), _head_major(out, q6.shape)
     dq6 = torch.empty(q6.shape, dtype=acc, device=q.device)
-    dk_ctx = torch.zeros(k_ctx.shape, dtype=acc, device=q.device)
-    dv_ctx = torch.zeros_like(dk_ctx)
-    dk_blk = torch.empty(k_blk.shape, dtype=acc, device=q.device)
-    dv_blk = torch.empty_like(dk_blk)
+    dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v))
+    dk_ctx, dv_ctx = dk[:, :, :s], dv[:, :, :s]
+    dk_blk, dv_blk = (t[:, :, s:].view(k_blk.shape) for t in (dk, dv))
     for a0, a1, keys in layout.chunks:
         rows = g * (a1 - a0) * bs
-        q_c, do_c = q6[:, :, :, a0:a1], do6[:, :, :, a0:a1]
-        s_ctx, s_blk = _chunk_scores(q_c, k_ctx, k_blk[:, :, a0:a1], layout.anchors[:, a0:a1], keys)
+        anchors = layout.anchors[:, a0:a1]
+        q_c = _times(q6[:, :, :, a0:a1], scale)
+        # padding blocks returned constant zeros: their output gradient counts for nothing
+        do_c = _times(do6[:, :, :, a0:a1], (anchors >= 0)[:, None, None, :, None, None])
+        s_ctx, s_blk = _chunk_scores(q_c, k_ctx, k_blk[:, :, a0:a1], anchors, keys)
         row_lse = lse[:, :, :, a0:a1, :, None]
         p_ctx, p_blk = s_ctx.sub_(row_lse).exp_(), s_blk.sub_(row_lse).exp_()
         delta = (do_c.to(acc) * o6[:, :, :, a0:a1].to(acc)).sum(-1, keepdim=True)
-        do_flat = do_c.reshape(b, kvh, rows, d)
+        do_flat = do_c.view(b, kvh, rows, d)
         p_flat = p_ctx.view(b, kvh, rows, keys)
         dv_ctx[:, :, :keys] += p_flat.transpose(-1, -2).to(q.dtype) @ do_flat
         dv_blk[:, :, a0:a1] = torch.einsum("bkgnqc,bkgnqd->bkncd", p_blk.to(q.dtype), do_c)
@@ -163,14 +181,12 @@ def _sparse_backward(q, k, v, out, lse, grad_out, layout: BlockLayout):
         ds_blk = torch.einsum("bkgnqd,bkncd->bkgnqc", do_c, v_blk[:, :, a0:a1]).to(acc)
         ds_blk = ds_blk.sub_(delta).mul_(p_blk).to(q.dtype)
         dq_ctx = (ds_ctx @ k_ctx[:, :, :keys]).view(q_c.shape)
-        dq6[:, :, :, a0:a1] = dq_ctx.to(acc) + torch.einsum(
-            "bkgnqc,bkncd->bkgnqd", ds_blk, k_blk[:, :, a0:a1]
-        )
-        dk_ctx[:, :, :keys] += ds_ctx.transpose(-1, -2) @ q_c.reshape(b, kvh, rows, d)
+        dq6[:, :, :, a0:a1] = (
+            dq_ctx.to(acc) + torch.einsum("bkgnqc,bkncd->bkgnqd", ds_blk, k_blk[:, :, a0:a1])
+        ) * scale
+        dk_ctx[:, :, :keys] += ds_ctx.transpose(-1, -2) @ q_c.view(b, kvh, rows, d)
         dk_blk[:, :, a0:a1] = torch.einsum("bkgnqc,bkgnqd->bkncd", ds_blk, q_c)
-    dk = torch.cat([dk_ctx, dk_blk.view(b, kvh, slots * bs, d)], dim=2).to(k.dtype)
-    dv = torch.cat([dv_ctx, dv_blk.view(b, kvh, slots * bs, d)], dim=2).to(v.dtype)
-    return (dq6 * scale).view_as(q).to(q.dtype), dk, dv
+    return dq6.view_as(q).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def block_sparse_attention(q, k, v, layout: BlockLayout) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import WORKSPACE_BYTES
-from .model import DFlashDraftConfig
+from .model import MLP_ROWS, DFlashDraftConfig
 from .target import TargetInfo
 
 GIB = 1 << 30
@@ -25,18 +25,26 @@ CUDA_RESERVE = 2 * GIB  # CUDA context, allocator caching and fragmentation, out
 
 
 def saved_per_position(c: DFlashDraftConfig) -> int:
-    """Elements autograd keeps per draft position per drafter layer.
+    """Elements kept for backward per draft position per drafter layer.
 
-    Two norm inputs and the two normed outputs read by q/k/v and gate/up (4 H), the keys/values input
-    (H), q and k before their norms, q/k/v after rope, the attention output and o_proj's input
-    (4 q-width + 3 kv-width), gate and up (2 I) and down_proj's input (I)."""
+    The layer's input (H; the norm, projections, q/k norms and rope are recomputed from it in backward),
+    q, k and v after rope and the attention output, which o_proj reads as a view (2 q-width + 2 kv-width),
+    one log-sum-exp per head, and the MLP's input (H; the MLP recomputes itself in backward)."""
     q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return 5 * c.hidden_size + 4 * q_width + 3 * kv_width + 3 * c.intermediate_size
+    return 2 * c.hidden_size + 2 * q_width + 2 * kv_width + c.num_attention_heads
 
 
 def saved_per_context_token(c: DFlashDraftConfig) -> int:
-    """Elements kept per context token per layer: its keys/values input, k before its norm, k and v."""
-    return c.hidden_size + 3 * c.num_key_value_heads * c.head_dim
+    """Elements kept per context token per layer: its keys after rope and its values."""
+    return 2 * c.num_key_value_heads * c.head_dim
+
+
+def backward_per_position(c: DFlashDraftConfig) -> int:
+    """Elements that exist only during the backward of one layer, per draft position, beside the saved ones:
+    the recomputed normed input, q/k/v before and after their norms and rope, and the gradients of the
+    residual stream, the attention output, q, k and v (fp32)."""
+    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return 4 * c.hidden_size + 4 * q_width + 6 * kv_width
 
 
 @dataclass
@@ -81,11 +89,8 @@ def drafter_memory(
         else c.num_hidden_layers * per_layer
     )
     activations = (kept + once) * dtype_bytes
-    # backward of one layer, next to the saved tensors: SwiGLU's sigmoid, silu and the gradients of gate, up,
-    # their product and down's input (6 I), fp32 q/k/v gradient accumulators and their casts, and the
-    # residual stream's and norms' gradients
-    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    backward = positions * (6 * c.intermediate_size + 8 * c.hidden_size + 2 * (q_width + 2 * kv_width)) * 4
+    # backward of one layer, next to the saved tensors; the MLP and the norms work in pieces of rows
+    backward = positions * backward_per_position(c) * 4 + 5 * MLP_ROWS * c.intermediate_size * 4
     if attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
         # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
         # scores and their softmax per head
@@ -137,6 +142,24 @@ def process_baseline() -> int:
     """This process's resident memory now (the runtime and libraries every rank carries on a CPU)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    """This process's own peak resident memory (VmHWM of /proc/self/status; ru_maxrss off Linux).
+
+    Not getrusage's ru_maxrss on Linux: a process started by another one (subprocess, pytest) inherits its
+    starter's high-water mark through fork and exec, so a small run started from a 1 GiB process reports
+    at least 1 GiB (the measured-peak test read 1.11 GiB inside the test suite for a 0.73 GiB run)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    import resource  # pragma: no cover
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # pragma: no cover
 
 
 def available_host_memory() -> int:

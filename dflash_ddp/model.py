@@ -71,25 +71,45 @@ class DFlashDraftConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
+def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """w * (x / rms(x)) in x's dtype; the statistics (`rstd`) in fp32 for half inputs."""
+    return (weight * (x.to(rstd.dtype) * rstd).to(x.dtype)).to(x.dtype)
+
+
+def _rms_norm_backward(x, weight, rstd, grad):
+    """Gradients of `_rms_normed` w.r.t. x (x's dtype) and the weight (fp32 sums, the weight's dtype), in
+    pieces of about 2^20 values: its temporaries stay small next to the activations it runs beside."""
+    acc, shape, width = rstd.dtype, x.shape, x.shape[-1]
+    x, grad, rstd = x.reshape(-1, width), grad.reshape(-1, width), rstd.reshape(-1, 1)
+    grad_x = torch.empty_like(x)
+    grad_weight = torch.zeros(width, dtype=acc, device=x.device)
+    rows = max(1, (1 << 20) // width)
+    for r in range(0, x.shape[0], rows):
+        g, rs = grad[r : r + rows].to(acc), rstd[r : r + rows]
+        normed = x[r : r + rows].to(acc) * rs
+        grad_weight += (g * normed.to(x.dtype).to(acc)).sum(0)
+        g = g * weight.to(acc)
+        grad_x[r : r + rows] = rs * (g - normed * (g * normed).mean(-1, keepdim=True))
+    return grad_x.view(shape), grad_weight.to(weight.dtype)
+
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 statistics for half inputs
+    return torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """y = w * (x / rms(x)), keeping only x and 1/rms for backward (autograd's version keeps x/rms too)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 statistics for half inputs
-        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+        rstd = _rstd(x, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (weight * (x.to(acc) * rstd).to(x.dtype)).to(x.dtype)
+        return _rms_normed(x, weight, rstd)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        normed = x.to(acc) * rstd
-        grad_normed = grad.to(acc) * weight.to(acc)
-        grad_weight = (grad.to(acc) * normed.to(x.dtype).to(acc)).flatten(0, -2).sum(0).to(weight.dtype)
-        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        return (*_rms_norm_backward(*ctx.saved_tensors, grad), None)
 
 
 class RMSNorm(nn.Module):
@@ -160,36 +180,94 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, hidden, context, cos, sin, mask, cache=None):
+    def _qkv(self, x, norm, context, cos, sin):
+        """Roped queries [B, heads, Q, D], roped keys and values [B, kv heads, S + Q, D] of the block's
+        pre-norm states x."""
+        hidden = norm(x)
         batch, q_len, _ = hidden.shape
-        kv_input = torch.cat([context, hidden], dim=1)
-        kv_len = kv_input.shape[1]
+        kv_len = context.shape[1] + q_len
         q = self.q_norm(self.q_proj(hidden).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_len, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(kv_input).view(batch, kv_len, self.num_kv_heads, self.head_dim)
+        # context and block projected apart, then joined: no joined copy of the projections' input
+        k = torch.cat([self.k_proj(context), self.k_proj(hidden)], dim=1)
+        k = self.k_norm(k.view(batch, kv_len, self.num_kv_heads, self.head_dim))
+        v = torch.cat([self.v_proj(context), self.v_proj(hidden)], dim=1)
+        v = v.view(batch, kv_len, self.num_kv_heads, self.head_dim)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-        q = _apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
-        k = _apply_rope(k, cos, sin)
+        return _apply_rope(q, cos[:, -q_len:], sin[:, -q_len:]), _apply_rope(k, cos, sin), v
+
+    def forward(self, x, norm, context, cos, sin, mask, cache=None):
+        """Attention output (after o_proj) of the block whose pre-norm states are x; `norm` is the layer's
+        input norm."""
+        if torch.is_grad_enabled() and cache is None:
+            # Training keeps x only: the norm, projections, q/k norms and rope (cheap next to attention) are
+            # recomputed in backward, instead of keeping the normed input and q, k before their norms.
+            q, k, v = checkpoint(self._qkv, x, norm, context, cos, sin, use_reentrant=False)
+        else:
+            q, k, v = self._qkv(x, norm, context, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         out = attend(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
 
-class _SiLUMul(torch.autograd.Function):
-    """silu(gate) * up, keeping gate and up for backward (autograd would also keep silu(gate))."""
+# Rows of one piece of the MLP's recomputation in backward: its temporaries (about four [rows, I] tensors)
+# stay small next to the saved activations whatever the number of draft positions.
+MLP_ROWS = 1024
+
+
+class _MLPResidual(torch.autograd.Function):
+    """h + down(silu(gate(n)) * up(n)) with n = rmsnorm(h), keeping only h and 1/rms for backward.
+
+    Autograd would keep n, gate, up and silu(gate) * up: 2 H + 3 I values per position against H here.
+    The backward recomputes n, gate and up in pieces of MLP_ROWS rows (two of the MLP's three matmuls
+    again) and works on them in place, so its temporaries do not grow with the positions either. Matmuls
+    run in `dtype` (bf16 under autocast), the norm's statistics and the weight gradients' sums in fp32."""
 
     @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+    def forward(ctx, h, norm_weight, eps, w_gate, w_up, w_down, dtype):
+        flat = h.reshape(-1, h.shape[-1])
+        rstd = _rstd(flat, eps)
+        out = torch.empty_like(flat)
+        wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
+        for r in range(0, flat.shape[0], MLP_ROWS):
+            x = flat[r : r + MLP_ROWS]
+            n = _rms_normed(x, norm_weight, rstd[r : r + MLP_ROWS]).to(dtype)
+            gate = n @ wg.T
+            act = F.silu(gate).mul_(n @ wu.T)
+            out[r : r + MLP_ROWS] = x + (act @ wd.T).to(h.dtype)
+        ctx.save_for_backward(h, norm_weight, w_gate, w_up, w_down, rstd)
+        ctx.dtype = dtype
+        return out.view_as(h)
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        return grad * up * sig * (1 + gate * (1 - sig)), grad * silu
+        h, norm_weight, w_gate, w_up, w_down, rstd = ctx.saved_tensors
+        dtype, acc = ctx.dtype, torch.promote_types(ctx.dtype, torch.float32)
+        flat, grad = h.reshape(-1, h.shape[-1]), grad.reshape(-1, h.shape[-1])
+        wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
+        d_wg, d_wu, d_wd = (torch.zeros_like(w, dtype=acc) for w in (w_gate, w_up, w_down))
+        d_norm = torch.zeros_like(norm_weight)
+        d_h = torch.empty_like(flat)
+        for r in range(0, flat.shape[0], MLP_ROWS):
+            x, g, rs = flat[r : r + MLP_ROWS], grad[r : r + MLP_ROWS], rstd[r : r + MLP_ROWS]
+            n = _rms_normed(x, norm_weight, rs).to(dtype)
+            g_c = g.to(dtype)
+            gate, up = n @ wg.T, n @ wu.T
+            sig = torch.sigmoid(gate)
+            t = torch.mul(gate, sig).mul_(up)  # silu(gate) * up: down_proj's input
+            d_wd += (g_c.T @ t).to(acc)
+            a = torch.mm(g_c, wd, out=t).mul_(sig)  # d(silu * up) * sigmoid
+            k = sig.neg_().add_(1).mul_(gate).add_(1)  # 1 + gate (1 - sigmoid)
+            d_up = gate.mul_(a)  # d * silu(gate)
+            d_gate = a.mul_(up).mul_(k)  # d * up * silu'(gate)
+            d_wg += (d_gate.T @ n).to(acc)
+            d_wu += (d_up.T @ n).to(acc)
+            d_n = (d_gate @ wg).addmm_(d_up, wu)
+            d_x, d_w = _rms_norm_backward(x, norm_weight, rs, d_n)
+            d_norm += d_w
+            d_h[r : r + MLP_ROWS] = g + d_x
+        grads = (d.to(w.dtype) for d, w in ((d_wg, w_gate), (d_wu, w_up), (d_wd, w_down)))
+        return d_h.view_as(h), d_norm, None, *grads, None
 
 
 class DFlashMLP(nn.Module):
@@ -201,8 +279,13 @@ class DFlashMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The MLP half of a layer: h + mlp(norm(h)), in the autocast dtype when autocast is on."""
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        with torch.autocast(device, enabled=False):
+            weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+            return _MLPResidual.apply(h, norm.weight, norm.eps, *weights, dtype)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -216,8 +299,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden, context, cos, sin, mask, cache=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, mask, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(hidden, self.input_layernorm, context, cos, sin, mask, cache)
+        return self.mlp(hidden, self.post_attention_layernorm)
 
 
 class DFlashDraftModel(PreTrainedModel):

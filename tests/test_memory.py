@@ -37,9 +37,11 @@ def saved_bytes(
         torch.zeros(1, context, dtype=torch.long), torch.ones(1, context), [torch.arange(anchors)], bs, 63
     )
     seen = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # kept anyway, not activations
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -57,7 +59,18 @@ def test_saved_tensors_per_layer_match_the_plan():
     two, _ = saved_bytes(2, anchors=40, context=64)
     positions, context = 40 * 8, 64
     predicted = (positions * saved_per_position(config) + context * saved_per_context_token(config)) * 4
-    assert abs((two - one) - predicted) <= 0.05 * predicted, (two - one, predicted)
+    assert abs((two - one) - predicted) <= 0.02 * predicted, (two - one, predicted)
+
+
+def test_peak_resident_memory_is_the_process_own(tmp_path):
+    """A process started from a larger one reports its own peak, not its starter's (getrusage's ru_maxrss
+    carries the parent's high-water mark through fork and exec: the measured-peak run read 1.11 GiB instead
+    of 0.73 inside the test suite)."""
+    held = torch.ones(512 << 18)  # 512 MiB resident in this process
+    code = "from dflash_ddp.memory import peak_resident_bytes as p; print(p())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    del held
+    assert int(child.stdout) < 400 << 20  # importing torch: about 0.3 GiB
 
 
 def test_checkpointed_layers_keep_only_their_inputs():

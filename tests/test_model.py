@@ -140,8 +140,10 @@ def test_cached_inference_equals_one_shot_forward():
     torch.testing.assert_close(pieces, full, rtol=1e-5, atol=1e-5)
 
 
-def test_lean_norm_and_swiglu_have_exact_gradients():
-    """RMSNorm and SwiGLU keep fewer tensors for backward than autograd would; their gradients are exact."""
+def test_lean_norm_and_swiglu_have_exact_gradients(monkeypatch):
+    """RMSNorm and the MLP half of a layer keep fewer tensors for backward than autograd would, and the MLP
+    recomputes itself in row pieces in backward; values and gradients equal plain autograd's."""
+    import dflash_ddp.model as model
     from dflash_ddp.model import DFlashMLP, RMSNorm
 
     norm = RMSNorm(8, 1e-6).double()
@@ -150,11 +152,21 @@ def test_lean_norm_and_swiglu_have_exact_gradients():
     assert torch.autograd.gradcheck(lambda x, w: norm(x), (x, norm.weight))
     reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     torch.testing.assert_close(norm(x), reference)
-    mlp = DFlashMLP(small_drafter().config).double()
-    h = torch.randn(4, 32, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(mlp, (h,))
-    plain = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-    torch.testing.assert_close(mlp(h), plain)
+    monkeypatch.setattr(model, "MLP_ROWS", 3)  # several pieces, the last one short
+    mlp, post_norm = DFlashMLP(small_drafter().config).double(), RMSNorm(32, 1e-6).double()
+    post_norm.weight.data.normal_()
+    h = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda h: mlp(h, post_norm), (h,))
+    params = [h, post_norm.weight, *mlp.parameters()]
+    n = post_norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    plain = h + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(n)) * mlp.up_proj(n))
+    lean = mlp(h, post_norm)
+    torch.testing.assert_close(lean, plain, rtol=0, atol=1e-12)
+    grad = torch.randn_like(plain)
+    for got, want in zip(
+        torch.autograd.grad(lean, params, grad), torch.autograd.grad(plain, params, grad), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import torch
 from ..chat_template import load_target_tokenizer
 from ..config import EMBEDDED_TARGET
 from ..data import Batch
-from ..memory import GIB, drafter_memory, process_baseline
+from ..memory import GIB, drafter_memory, peak_resident_bytes, process_baseline
 from ..model import DFlashDraftConfig
 from ..target import SharedTargetHead, default_target_layer_ids, inspect_target
 from ..trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter, drafter_config_for
@@ -68,7 +67,7 @@ def run_point(point: dict) -> dict:
     for batch, features in batches:
         trainer.step([(batch, features, 0)])
     seconds = (time.perf_counter() - start) / point["steps"]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = peak_resident_bytes() - before
     anchors = min(point["anchors"], point["seq_len"] - point["seq_len"] // 8 - 1)  # response positions
     positions = min(point["chunk_tokens"], point["sequences"] * anchors * 16)
     tokens = point["sequences"] * point["seq_len"]
