@@ -9,6 +9,11 @@
 #                     with one line when something is missing (about 20 s on a GPU)
 #   colocated_flex    the embedded default, --attention flex, --max_steps 40, then the one evaluation
 #                     (real speculative decoding, 10 prompts x 96 tokens: tau and the losslessness check)
+#   gpu_shapes        `python -m dflash_ddp.bench --gpu`: Qwen3-8B shapes with random weights (no download):
+#                     the target truncated after layer 33 (1 + 5 forwards of 10 x 3072 tokens) and the
+#                     5-layer drafter's step at 512 anchors x 16 (2 warm-up + 5 timed steps, flex): tokens/s,
+#                     step time, MFU, peak memory against --plan's model, the split for 8 GPUs from the two
+#                     rates, and a profile of one step when MFU < 55%; its JSON goes into the summary
 #   plan_large        --plan of the next step: the predicted peak memory to set against the measured one
 #   large             a recipe-shaped drafter on the embedded target: 5 layers, 512 anchors x block 16,
 #                     sequences of 1024 tokens (conversations of 14 joined rows of the embedded data),
@@ -28,11 +33,15 @@
 # Sizing. The dry run on a 2-core CPU machine shared with another test suite (load 3.5), seconds per
 # step: preflight 7, colocated_flex 15, plan_large 12, large 13, colocated_sparse 13, regenerate 14; 74 in
 # all, 37 s of CPU, most of it each process's start (importing dflash_ddp.train: 6-7 s of CPU); at load
-# 6-7, 133 s. On that CPU one recipe-shaped step (512 anchors x 16, S = 1024, 5 layers, sparse) takes
-# 100-120 s, so the GPU sizes cannot be timed there. Estimated for one H200 and a cold compile cache (not
+# 6-7, 133 s; gpu_shapes adds one process start and about a second of work (tiny scale). On that CPU one
+# recipe-shaped step (512 anchors x 16, S = 1024, 5 layers, sparse) takes 100-120 s, so the GPU sizes
+# cannot be timed there. Estimated for one H200 and a cold compile cache (not
 # measured): preflight 15-25 s, colocated_flex 60-150 s (the flex compile and its recompiles dominate;
 # the evaluation took 46 s of CPU), plan_large 10 s, large 40-100 s, colocated_sparse 20-30 s,
-# regenerate 15 s: 3-6 minutes. The limits below are set from these; the budget cuts the last steps first.
+# regenerate 15 s: 3-6 minutes. gpu_shapes, from its FLOP count: a target forward is 429 TFLOP (0.7 s at 60%
+# of 989), a drafter step 718 model TFLOP (1.3-2.4 s at 55-30% MFU); with start-up, building the models,
+# the flex compile (20-60 s cold) and the profile, 60-130 s. The limits below are set from these; the
+# budget cuts the last steps first.
 set -uo pipefail
 
 usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -61,8 +70,9 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every step, tiny
   JOIN_ROWS=4 LARGE_ROWS=64 REGEN_ROWS=2 REGEN=(--max_new_tokens 8 --batch_size 2)
   COMPILE_BACKEND=eager  # inductor on the CPU would time the C++ compiler, not the check
   FLEX=dense             # flex has no backward on the CPU; dense is the reference of the same mask
-  # limits in seconds: preflight, colocated_flex, plan_large, large, colocated_sparse, regenerate
-  L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120
+  # limits in seconds: preflight, colocated_flex, plan_large, large, colocated_sparse, regenerate, gpu_shapes
+  L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 L_SHAPES=120
+  SHAPES=(--scale tiny --target_steps 2 --drafter_steps 2 --profile always)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 2 threads on a loaded 2-core machine: 4x slower steps
 else
   BUDGET_S=${BUDGET_S:-450}
@@ -72,7 +82,8 @@ else
   JOIN_ROWS=14 LARGE_ROWS=0 REGEN_ROWS=32 REGEN=(--max_new_tokens 128 --batch_size 16)
   COMPILE_BACKEND=inductor FLEX=flex
   # cold compile cache; a step cut by its limit is reported, and the budget cuts the last ones first
-  L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45
+  L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 L_SHAPES=150
+  SHAPES=(--scale qwen3-8b)
 fi
 # one tokenization per data set and settings (2.3 s for the embedded data; --num_proc would spawn
 # workers that each import torch, which costs more)
@@ -121,12 +132,30 @@ if plan.is_file():
     fields["plan_gib"] = found.group(1) if found else "?"
 log = out / f"{name}.log"
 text = log.read_text(errors="replace") if log.is_file() else ""
-if name in ("colocated_flex", "large"):  # the steps run with TORCH_LOGS=recompiles
+shapes = run / "gpu_shapes.json"
+if shapes.is_file():  # the benchmark's figures, then its whole JSON on a line of its own
+    figures = json.loads(shapes.read_text())
+    target, drafter, split = figures.get("target", {}), figures.get("drafter", {}), figures.get("split", {})
+    pct = lambda x: "?" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    if target:
+        fields["target_tok_s"] = f"{target['tokens_per_s']:.0f}"
+        fields["target_mfu"] = pct(target.get("mfu"))
+    if drafter:
+        fields["drafter_step_s"] = f"{drafter['step_s']:.3f}"
+        fields["draft_pos_s"] = f"{drafter['draft_positions_per_s']:.0f}"
+        fields["mfu"] = pct(drafter.get("mfu"))
+        fields["peak_gib"] = f"{drafter['peak_gib']:.2f}"
+        fields["plan_gib"] = f"{drafter['predicted_peak_gib']:.2f}"
+    if split:
+        fields["split_8"] = split["recommended"].replace(" ", "")
+if name in ("colocated_flex", "large", "gpu_shapes"):  # the steps run with TORCH_LOGS=recompiles
     fields["recompiles"] = text.count("Recompiling function")
 last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
 if code != 0 or name == "preflight":
     fields["last_line"] = repr(last[0][-200:])
 print(f"{name:<17}" + " ".join(f"{k}={v}" for k, v in fields.items()))
+if shapes.is_file():
+    print(f"{name}.json " + json.dumps(json.loads(shapes.read_text()), separators=(",", ":")))
 EOF
 }
 
@@ -236,17 +265,20 @@ head -n "$REGEN_ROWS" "$ASSETS/data/docstring_qa.jsonl" > "$OUT/prompts.jsonl"
 step colocated_flex "$L_FLEX" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" \
   "${DATA[@]}" --attention "$FLEX" --max_steps "$STEPS" --logging_steps "$LOG_STEPS" "${EVAL[@]}" \
   --output_dir "$OUT/colocated_flex"
-# 3-4. the recipe-shaped drafter: predicted peak, then measured (bf16 on CUDA, chunks, checkpointing)
+# 3. Qwen3-8B shapes with random weights: target forward, drafter step, MFU, memory, the split for 8 GPUs
+step gpu_shapes "$L_SHAPES" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.bench --gpu "${SHAPES[@]}" \
+  --device "$DEVICE" --out "$OUT/gpu_shapes"
+# 4-5. the recipe-shaped drafter: predicted peak, then measured (bf16 on CUDA, chunks, checkpointing)
 LARGE+=(--data "$OUT/long.jsonl" --attention "$FLEX" --gradient_checkpointing true --eval_data "")
 step plan_large "$L_PLAN" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LARGE[@]}" --plan \
   --output_dir "$OUT/large"
 step large "$L_LARGE" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LARGE[@]}" \
   --output_dir "$OUT/large"
-# 5. the block-sparse path on the same run: loss should follow the flex run's
+# 6. the block-sparse path on the same run: loss should follow the flex run's
 step colocated_sparse "$L_SPARSE" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${DATA[@]}" \
   --attention sparse --max_steps "$STEPS" --logging_steps "$LOG_STEPS" --eval_data "" \
   --output_dir "$OUT/colocated_sparse"
-# 6. regeneration on the device (bf16 generate on CUDA, left padding)
+# 7. regeneration on the device (bf16 generate on CUDA, left padding)
 step regenerate "$L_REGEN" "$PYTHON" -u -m dflash_ddp.regenerate --target_model "$ASSETS/tiny_qwen3" \
   --data "$OUT/prompts.jsonl" --out "$OUT/regenerated.jsonl" --device "$DEVICE" "${REGEN[@]}"
 
