@@ -167,10 +167,15 @@ def _start_peak(device: torch.device) -> int:
     return process_baseline()
 
 
-def _peak(device: torch.device, base: int) -> int:
+def _peaks(device: torch.device, base: int) -> dict:
+    """The measured peak (CUDA: allocated tensors; CPU: resident size above `base`), and on CUDA the peak
+    the caching allocator reserved (what --plan's 2 GiB CUDA reserve has to cover beside the tensors)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return peak_resident_bytes() - base
+        return {
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        }
+    return {"peak_gib": (peak_resident_bytes() - base) / GIB}
 
 
 def measure_target(config, taps: list[int], batch: Batch, device: torch.device, steps: int) -> dict:
@@ -200,7 +205,7 @@ def measure_target(config, taps: list[int], batch: Batch, device: torch.device, 
         "sequences_per_s": len(lengths) / seconds,
         "tokens_per_s": sum(lengths) / seconds,
         "flops_per_forward": target_forward_flops(config, lengths),
-        "peak_gib": _peak(device, base) / GIB,
+        **_peaks(device, base),
     }
     del model
     return figures
@@ -266,20 +271,25 @@ def measure_drafter(trainer: DrafterTrainer, batches: list[Batch], steps: int, b
             "forward": {k: v / steps for k, v in flops.forward.items()},
             "recomputed": {k: v / steps for k, v in flops.recomputed.items()},
         },
-        "peak_gib": _peak(device, base) / GIB,
+        **_peaks(device, base),
     }
     return figures, micro
 
 
 def profile_step(trainer: DrafterTrainer, micro, path: Path) -> dict:
-    """One more step under torch.profiler: the top kernels by self device time (CPU: operators by self
-    CPU time) into `path`, and their split into matmul / attention / other by kernel name."""
+    """One more step, on the first sequence of `micro` only (one chunk: every chunk of the timed steps holds
+    one sequence; fewer events to process), under torch.profiler: the top kernels by self device time
+    (CPU: operators by self CPU time) into `path`, and their split into matmul / attention / other by name."""
     from torch.profiler import ProfilerActivity, profile
 
+    batch, features, epoch = micro
+    first = Batch(
+        *(t[:1] for t in (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.sample_ids))
+    )
     cuda = trainer.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        trainer.step([micro])
+        trainer.step([(first, features[:1], epoch)])
         _sync(trainer.device)
     events = prof.key_averages()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
