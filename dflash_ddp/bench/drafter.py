@@ -89,9 +89,14 @@ def run_point(point: dict) -> dict:
     return {"s_per_step": seconds, "peak_gib": peak / GIB, "predicted_gib": predicted / GIB}
 
 
-def measure(point: dict) -> dict:
-    """`run_point` in a fresh process with one thread."""
+def measure(point: dict, tight: bool = False) -> dict:
+    """`run_point` in a fresh process with one thread. `tight`: glibc returns every freed block of 64 KiB
+    and more to the system at once (fixed mmap threshold), so the resident peak is the tensors' own peak;
+    by default glibc keeps freed memory for reuse (faster: fewer page faults) and the resident peak is
+    higher by what it keeps (docs/LOG.md)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if tight:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     result = subprocess.run(
         [sys.executable, "-m", "dflash_ddp.bench.drafter", json.dumps(point)],
         capture_output=True,
@@ -104,7 +109,8 @@ def measure(point: dict) -> dict:
 
 
 def bench_attention_paths(anchor_counts=(64, 256, 512), lengths=(512, 1024, 3072)) -> None:
-    """Dense vs block-sparse attention: step time and peak memory of a 2-layer drafter, one sequence."""
+    """Dense vs block-sparse attention: step time and peak memory of a 2-layer drafter, one sequence; the
+    peak with glibc's default retention and with freed memory returned at once (the tensors' peak)."""
     print(
         "(e) drafter step, dense boolean-mask SDPA vs block-sparse attention (2 layers, 1 sequence, 1 thread)"
     )
@@ -117,19 +123,19 @@ def bench_attention_paths(anchor_counts=(64, 256, 512), lengths=(512, 1024, 3072
                 "sequences": 1,
                 "steps": 1,
                 "warmup": 1,
+                "chunk_tokens": anchors * 16,
             }
-            point["chunk_tokens"] = anchors * 16
             dense = measure({**point, "attention": "dense"})
             sparse = measure({**point, "attention": "sparse"})
-            ckpt = measure({**point, "attention": "sparse", "checkpointing": True})
+            dense_t = measure({**point, "attention": "dense"}, tight=True)
+            sparse_t = measure({**point, "attention": "sparse"}, tight=True)
             print(
                 f"    S={seq_len:5d} {anchors:3d} anchors: dense {dense['s_per_step']:6.2f} s {dense['peak_gib']:5.2f} GiB"
                 f" | sparse {sparse['s_per_step']:6.2f} s {sparse['peak_gib']:5.2f} GiB"
                 f" ({dense['s_per_step'] / sparse['s_per_step']:4.1f}x faster,"
-                f" {dense['peak_gib'] / sparse['peak_gib']:4.1f}x less memory; predicted {sparse['predicted_gib']:.2f} GiB)"
-                f" | + checkpointing {ckpt['s_per_step']:6.2f} s {ckpt['peak_gib']:5.2f} GiB"
-                f" ({dense['s_per_step'] / ckpt['s_per_step']:4.1f}x, {dense['peak_gib'] / ckpt['peak_gib']:4.1f}x;"
-                f" predicted {ckpt['predicted_gib']:.2f} GiB)"
+                f" {dense['peak_gib'] / sparse['peak_gib']:4.1f}x less memory)"
+                f" | tensors' peak: dense {dense_t['peak_gib']:5.2f} GiB, sparse {sparse_t['peak_gib']:5.2f} GiB"
+                f" ({dense_t['peak_gib'] / sparse_t['peak_gib']:4.1f}x less; predicted {sparse['predicted_gib']:.2f} GiB)"
             )
 
 
@@ -147,12 +153,14 @@ def bench_chunked_recipe(sequence_counts=(1, 2, 4)) -> None:
             "sequences": sequences,
             "steps": 1,
             "warmup": 0,
+            "attention": "sparse",
+            "chunk_tokens": 8192,
         }
-        r = measure({**point, "attention": "sparse", "chunk_tokens": 8192})
+        r, tight = measure(point), measure(point, tight=True)
         print(
             f"    {sequences:2d} sequences per batch: {r['s_per_step']:6.1f} s per step, "
             f"{r['s_per_step'] / sequences:5.1f} s per sequence, peak {r['peak_gib']:.2f} GiB "
-            f"(predicted {r['predicted_gib']:.2f} GiB)"
+            f"(tensors' peak {tight['peak_gib']:.2f} GiB; predicted {r['predicted_gib']:.2f} GiB)"
         )
 
 
