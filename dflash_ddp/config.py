@@ -80,6 +80,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     max_inflight: int = 2
     dist_timeout: float = 300.0
+    # how hidden states travel: auto (NCCL between GPUs, gloo on CPU) | nccl | gloo (through host memory:
+    # GPUs without peer-to-peer, or several ranks sharing one GPU, which NCCL refuses)
+    channel_backend: str = "auto"
     # compute
     device: str = "auto"
     attention: str = "auto"  # auto (flex on CUDA, sparse elsewhere) | sparse | flex | dense (the reference)
@@ -143,6 +146,15 @@ class TrainConfig:
             raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
+        if self.channel_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(
+                f"--channel_backend {self.channel_backend}: choose auto (NCCL between GPUs, gloo on CPU), nccl "
+                "or gloo (through host memory)"
+            )
+        if self.channel_backend == "nccl" and self.device == "cpu":
+            raise ValueError(
+                "--channel_backend nccl needs GPUs: use --device cuda, or --channel_backend gloo"
+            )
         if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:
             raise ValueError("--target_layer_ids: give at least one layer id")
         unknown = [name for name in self.resume_override if name not in RESUME_OVERRIDABLE]

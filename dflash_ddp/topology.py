@@ -105,6 +105,7 @@ class DistributedContext:
     topology: Topology
     device: torch.device
     drafter_group: object | None  # process group of the drafter ranks (gradient all-reduce)
+    channel_device: torch.device | None = None  # where the channel's tensors travel from (None: colocated)
 
 
 def env_world() -> tuple[int, int, int]:
@@ -116,36 +117,47 @@ def env_world() -> tuple[int, int, int]:
     )
 
 
-def select_device(device_request: str, local_rank: int) -> torch.device:
-    """This process's device for --device auto|cpu|cuda: the GPU of its local rank, or the CPU."""
+def select_device(device_request: str, local_rank: int, share_gpus: bool = False) -> torch.device:
+    """This process's device for --device auto|cpu|cuda: the GPU of its local rank, or the CPU. With
+    `share_gpus` (a channel through host memory) more local ranks than GPUs take the GPUs in turn."""
     use_cuda = torch.cuda.is_available() if device_request == "auto" else device_request == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda and local_rank >= torch.cuda.device_count() and not share_gpus:
+        raise ValueError(
+            f"local rank {local_rank}: this node has {torch.cuda.device_count()} GPU(s) and NCCL needs one per "
+            "rank; start fewer processes per node, or share GPUs with --channel_backend gloo"
+        )
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     return device
 
 
-def init_distributed(num_drafters: int, device_request: str, timeout_s: float) -> DistributedContext:
-    """Join the job: NCCL on CUDA, gloo on CPU (the same code). Process groups are created on every rank."""
+def init_distributed(
+    num_drafters: int, device_request: str, timeout_s: float, channel_backend: str = "auto"
+) -> DistributedContext:
+    """Join the job: NCCL on CUDA, gloo on CPU (the same code). Process groups are created on every rank.
+
+    `channel_backend` "gloo" on GPUs: gloo only, no NCCL communicator at all; the channel stages features
+    through host memory and ranks may share a GPU."""
     rank, world, local_rank = env_world()
     topology = Topology(world, rank, num_drafters)
-    device = select_device(device_request, local_rank)
-    use_cuda = device.type == "cuda"
+    device = select_device(device_request, local_rank, share_gpus=channel_backend == "gloo")
+    nccl = device.type == "cuda" and channel_backend != "gloo"
     if topology.colocated:
         return DistributedContext(topology, device, None)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         # NCCL for CUDA tensors; small CPU tensors (decisions, votes, metrics) need gloo beside it.
-        backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
+        backend="cpu:gloo,cuda:nccl" if nccl else "gloo",
         timeout=timeout,
-        device_id=device if use_cuda else None,
+        device_id=device if nccl else None,
         **_store_for_this_attempt(rank, world, timeout),
     )
     # new_group must be called by every rank, in the same order, even by ranks outside the group.
     drafter_group = dist.new_group(topology.drafter_ranks)
-    return DistributedContext(topology, device, drafter_group)
+    return DistributedContext(topology, device, drafter_group, device if nccl else torch.device("cpu"))
 
 
 def _store_for_this_attempt(rank: int, world: int, timeout: datetime.timedelta) -> dict:
@@ -170,3 +182,27 @@ def _store_for_this_attempt(rank: int, world: int, timeout: datetime.timedelta) 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# How long a rank waits at the job's start and end barriers: loading the target, building and compiling the
+# drafter, and the drafter's last steps all happen before them, so far beyond --dist_timeout (one transfer).
+BARRIER_TIMEOUT_S = 3600.0
+
+
+def job_barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Wait until every rank of the job has arrived at barrier `name`, through the job's store: no
+    collective, so no NCCL communicator and no watchdog is involved, and the wait has its own timeout. A
+    rank still missing after `timeout_s` is named in the error."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"dflash_ddp/barrier/{name}/rank{rank}", "1")
+    if store.add(f"dflash_ddp/barrier/{name}/arrived", 1) == world:
+        store.set(f"dflash_ddp/barrier/{name}/all", "1")
+    try:
+        store.wait([f"dflash_ddp/barrier/{name}/all"], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
+        missing = [r for r in range(world) if not store.check([f"dflash_ddp/barrier/{name}/rank{r}"])]
+        raise TimeoutError(
+            f"rank {rank}: ranks {missing} did not reach the {name} barrier within {timeout_s:.0f} s "
+            "(stuck loading or compiling? see their output)"
+        ) from None

@@ -54,7 +54,7 @@ from .run_setup import (
 from .schedule import ScheduledBatch
 from .signals import GracefulStop
 from .target import SharedTargetHead, TargetFeatureExtractor
-from .topology import DistributedContext, Topology, env_world, init_distributed, shutdown
+from .topology import DistributedContext, Topology, env_world, init_distributed, job_barrier, shutdown
 from .trainer import (
     DrafterTrainer,
     OptimizerSettings,
@@ -88,8 +88,9 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
     extractor = TargetFeatureExtractor(
         run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
-    sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.device)
+    sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device)
     pad_id = run.setup.tokenizer.pad_token_id or 0
+    job_barrier("channel-open")  # every drafter rank has built, restored and warmed up its drafter
     for item in run.schedule.batches(run.first_batch, run.end_batch):
         if topo.target_of(item.g) != topo.rank:
             continue
@@ -102,6 +103,7 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
         features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
         sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
     sender.close(topo.drafter_ranks)
+    job_barrier("channel-closed")  # every drafter rank has received its END: nothing is left in flight
     return False
 
 
@@ -136,19 +138,31 @@ def run_colocated(ctx: DistributedContext, run: Run) -> bool:
     extractor = TargetFeatureExtractor(
         run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
     )
-    return train_drafter(ctx, run, LocalTarget(extractor, run))
+    return train_drafter(ctx, run, lambda: LocalTarget(extractor, run))
 
 
 def run_drafter(ctx: DistributedContext, run: Run) -> bool:
-    """A drafter rank: receive the batches g = rank mod M from their target ranks and train on them."""
+    """A drafter rank: receive the batches g = rank mod M from their target ranks and train on them.
+
+    The channel opens only once the drafter is ready to train (built, restored, warmed up) and every rank
+    has reached the same point, so that no send waits on set-up; it is torn down only after every END has
+    been received."""
     topo = ctx.topology
     mine = [
         (g, topo.target_of(g))
         for g in range(run.first_batch, run.end_batch)
         if topo.drafter_of(g) == topo.rank
     ]
-    source = ChannelReceiver(topo.rank, mine, topo.target_ranks, ctx.device, compute_dtype(ctx.device))
-    return train_drafter(ctx, run, source)
+
+    def open_channel() -> ChannelReceiver:
+        job_barrier("channel-open")
+        return ChannelReceiver(
+            topo.rank, mine, topo.target_ranks, ctx.device, compute_dtype(ctx.device), ctx.channel_device
+        )
+
+    stopped = train_drafter(ctx, run, open_channel)
+    job_barrier("channel-closed")
+    return stopped
 
 
 def build_trainer(
@@ -208,8 +222,11 @@ def check_batch(message: Message, item: ScheduledBatch, rank: int) -> Message:
     return message
 
 
-def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
+def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
     """The drafter's loop: take A micro-batches, one optimizer step, log and save on the leader.
+
+    `open_source()` gives the batches (the channel, or the target in this process); it is called once the
+    drafter is built, restored and, in a split job, warmed up.
 
     On SIGTERM/SIGINT every drafter rank finishes the step it is in, the leader saves, the targets are
     told to stop and the channel is drained. Returns whether the run stopped early."""
@@ -220,6 +237,9 @@ def train_drafter(ctx: DistributedContext, run: Run, source) -> bool:
     drafter = trainer.drafter
     drafter_index = topo.drafter_ranks.index(topo.rank)
     tokens_seen = restore(run, trainer, drafter_index) if run.resume_from else 0
+    if not topo.colocated:
+        trainer.warm_up()
+    source = open_source()
     monitor = TrainingMonitor(out, schedule.total_steps, run.start_step) if topo.is_leader else None
     protect = {run.resume_from.name} if run.resume_from else set()
     writer = CheckpointWriter(out, cfg.save_total_limit, protect, monitor.print) if monitor else None
@@ -451,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)
         run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))
-        ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout)
+        ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend)
     except ValueError as e:
         print(f"error{where}: {e}", file=sys.stderr)
         return 2
@@ -503,7 +523,8 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         return fail(f"error{where}: {e}", 2, split, lock=lock)
     except PeerLost as e:  # another rank failed first and says why
         return fail(f"error{where}: {e}", 1, split, consequence=True, lock=lock)
-    except (ChannelError, SaveError, FloatingPointError) as e:  # a full disk, bad numbers: no traceback
+    # a full disk, bad numbers, a rank that never came: no traceback
+    except (ChannelError, SaveError, FloatingPointError, TimeoutError) as e:
         return fail(f"error{where}: {e}", 1, split, lock=lock)
     except RuntimeError as e:
         if not lost_peer(e):

@@ -229,6 +229,35 @@ class DrafterTrainer:
             )
         return chunks
 
+    def _forward_backward(self, chunk: DraftChunk, weight_sum: torch.Tensor) -> LossTerms:
+        """One chunk's forward and backward (gradients accumulate); its loss terms, detached."""
+        inputs = chunk.inputs
+        with self._autocast():
+            out = self.drafter(
+                self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
+            ).last_hidden_state
+            terms = block_loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss_chunk_size)
+        (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
+        # detached, so the next chunk's activations never meet this one's
+        return LossTerms(*(t.detach() for t in vars(terms).values()))
+
+    def warm_up(self) -> None:
+        """Forward and backward on made-up batches of two sequences and of one, then drop the gradients.
+
+        On CUDA this compiles the flex kernel (both of its graphs) and grows the allocator before the
+        hidden-state channel opens, so no target's send waits on the drafter's first, slowest step. Nothing
+        a training step reads changes: no optimizer step, no generator drawn from."""
+        config, length = self.drafter.config, 2 * 128
+        width = len(config.target_layer_ids) * config.hidden_size
+        for rows in (2, 1):
+            ids = torch.arange(rows * length).view(rows, length) % config.vocab_size
+            batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids), torch.arange(rows))
+            features = torch.zeros(rows, length, width, dtype=compute_dtype(self.device), device=self.device)
+            weight_sum = torch.ones((), device=self.device)
+            for chunk in self._chunks(batch, features, epoch=0):
+                self._forward_backward(chunk, weight_sum)
+        self.optimizer.zero_grad(set_to_none=True)
+
     def step(self, micro_batches: list[tuple[Batch, torch.Tensor, int]]) -> StepResult:
         """One optimizer step over (batch, target features, epoch) micro-batches.
 
@@ -246,15 +275,7 @@ class DrafterTrainer:
         )
         totals = LossTerms.zeros(self.drafter.config.block_size, self.device)
         for chunk in chunks:
-            inputs = chunk.inputs
-            with self._autocast():
-                out = self.drafter(
-                    self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
-                ).last_hidden_state
-                terms = block_loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss_chunk_size)
-            (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
-            totals = _add_terms(totals, LossTerms(*(t.detach() for t in vars(terms).values())))
-            del out, terms  # the next chunk's activations must not meet this one's
+            totals = _add_terms(totals, self._forward_backward(chunk, weight_sum))
         for p in self.drafter.parameters():  # a rank whose batch had no anchors still joins the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -1,6 +1,7 @@
 """The hidden-state channel: target ranks send batches with their tapped features to drafter ranks.
 
-A message is three tensors sent point-to-point (NCCL on GPUs, gloo on CPU):
+A message is three kinds of tensors sent point-to-point (NCCL on GPUs, gloo on CPU) as one batch of
+sends; the receiver takes the header, then the ints (which give the sequence lengths), then the features:
   header   int64[16]: version, kind (DATA/END), global batch g, epoch, batch size B, total tokens N,
            feature width, dtype code, the sender's cumulative send-wait (us) and in-flight depth
   ints     int64[2N + 2B]: token ids and response mask packed without padding, then lengths, sample ids
@@ -106,7 +107,10 @@ def _header(kind: int, g: int = -1) -> torch.Tensor:
 
 
 class ChannelSender:
-    """A target rank's side: asynchronous sends with at most `max_inflight` outstanding messages."""
+    """A target rank's side: asynchronous sends with at most `max_inflight` outstanding messages.
+
+    `device` is where the messages travel from: the target's GPU under NCCL, the CPU under gloo (features
+    computed on a GPU are then copied to host memory first)."""
 
     def __init__(self, rank: int, max_inflight: int, device: torch.device):
         self.rank = rank
@@ -136,18 +140,20 @@ class ChannelSender:
     def send(self, dst: int, batch: Batch, features: torch.Tensor, g: int, epoch: int) -> None:
         """Queue batch g for drafter rank `dst`; blocks only when max_inflight messages are outstanding."""
         self._drain_to(self.max_inflight - 1)
-        header, ints, slices = pack(batch, features, g, epoch)
+        header, ints, slices = pack(batch, features.to(self.device), g, epoch)
         header[8] = int(self.wait_s * 1e6)
         header[9] = len(self.inflight)
         tensors = [self._comm(header), self._comm(ints), *slices]
-        # The tensors ride along with their works: a send buffer must outlive the send.
-        self.inflight.append((dst, [dist.isend(t, dst) for t in tensors], tensors))
+        # One batch of sends per message (one NCCL group launch, not 2 + B). The tensors ride along with their
+        # works: a send buffer must outlive the send.
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, dst) for t in tensors])
+        self.inflight.append((dst, works, tensors))
 
     def close(self, drafter_ranks: Iterable[int]) -> None:
         """Send END to every drafter and wait until everything sent has been received."""
         for dst in drafter_ranks:
             end = self._comm(_header(END))
-            self.inflight.append((dst, [dist.isend(end, dst)], [end]))
+            self.inflight.append((dst, dist.batch_isend_irecv([dist.P2POp(dist.isend, end, dst)]), [end]))
         self._drain_to(0)
 
 
@@ -165,10 +171,12 @@ class ChannelReceiver:
         end_sources: list[int],
         device: torch.device,
         feature_dtype: torch.dtype,
+        channel_device: torch.device,
         prefetch: int = 2,
     ):
         self.rank = rank
-        self.device = device
+        self.device = device  # where the drafter trains
+        self.channel_device = channel_device  # where messages arrive: the GPU under NCCL, else the CPU
         self.feature_dtype = feature_dtype
         self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self.draining = threading.Event()
@@ -180,15 +188,16 @@ class ChannelReceiver:
         )
         self._thread.start()
 
-    def _recv_into(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
+    def _recv_into(self, tensors: list[torch.Tensor], src: int, what: str) -> None:
+        """Receive into `tensors`, in order, as one batch of receives."""
         try:
-            dist.recv(t, src)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src) for t in tensors]):
+                work.wait()
         except RuntimeError as e:
             raise PeerLost(
                 f"drafter rank {self.rank}: receiving {what} from target rank {src} failed ({e}); "
                 f"target rank {src} died or is stuck (see --dist_timeout)"
             ) from None
-        return t
 
     def _hand_over(self, item) -> None:
         """Queue an item for the training thread, unless the job is draining (then drop it)."""
@@ -201,26 +210,27 @@ class ChannelReceiver:
 
     def _receive_batch(self, header: torch.Tensor, src: int, on: torch.device) -> Message:
         g, (b, n, width, dtype) = int(header[2]), (int(x) for x in header[4:8])
-        ints = self._recv_into(torch.empty(2 * n + 2 * b, dtype=torch.int64, device=on), src, f"batch {g}")
-        batch = unpack_tokens(header, ints)
+        ints = torch.empty(2 * n + 2 * b, dtype=torch.int64, device=on)
+        self._recv_into([ints], src, f"batch {g}")
+        batch = unpack_tokens(header, ints)  # the lengths, hence where each sequence's features go
         features = padded_feature_buffer(batch, width, DTYPES[dtype], on)
-        for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist()):
-            self._recv_into(features[row, :length], src, f"the features of batch {g}")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the receiver thread's own stream
+        rows = [features[row, :length] for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist())]
+        self._recv_into(rows, src, f"the features of batch {g}")
+        if on.type == "cuda":
+            torch.cuda.current_stream(on).synchronize()  # the receiver thread's own stream
         self.bytes_received += n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8
         return Message(
             g,
             int(header[3]),
             batch,
-            features.to(self.feature_dtype),
+            features.to(self.device, self.feature_dtype),  # from host memory under gloo
             src,
             int(header[8]) / 1e6,
             int(header[9]),
         )
 
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
-        on = self.device if self.device.type == "cuda" else torch.device("cpu")
+        on = self.channel_device
         if on.type == "cuda":  # receive on a stream of our own, so that receives overlap the training step
             torch.cuda.set_device(on)
             with torch.cuda.stream(torch.cuda.Stream(on)):
@@ -236,9 +246,8 @@ class ChannelReceiver:
             for g, src in schedule:
                 if src in ended:
                     continue
-                header = self._recv_into(
-                    torch.empty(HEADER_LEN, dtype=torch.int64, device=on), src, f"batch {g}"
-                )
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=on)
+                self._recv_into([header], src, f"batch {g}")
                 header = header.cpu()
                 kind = int(header[1])
                 if kind == END and self.draining.is_set():  # that target stopped early, as asked
@@ -253,9 +262,8 @@ class ChannelReceiver:
             for src in end_sources:
                 if src in ended:
                     continue
-                header = self._recv_into(
-                    torch.empty(HEADER_LEN, dtype=torch.int64, device=on), src, "the end"
-                )
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=on)
+                self._recv_into([header], src, "the end")
                 if int(header[1]) != END:
                     raise ChannelError(
                         f"drafter rank {self.rank}: target rank {src} sent more batches than scheduled"

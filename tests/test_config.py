@@ -38,6 +38,8 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--max_steps", "0"], "--max_steps 0"),
         (["--tokens_per_batch", "100"], "smaller than --max_seq_len"),
         (["--attention", "fast"], "--attention fast"),
+        (["--channel_backend", "mpi"], "--channel_backend mpi: choose auto"),
+        (["--channel_backend", "nccl", "--device", "cpu"], "--channel_backend nccl needs GPUs"),
         (["--overlength", "cut"], "--overlength cut: choose truncate or drop"),
         (
             ["--chat_template_kwargs", "enable_thinking=false"],

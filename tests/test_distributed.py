@@ -260,3 +260,31 @@ def test_killing_the_drafter_leader_gives_every_rank_a_clear_message(tiny_target
     # targets' lines are not asserted: once a rank exits, torchrun ends the others, a race.
     assert "error (rank 3): " in output, output[-3000:]
     assert "dflash_ddp/" not in output  # no traceback through our code on any surviving rank
+
+
+def test_a_slow_first_drafter_step_does_not_time_out_the_channel(tiny_target, chat_data, tmp_path):
+    """The drafter's first forward takes 3x --dist_timeout (as a first compiled step on a GPU can): it happens
+    in the warm-up, before the channel opens, so no target's send waits on it and the 1+1 job completes."""
+    out = tmp_path / "slow"
+    args = train_args(tiny_target, chat_data, out, max_steps=4, dist_timeout=2, max_inflight=1)
+    script = str(SCRIPTS / "train_with_slow_first_forward.py")
+    env = {**os.environ, "SLOW_FIRST_FORWARD_S": "6"}
+    done = subprocess.run(
+        torchrun_cmd(2) + [script, *args[2:]], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())][-1] == 4
+
+
+def test_ranks_share_a_gpu_only_through_the_gloo_channel(monkeypatch):
+    """Two local ranks on a one-GPU node: refused under NCCL with a line saying what to do, sharing cuda:0
+    with --channel_backend gloo (the one-GPU check of a split job)."""
+    from dflash_ddp import topology
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert topology.select_device("cuda", 0) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="local rank 1: this node has 1 GPU.*--channel_backend gloo"):
+        topology.select_device("cuda", 1)
+    assert topology.select_device("cuda", 1, share_gpus=True) == torch.device("cuda", 0)

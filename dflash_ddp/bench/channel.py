@@ -61,7 +61,7 @@ def _channel_round(rank: int, batch: Batch, features: torch.Tensor) -> None:
         sender.close([1])
     else:
         receiver = ChannelReceiver(
-            1, [(g, 0) for g in range(REPEATS)], [0], torch.device("cpu"), torch.float32
+            1, [(g, 0) for g in range(REPEATS)], [0], torch.device("cpu"), torch.float32, torch.device("cpu")
         )
         for _ in range(REPEATS):
             receiver.get()

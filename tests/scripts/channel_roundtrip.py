@@ -36,7 +36,12 @@ def main() -> int:
         sender.close([1])
     else:
         receiver = ChannelReceiver(
-            1, [(g, 0) for g in range(len(SHAPES))], [0], torch.device("cpu"), torch.float32
+            1,
+            [(g, 0) for g in range(len(SHAPES))],
+            [0],
+            torch.device("cpu"),
+            torch.float32,
+            torch.device("cpu"),
         )
         for g, (b, s) in enumerate(SHAPES):
             message = receiver.get()
