@@ -125,7 +125,7 @@ def test_tiny_benchmark_writes_its_figures(tmp_path, capsys, one_thread):
     add_arguments(parser)
     args = parser.parse_args(
         ["--scale", "tiny", "--device", "cpu", "--out", str(tmp_path), "--target_steps", "1"]
-        + ["--drafter_steps", "2", "--peak_tflops", "0.05", "--profile", "always"]
+        + ["--drafter_steps", "2", "--peak_tflops", "1", "--profile", "always"]
     )
     figures = run(args)
     assert json.loads((tmp_path / "gpu_shapes.json").read_text()) == json.loads(json.dumps(figures))
