@@ -123,6 +123,7 @@ def test_target_flops_match_torch_flop_counter(one_thread):
 def test_tiny_benchmark_writes_its_figures(tmp_path, capsys, one_thread):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
+    assert "--peak_tflops" in parser.format_help()  # its help texts format (a bare % would raise)
     args = parser.parse_args(
         ["--scale", "tiny", "--device", "cpu", "--out", str(tmp_path), "--target_steps", "1"]
         + ["--drafter_steps", "2", "--peak_tflops", "1", "--profile", "always"]

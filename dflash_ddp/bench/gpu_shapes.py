@@ -340,7 +340,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         choices=("auto", "always", "never"),
         default="auto",
-        help=f"profile one drafter step: auto = on CUDA when MFU < {MFU_GOAL:.0%}",
+        help=f"profile one drafter step: auto = on CUDA when MFU < {100 * MFU_GOAL:.0f}%%",
     )
 
 
