@@ -5,7 +5,8 @@ scheduler.pt, rng-rank{i}.pt (the CPU and CUDA generator states of drafter rank 
 drafter group; tensors and plain containers only: loadable with weights_only=True), trainer_state.json,
 config.json (the drafter, z-lab layout) and manifest.json (sha256 + size of every file, written last).
 The directory is written under a temporary name, fsynced, then renamed; `checkpoints/latest` is
-written aside, fsynced and renamed into place.
+written aside, fsynced and renamed into place. `checkpoints/best` names the checkpoint with the highest real
+tau measured so far (written by the evaluation watcher, see watch.py); rotation never removes it.
 
 A checkpoint is valid only if its manifest is well formed, lists every required file under a plain name,
 names the step of its directory and trainer_state.json, and every listed file matches its size and hash.
@@ -13,6 +14,7 @@ names the step of its directory and trainer_state.json, and every listed file ma
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +23,8 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +40,9 @@ STEP_NAME = re.compile(r"step-\d{8}")
 # Written by every save besides the rng-rank{i}.pt of each drafter rank.
 REQUIRED_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "config.json")
 # Names a killed save can leave behind in checkpoints/ (removed once the job holds the output directory).
-LEFTOVER_PREFIXES = (".tmp-", ".stale-", ".latest-")
+LEFTOVER_PREFIXES = (".tmp-", ".stale-", ".latest-", ".best-")
+# Held by rotation and by whoever writes `best` (the watcher may be another process, on another host).
+POINTER_LOCK = ".pointers.lock"
 
 
 class SaveError(RuntimeError):
@@ -398,9 +404,73 @@ def write_manifest(directory: Path, step: int) -> None:
 def _rotate(root: Path, keep: int, protect: set[str]) -> None:
     if keep <= 0:
         return
-    for old in _step_dirs(root)[:-keep]:
-        if old.name not in protect:
-            shutil.rmtree(old)
+    with pointer_lock(root):  # `best` cannot move to a checkpoint while it is being removed
+        best = read_best(root)
+        for old in _step_dirs(root)[:-keep]:
+            if old.name not in protect and (best is None or old.name != best.name):
+                shutil.rmtree(old)
+
+
+@contextmanager
+def pointer_lock(root: Path) -> Iterator[None]:
+    """An exclusive lock (flock on checkpoints/.pointers.lock) between rotation, which must not remove the
+    checkpoint `best` names, and a writer of `best`, which must not name one rotation is removing."""
+    with (root / POINTER_LOCK).open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_best(root: Path) -> Path | None:
+    """The checkpoint `root/best` names, or None (no file, unreadable, or not a step-NNNNNNNN directory in
+    `root`: a best checkpoint moved aside by a resume from an earlier step)."""
+    try:
+        name = (root / "best").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if STEP_NAME.fullmatch(name) and (root / name).is_dir() else None
+
+
+def write_best(root: Path, name: str | None) -> bool:
+    """Point checkpoints/best at `name` atomically (None removes it); False, and nothing changed, when that
+    checkpoint no longer exists (rotation removed it first)."""
+    with pointer_lock(root):
+        if name is None:
+            (root / "best").unlink(missing_ok=True)
+            return True
+        if not (root / name).is_dir():
+            return False
+        atomic_write_text(root / "best", name + "\n")
+        return True
+
+
+def read_verified(path: Path, names: tuple[str, ...]) -> dict[str, bytes]:
+    """The bytes of the files `names` of checkpoint `path`, each checked against its manifest as read, so
+    that what the caller uses is what the manifest vouches for even when rotation removes the directory
+    meanwhile. A checkpoint that does not verify is a ValueError; one that is gone, FileNotFoundError."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        if not path.is_dir():
+            raise
+        raise ValueError(f"{path}: no {MANIFEST} (the save did not complete)") from None
+    except ValueError as e:
+        raise ValueError(f"{path / MANIFEST}: unreadable ({describe_error(e)})") from None
+    problems = _manifest_problems(path, manifest)
+    if problems:
+        raise ValueError("; ".join(problems))
+    found = {}
+    for name in names:
+        meta = manifest["files"].get(name)
+        if meta is None:
+            raise ValueError(f"{path / MANIFEST}: does not list {name}")
+        data = (path / name).read_bytes()
+        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise ValueError(f"{path / name}: size or sha256 does not match the manifest")
+        found[name] = data
+    return found
 
 
 def _manifest_problems(path: Path, manifest) -> list[str]:

@@ -106,6 +106,9 @@ class TrainConfig:
     eval_data: str = ""
     eval_prompts: int = 50
     eval_max_new_tokens: int = 128
+    # also at every checkpoint whose step is a multiple of eval_steps (0: off), by a background process on
+    # the drafter leader's device: eval.jsonl and checkpoints/best (see watch.py)
+    eval_steps: int = 0
 
     def validate(self) -> None:
         """Reject impossible settings with the flag name, the value and what to pass instead."""
@@ -163,6 +166,15 @@ class TrainConfig:
                 f"--resume_override {','.join(unknown)}: not a setting it can override; choose from "
                 + ", ".join(RESUME_OVERRIDABLE)
             )
+        if self.eval_steps and not self.eval_data:
+            raise ValueError(
+                f"--eval_steps {self.eval_steps} needs --eval_data (conversations to take prompts from)"
+            )
+        if self.eval_steps % self.save_steps:
+            raise ValueError(
+                f"--eval_steps {self.eval_steps} is not a multiple of --save_steps {self.save_steps}: checkpoints "
+                "are what is evaluated"
+            )
         self._check_paths()
 
     def _check_paths(self) -> None:
@@ -196,6 +208,7 @@ INT_MINIMUM = {
     "logging_steps": 1,
     "eval_prompts": 1,
     "eval_max_new_tokens": 1,
+    "eval_steps": 0,
 }
 
 # Float settings: (whether a value is in range, the range in words). Every one must also be finite.

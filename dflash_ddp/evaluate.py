@@ -11,6 +11,9 @@ jsonl/json conversation file greedily in five ways, in one run and on the same p
 
 Every speculative output must equal the greedy output token for token; the CLI exits 1 otherwise and 2 on
 bad input. tau is the mean number of tokens committed per target verify step, bonus token included.
+
+`python -m dflash_ddp.evaluate --watch RUN_DIR` follows a training run and measures tau at its checkpoints
+instead (see watch.py).
 """
 
 from __future__ import annotations
@@ -522,7 +525,14 @@ def json_object(text: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: 0 when every speculative output equals greedy, 1 on a mismatch, 2 on bad input."""
+    """CLI: 0 when every speculative output equals greedy, 1 on a mismatch, 2 on bad input.
+
+    With --watch RUN_DIR it follows a training run instead and evaluates its checkpoints (watch.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--watch" or a.startswith("--watch=") for a in argv):
+        from .watch import main as watch_main  # watch.py builds on this module
+
+        return watch_main(argv)
     parser = argparse.ArgumentParser(
         prog="python -m dflash_ddp.evaluate", description=__doc__.split("\n\n")[0]
     )

@@ -161,11 +161,16 @@ def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> D
             raise ValueError(
                 f"{directory}: no {name} (expected an exported drafter or a checkpoint directory)"
             )
-    config = from_zlab_config(
-        json.loads((directory / "config.json").read_text()), str(directory / "config.json")
-    )
-    model = DFlashDraftModel(config)
-    state = load_file(directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    return drafter_from_state(config, load_file(directory / "model.safetensors"), directory, device)
+
+
+def drafter_from_state(
+    config: dict, state: dict[str, torch.Tensor], directory: str | Path, device: str | torch.device = "cpu"
+) -> DFlashDraftModel:
+    """A drafter from a parsed config.json and model.safetensors tensors (read from `directory`, named in
+    errors); keys and shapes must match exactly."""
+    model = DFlashDraftModel(from_zlab_config(config, f"{directory}/config.json"))
     expected = set(trainable_state_dict(model))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -23,6 +23,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from .checkpoint import SaveError
 
+TAU_LEGEND = (
+    "tau~ is estimated on the training batches, teacher-forced: per block, 1 + the number of leading block "
+    "positions whose top-1 equals the data's next token. Real tau (speculative decoding on held-out prompts, "
+    "eval.jsonl, shown as 'real') is lower: unseen prompts, and blocks start only where the previous one ended"
+)
 DRAFTER_WAIT_LIMIT = 0.10  # of a logging window; above it the targets do not keep the drafter busy
 TARGET_BLOCKED_LIMIT = 0.50  # of a logging window, averaged over the target ranks
 
@@ -86,6 +91,8 @@ class TrainingMonitor:
         self._send_wait_s: dict[str, float] | None = None  # targets' cumulative send waits at its start
         self._warnings: dict[str, str] = {}  # the conditions active in the last window
         self._progress = None
+        self._evaluated = 0  # records of eval.jsonl already shown
+        self.print(TAU_LEGEND)
         if self.live:
             self._progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"),
@@ -121,12 +128,28 @@ class TrainingMonitor:
         blocked = record.get("target_send_wait_fraction")
         if blocked:
             summary += f"  targets blocked {100 * sum(blocked.values()) / len(blocked):.0f}%"
+        summary += self._real_tau()
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], summary=summary)
         else:
             self.console.print(
                 f"step {record['step']}/{self.total_steps}  {summary}", highlight=False, soft_wrap=True
             )
+
+    def _real_tau(self) -> str:
+        """The newest real tau of eval.jsonl (written by the evaluation watcher) for the bar, printing a line
+        for each evaluation that arrived since the last call."""
+        from .watch import read_evaluations  # imports the decoder; only read when there is something to show
+
+        if not (self.path.parent / "eval.jsonl").is_file():
+            return ""
+        records, _ = read_evaluations(self.path.parent)
+        for r in records[self._evaluated :]:
+            if r["tau"] is not None:
+                self.print(f"real tau at step {r['step']}: {r['tau']:.2f} ({r['prompts']} held-out prompts)")
+        self._evaluated = len(records)
+        last = next((r for r in reversed(records) if r["tau"] is not None), None)
+        return f"  real {last['tau']:.2f}@{last['step']}" if last else ""
 
     def _judge_split(self, record: dict, now: float) -> dict:
         """The targets' send-wait fractions and the active warnings of this window, for the record; prints a

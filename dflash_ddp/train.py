@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -64,6 +65,7 @@ from .trainer import (
     resolve_attention,
 )
 from .transport import ChannelError, ChannelReceiver, ChannelSender, Message, PeerLost, StopFlag
+from .watch import prune_evaluations
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -313,6 +315,7 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
             if topo.is_leader and saving:
                 trainer_state = run.identity | {
                     "global_step": step,
+                    "total_steps": schedule.total_steps,  # how an evaluation watcher knows the run's end
                     "epoch": messages[-1].epoch,
                     "batches_consumed": run.first_batch + (step - run.start_step) * schedule.batches_per_step,
                     "tokens_seen": tokens_seen,
@@ -378,6 +381,37 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
     gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.drafter.parameters())
     for line in report(measurement, topology.world_size, device, topology.num_drafters, gradient_bytes):
         print(line)
+
+
+def start_watcher(cfg: TrainConfig, device: torch.device) -> subprocess.Popen:
+    """--eval_steps: the evaluation watcher as a background process of the drafter leader (see watch.py)."""
+    from .watch import LOG_FILE, start_in_job
+
+    out = Path(cfg.output_dir)
+    print(
+        f"real tau every {cfg.eval_steps} steps: evaluated in the background (python -m dflash_ddp.evaluate "
+        f"--watch {out}; log in {out / LOG_FILE}) into {out / 'eval.jsonl'} and {out / 'checkpoints' / 'best'}"
+    )
+    return start_in_job(out, device, out / LOG_FILE)
+
+
+def finish_watcher(watcher: subprocess.Popen, stopped: bool, out: Path) -> None:
+    """Wait for the watcher to evaluate the final checkpoint (a stopped run: end it now), then summarise."""
+    from .watch import best_record, read_evaluations
+
+    if stopped:
+        watcher.terminate()
+    else:
+        print("waiting for the background evaluation of the last checkpoint")
+    if watcher.wait() and not stopped:
+        print(
+            f"the background evaluation failed (exit status {watcher.returncode}); see {out / 'eval_watch.log'}"
+        )
+    records, _ = read_evaluations(out)
+    if records:
+        taus = ", ".join(f"{r['step']}: {r['tau']:.2f}" for r in records if r["tau"] is not None)
+        best = best_record(records)
+        print(f"real tau per evaluated step: {taus}" + (f"; best {best['checkpoint']}" if best else ""))
 
 
 def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
@@ -508,7 +542,10 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
     if leader:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        for note in prune_metrics(cfg.output_dir, run.start_step):
+        pruned = prune_metrics(cfg.output_dir, run.start_step) + prune_evaluations(
+            cfg.output_dir, run.start_step
+        )
+        for note in pruned:
             print(note)
         (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
         (out / "config.json").write_text(json.dumps(config_to_dict(run.cfg), indent=2) + "\n")
@@ -517,6 +554,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
             f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"
         )
     start, split = time.perf_counter(), not topology.colocated
+    watcher = start_watcher(cfg, ctx.device) if leader and cfg.eval_steps else None
     try:
         stopped = ROLES[topology.role](ctx, run)
     except RestoreError as e:
@@ -540,6 +578,8 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         print(
             f"training took {time.perf_counter() - start:.0f} s; checkpoints in {cfg.output_dir}/checkpoints"
         )
+        if watcher:
+            finish_watcher(watcher, stopped, Path(cfg.output_dir))
         if cfg.eval_data and not stopped:
             run_final_evaluation(cfg, ctx.device)
     return 0
