@@ -19,16 +19,19 @@
 #                     sequences of 1024 tokens (conversations of 14 joined rows of the embedded data),
 #                     8 sequences per batch in 8 chunks of 8192 draft positions, bf16, flex, gradient
 #                     checkpointing forced on, 20 steps
+#   split_gloo        the same run as colocated_flex (no evaluation) as a 1+1 split job on the one GPU:
+#                     --channel_backend gloo (no NCCL, features through host memory, both ranks on the
+#                     GPU); then one line comparing its losses with colocated_flex's at the same steps
 #   colocated_sparse  the embedded default with --attention sparse, 40 steps, no evaluation
-#   regenerate        32 prompts, 128 new tokens, batches of 16
+#   regenerate        64 prompts, 128 new tokens, batches of 16
 # The flex steps run with TORCH_LOGS=recompiles (the summary counts the recompiles); the compile caches
 # (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) live in OUT/compile_cache and are removed at the end unless
 # KEEP_COMPILE_CACHE=1; output is unbuffered, so a step killed at its limit keeps its log up to the kill.
 # OUT/summary.txt: per step the exit code, seconds, peak memory (GPU: max_memory_allocated; CPU: resident
 # set), seconds per optimizer step after the first logging window, loss, tau (the training estimate, and
 # the evaluation's where it ran) and the plan's prediction. Exit status: the number of failed steps.
-# A split job needs one GPU per rank (NCCL refuses two ranks on one device): the NCCL channel needs 2+
-# GPUs, `torchrun --nproc-per-node 2 -m dflash_ddp.train`, and is not part of this check.
+# The NCCL channel needs one GPU per rank (NCCL refuses two ranks on one device), so 2+ GPUs:
+# `torchrun --nproc-per-node 2 -m dflash_ddp.train`; it is not part of this check (split_gloo is).
 #
 # Sizing. The dry run on a 2-core CPU machine shared with another test suite (load 3.5), seconds per
 # step: preflight 7, colocated_flex 15, plan_large 12, large 13, colocated_sparse 13, regenerate 14; 74 in
@@ -70,8 +73,9 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every step, tiny
   JOIN_ROWS=4 LARGE_ROWS=64 REGEN_ROWS=2 REGEN=(--max_new_tokens 8 --batch_size 2)
   COMPILE_BACKEND=eager  # inductor on the CPU would time the C++ compiler, not the check
   FLEX=dense             # flex has no backward on the CPU; dense is the reference of the same mask
-  # limits in seconds: preflight, colocated_flex, plan_large, large, colocated_sparse, regenerate, gpu_shapes
-  L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 L_SHAPES=120
+  # limits in seconds: preflight, colocated_flex, plan_large, large, colocated_sparse, regenerate, gpu_shapes,
+  # split_gloo
+  L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 L_SHAPES=120 L_SPLIT=180
   SHAPES=(--scale tiny --target_steps 2 --drafter_steps 2 --profile always)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 2 threads on a loaded 2-core machine: 4x slower steps
 else
@@ -79,10 +83,10 @@ else
   STEPS=40 LOG_STEPS=10 TRAIN_ROWS=0 EVAL=(--eval_prompts 10 --eval_max_new_tokens 96)
   LARGE=(--num_draft_layers 5 --block_size 16 --num_anchors 512 --max_seq_len 1024 --tokens_per_batch 8192
     --drafter_chunk_tokens 8192 --max_steps 20 --logging_steps 5)
-  JOIN_ROWS=14 LARGE_ROWS=0 REGEN_ROWS=32 REGEN=(--max_new_tokens 128 --batch_size 16)
+  JOIN_ROWS=14 LARGE_ROWS=0 REGEN_ROWS=64 REGEN=(--max_new_tokens 128 --batch_size 16)
   COMPILE_BACKEND=inductor FLEX=flex
   # cold compile cache; a step cut by its limit is reported, and the budget cuts the last ones first
-  L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 L_SHAPES=150
+  L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 L_SHAPES=150 L_SPLIT=90
   SHAPES=(--scale qwen3-8b)
 fi
 # one tokenization per data set and settings (2.3 s for the embedded data; --num_proc would spawn
@@ -274,11 +278,32 @@ step plan_large "$L_PLAN" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LAR
   --output_dir "$OUT/large"
 step large "$L_LARGE" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LARGE[@]}" \
   --output_dir "$OUT/large"
-# 6. the block-sparse path on the same run: loss should follow the flex run's
+# 6. the split job's CUDA paths on one GPU (receiver stream, bf16 features, warm-up, barriers, checkpoint of
+#    CUDA tensors): 1 target + 1 drafter rank sharing the GPU, the channel through host memory (NCCL refuses
+#    two ranks on one GPU); the same run as step 2 without its evaluation, so the losses should follow it
+step split_gloo "$L_SPLIT" env TORCH_LOGS=recompiles "$PYTHON" -u -m torch.distributed.run --standalone \
+  --nproc-per-node 2 -m dflash_ddp.train "${COMMON[@]}" "${DATA[@]}" --attention "$FLEX" --channel_backend gloo \
+  --max_steps "$STEPS" --logging_steps "$LOG_STEPS" --eval_data "" --output_dir "$OUT/split_gloo"
+note "$("$PYTHON" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+def losses(name):
+    path = Path(sys.argv[1]) / name / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {m["step"]: m["loss"] for m in map(json.loads, lines) if "loss" in m}
+
+colocated, split = losses("colocated_flex"), losses("split_gloo")
+common = sorted(set(colocated) & set(split))
+diffs = [abs(colocated[s] - split[s]) for s in common]
+print(f"losses colocated vs 1+1: steps {common}, max |difference| {max(diffs) if diffs else 'n/a'}")
+EOF
+)"
+# 7. the block-sparse path on the same run: loss should follow the flex run's
 step colocated_sparse "$L_SPARSE" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${DATA[@]}" \
   --attention sparse --max_steps "$STEPS" --logging_steps "$LOG_STEPS" --eval_data "" \
   --output_dir "$OUT/colocated_sparse"
-# 7. regeneration on the device (bf16 generate on CUDA, left padding)
+# 8. regeneration on the device (bf16 generate on CUDA, left padding)
 step regenerate "$L_REGEN" "$PYTHON" -u -m dflash_ddp.regenerate --target_model "$ASSETS/tiny_qwen3" \
   --data "$OUT/prompts.jsonl" --out "$OUT/regenerated.jsonl" --device "$DEVICE" "${REGEN[@]}"
 

@@ -10,7 +10,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "launch" / "gpu_check.sh"
-STEPS = ["preflight", "colocated_flex", "plan_large", "large", "colocated_sparse", "regenerate"]
+STEPS = [
+    "preflight",
+    "colocated_flex",
+    "gpu_shapes",
+    "plan_large",
+    "large",
+    "split_gloo",
+    "colocated_sparse",
+    "regenerate",
+]
 
 
 def run_gpu_check(out: Path, *args: str, env: dict | None = None, timeout: float = 600):
@@ -77,6 +86,9 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
         assert re.search(r"peak_gib=\d", summary[name]) and "tau_train=" in summary[name], summary[name]
     assert "s_per_step=" in summary["colocated_flex"] and "lossless=True" in summary["colocated_flex"]
     assert re.search(r"plan_gib=\d", summary["large"]) and "recompiles=0" in summary["large"]
-    assert "0 step(s) failed" in (out / "summary.txt").read_text()
+    text = (out / "summary.txt").read_text()
+    assert "0 step(s) failed" in text
+    # the split job trains what the colocated one does (bit-identical on the CPU, one thread each)
+    assert re.search(r"losses colocated vs 1\+1: steps \[1, 2\], max \|difference\| 0\.0\b", text), text
     assert (out / "regenerated.jsonl").is_file() and (out / "colocated_flex" / "eval.json").is_file()
     assert not list(out.glob("*/checkpoints")) and not (out / "compile_cache").exists()
