@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .config import TrainConfig, config_to_dict, parse_config, usage
+from .memory import peak_resident_bytes
 from .progress import TrainingMonitor
 from .resume import RestoreError, load_tensor_file, load_trainer_state, load_weights, restore_rng
 from .run_lock import OutputDirLock
@@ -73,7 +73,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     --plan's prediction)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_resident_bytes()
 
 
 # --------------------------------------------------------------------------------------------- roles
