@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from .chat_template import check_template_kwargs
+from .trackers import resolve_report_to
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_TARGET = ASSETS / "tiny_qwen3"
@@ -98,6 +99,9 @@ class TrainConfig:
     save_steps: int = 1000
     save_total_limit: int = 3
     logging_steps: int = 10
+    # experiment trackers, as in Hugging Face: none | all (every installed one) | tensorboard, wandb, mlflow
+    report_to: list[str] = field(default_factory=lambda: ["none"])
+    run_name: str = ""  # the run's name in the trackers; empty: the output directory's name
     plan: bool = False
     calibrate: bool = False  # with --plan: measure one target and one drafter rank, recommend a split
     resume: str = "auto"  # auto | never | PATH of a checkpoint directory
@@ -138,6 +142,7 @@ class TrainConfig:
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"--mask_token_id {self.mask_token_id}: must be a token id >= 0")
         check_template_kwargs(self.chat_template_kwargs)
+        resolve_report_to(self.report_to)  # unknown names, and packages not installed, refused now
         if self.overlength not in ("truncate", "drop"):
             raise ValueError(f"--overlength {self.overlength}: choose truncate or drop")
         if self.attention not in ("auto", "sparse", "flex", "dense"):
@@ -340,23 +345,6 @@ def _parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
     return config_file, values
 
 
-def usage() -> str:
-    """Every flag with its type and default (the dataclass is the reference; see its comments)."""
-    lines = [
-        "usage: torchrun --nproc-per-node N -m dflash_ddp.train [--config FILE.yaml] [--key value ...]",
-        "",
-    ]
-    defaults = TrainConfig()
-    for name, hint in _field_types(TrainConfig).items():
-        type_name = str(hint).replace("typing.", "") if typing.get_args(hint) else hint.__name__
-        lines.append(f"  --{name:<28} {type_name:<18} default: {getattr(defaults, name)!r}")
-    lines.append("")
-    lines.append(
-        "Without --target_model the embedded tiny target and its data are used (dflash_ddp/config.py)."
-    )
-    return "\n".join(lines)
-
-
 def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     """Build and validate the config from argv. Returns it and whether the embedded preset was used."""
     types_ = _field_types(TrainConfig)
@@ -364,6 +352,11 @@ def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     file_values = _load_yaml(config_file, types_) if config_file else {}
     merged = {**file_values, **flags}
     embedded = "target_model" not in merged
+    if embedded and "data" in merged:  # the tiny embedded target would silently train on the user's data
+        raise ValueError(
+            "--data needs --target_model: pass the model directory the conversations are for (without "
+            "--target_model the embedded tiny target trains on its own data)"
+        )
     values = {**EMBEDDED_PRESET, **merged} if embedded else merged
     config = TrainConfig(**values)
     config.validate()

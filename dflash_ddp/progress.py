@@ -78,10 +78,12 @@ def pipeline_warnings(drafter_wait: float, target_blocked: dict[str, float]) -> 
 
 
 class TrainingMonitor:
-    """Appends one JSON object per logged step to metrics.jsonl and shows progress."""
+    """Appends one JSON object per logged step to metrics.jsonl, sends it to the experiment trackers (if
+    any: --report_to) and shows progress."""
 
-    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int = 0):
+    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int = 0, trackers=None):
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.trackers = trackers  # trackers.Trackers, started before training
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.console = Console(stderr=True)
@@ -118,6 +120,8 @@ class TrainingMonitor:
                 f"appending step {record['step']} to {self.path} failed ({e}); the checkpoints are intact; "
                 "free space under --output_dir and resume"
             ) from None
+        if self.trackers is not None:
+            self.trackers.log(record)
         summary = (
             f"loss {record['loss']:.3f}  acc {record['accuracy']:.3f}  tau~{record['tau_estimate']:.2f}  "
             f"{record.get('tokens_per_s', 0):,.0f} tok/s  drafter waited {100 * record.get('wait_fraction', 0):.0f}%"
@@ -128,7 +132,7 @@ class TrainingMonitor:
         blocked = record.get("target_send_wait_fraction")
         if blocked:
             summary += f"  targets blocked {100 * sum(blocked.values()) / len(blocked):.0f}%"
-        summary += self._real_tau()
+        summary += self._real_tau(record["step"])
         if self._progress is not None:
             self._progress.update(self._task, completed=record["step"], summary=summary)
         else:
@@ -136,9 +140,9 @@ class TrainingMonitor:
                 f"step {record['step']}/{self.total_steps}  {summary}", highlight=False, soft_wrap=True
             )
 
-    def _real_tau(self) -> str:
+    def _real_tau(self, step: int) -> str:
         """The newest real tau of eval.jsonl (written by the evaluation watcher) for the bar, printing a line
-        for each evaluation that arrived since the last call."""
+        for each evaluation that arrived since the last call (and sending it to the trackers at `step`)."""
         from .watch import read_evaluations  # imports the decoder; only read when there is something to show
 
         if not (self.path.parent / "eval.jsonl").is_file():
@@ -147,6 +151,8 @@ class TrainingMonitor:
         for r in records[self._evaluated :]:
             if r["tau"] is not None:
                 self.print(f"real tau at step {r['step']}: {r['tau']:.2f} ({r['prompts']} held-out prompts)")
+            if self.trackers is not None:
+                self.trackers.log_eval(step, r)
         self._evaluated = len(records)
         last = next((r for r in reversed(records) if r["tau"] is not None), None)
         return f"  real {last['tau']:.2f}@{last['step']}" if last else ""

@@ -27,6 +27,7 @@ from .resume import check_same_run, find_checkpoint, load_trainer_state
 from .schedule import BatchSchedule
 from .target import TargetInfo, inspect_target, target_fingerprint, truncated_parameter_count
 from .topology import DistributedContext, Topology, env_world, select_device
+from .trackers import Trackers
 from .trainer import (
     compute_dtype,
     drafter_config_for,
@@ -224,6 +225,7 @@ class Run:
     start_step: int = 0
     first_batch: int = 0  # the checkpoint's data cursor: global batches already consumed
     resume_from: Path | None = None
+    trackers: Trackers | None = None  # on the drafter leader when --report_to names any
 
     @property
     def end_batch(self) -> int:

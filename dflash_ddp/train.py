@@ -11,6 +11,7 @@ function in both training roles; only where its batches come from differs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,7 +33,8 @@ from .checkpoint import (
     remove_leftovers,
     resolve_checkpoint,
 )
-from .config import TrainConfig, config_to_dict, parse_config, usage
+from .cli_help import usage
+from .config import TrainConfig, config_to_dict, parse_config
 from .memory import peak_resident_bytes
 from .progress import TrainingMonitor
 from .resume import RestoreError, load_tensor_file, load_trainer_state, load_weights, restore_rng
@@ -56,6 +58,7 @@ from .schedule import ScheduledBatch
 from .signals import GracefulStop
 from .target import SharedTargetHead, TargetFeatureExtractor
 from .topology import DistributedContext, Topology, env_world, init_distributed, job_barrier, shutdown
+from .trackers import Trackers, resolve_report_to
 from .trainer import (
     DrafterTrainer,
     OptimizerSettings,
@@ -242,7 +245,9 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
     if not topo.colocated:
         trainer.warm_up()
     source = open_source()
-    monitor = TrainingMonitor(out, schedule.total_steps, run.start_step) if topo.is_leader else None
+    monitor = (
+        TrainingMonitor(out, schedule.total_steps, run.start_step, run.trackers) if topo.is_leader else None
+    )
     protect = {run.resume_from.name} if run.resume_from else set()
     writer = CheckpointWriter(out, cfg.save_total_limit, protect, monitor.print) if monitor else None
     compute_s, senders = 0.0, {}  # compute_s: time inside trainer.step
@@ -479,13 +484,53 @@ def fail(
     os._exit(code)
 
 
+# How long a rank other than the first waits before printing its refusal to start. Under torchrun every rank
+# usually reaches the same refusal (each parses the same flags and reads the same files); the first one
+# exits at once and torchrun (0.1 s monitor interval) ends the others within this wait, so the line is
+# printed once. A refusal that only this rank reaches (its GPU, its node's files) is still printed, later.
+REFUSAL_ECHO_DELAY_S = 3.0
+
+
+def refuse(message: str, first: bool, split: bool, lock: OutputDirLock | None = None) -> int:
+    """A refusal at start: `message` on stderr, exit status 2, printed once per job in a split job (see
+    REFUSAL_ECHO_DELAY_S). Under torchrun the line also goes to this rank's error file, which torchrun shows
+    as the "Root Cause" at the end of its failure summary (below its own traceback), and the rank exits at
+    once (a normal interpreter exit takes seconds, in which the other ranks would print the line too),
+    releasing the output directory's `lock` first as `fail` does."""
+    if split and not first:
+        time.sleep(REFUSAL_ECHO_DELAY_S)
+    print(message, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker
+    if split and error_file:
+        # the layout torchrun's ErrorHandler writes; its summary prints extraInfo.py_callstack
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+        if lock:
+            lock.release()
+        sys.stdout.flush()
+        os._exit(2)
+    return 2
+
+
+def start_trackers(cfg: TrainConfig, start_step: int) -> Trackers | None:
+    """--report_to: the experiment trackers, started (with the config) before any training step."""
+    names = resolve_report_to(cfg.report_to)
+    if not names:
+        return None
+    trackers = Trackers.start(names, cfg.run_name, cfg.output_dir, config_to_dict(cfg), start_step)
+    print(f"reporting metrics to {', '.join(names)} (under {cfg.output_dir})")
+    return trackers
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 on success (or a clean stop), 2 on bad input or a refused resume, 1 when a peer or the disk fails."""
     argv = sys.argv[1:] if argv is None else argv
+    rank, world, local_rank = env_world()
     if "--help" in argv or "-h" in argv:
-        print(usage())
+        if local_rank == 0:  # once per node under torchrun
+            print(usage(argv))
         return 0
-    rank, world, _ = env_world()
     where = "" if world == 1 else f" (rank {rank})"
     try:
         cfg, embedded = parse_config(argv)
@@ -507,8 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))
         ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend)
     except ValueError as e:
-        print(f"error{where}: {e}", file=sys.stderr)
-        return 2
+        return refuse(f"error{where}: {e}", first=local_rank == 0, split=world > 1)
     lock = OutputDirLock(cfg.output_dir) if leader else None
     try:
         return train(ctx, run, stats, lock, where)
@@ -529,15 +573,26 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
                 # the same checkpoint, and race on rotation, `latest` and metrics.jsonl
                 for note in lock.acquire() + remove_leftovers(cfg.output_dir) + decide_start(run, topology):
                     print(note)
+                if run.start_step < run.schedule.total_steps:
+                    run.trackers = start_trackers(cfg, run.start_step)
             # any failure (a hand-edited trainer_state.json can raise anything) is a refusal on every rank:
             # a leader dying here would leave the others waiting in the broadcast below
             except Exception as e:
                 error = str(e) if isinstance(e, ValueError) else f"cannot resume: {type(e).__name__}: {e}"
         share_start(ctx, run, error)
-    except ValueError as e:
-        print(f"error{where}: {e}", file=sys.stderr)
+    except ValueError as e:  # the same on every rank, decided by the leader: the leader says it
         shutdown()
-        return 2
+        return refuse(f"error{where}: {e}", first=leader, split=not topology.colocated, lock=lock)
+    if run.start_step >= run.schedule.total_steps:  # resumed at the last step: nothing left to train
+        shutdown()
+        if leader:
+            print(
+                f"already finished at step {run.start_step} (checkpoint {run.resume_from}); to train further, "
+                "raise --max_steps or --num_epochs and name it in --resume_override"
+            )
+            if cfg.eval_data and not (Path(cfg.output_dir) / "eval.json").is_file():
+                run_final_evaluation(cfg, ctx.device)  # the job that trained it stopped before evaluating
+        return 0
     torch.manual_seed(cfg.seed)
     if leader:
         out = Path(cfg.output_dir)
@@ -574,6 +629,8 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         return fail(message, 1, split, consequence=True, lock=lock)
     finally:
         shutdown()
+        if run.trackers:
+            run.trackers.finish()
     if leader:
         print(
             f"training took {time.perf_counter() - start:.0f} s; checkpoints in {cfg.output_dir}/checkpoints"

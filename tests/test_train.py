@@ -62,7 +62,7 @@ def test_plan_prints_topology_without_training(tiny_target, chat_data, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
-def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data, tmp_path):
+def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data, tmp_path, capsys):
     out = tmp_path / "run"
     assert (
         main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--learning_rate", "3e-3"]) == 0
@@ -85,10 +85,12 @@ def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data
     assert all(t.dtype == torch.float32 for t in load_file(ckpt / "model.safetensors").values())
     assert not list(root.glob(".tmp-*"))
 
-    # running the finished job again resumes at its last step and has nothing left to do
+    # running the finished job again resumes at its last step, has nothing left to do and says so
+    capsys.readouterr()
     assert (
         main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--learning_rate", "3e-3"]) == 0
     )
+    assert f"already finished at step 20 (checkpoint {ckpt})" in capsys.readouterr().out
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
     # --resume never would start over on top of that work: refused
     assert main(base_args(tiny_target, chat_data, out) + ["--max_steps", "20", "--resume", "never"]) == 2
