@@ -24,9 +24,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from .checkpoint import SaveError
 
 TAU_LEGEND = (
-    "tau~ is estimated on the training batches, teacher-forced: per block, 1 + the number of leading block "
-    "positions whose top-1 equals the data's next token. Real tau (speculative decoding on held-out prompts, "
-    "eval.jsonl, shown as 'real') is lower: unseen prompts, and blocks start only where the previous one ended"
+    "tau~ is estimated on the training batches, teacher-forced: for blocks at random response positions, 1 + "
+    "the number of leading block positions whose top-1 equals the data's token. Real tau (speculative "
+    "decoding of held-out prompts, shown as 'real' with --eval_steps) is lower: decoding starts each block "
+    "where the last one failed, so a stretch the drafter gets wrong costs a block per token and one it gets "
+    "right few blocks"
 )
 DRAFTER_WAIT_LIMIT = 0.10  # of a logging window; above it the targets do not keep the drafter busy
 TARGET_BLOCKED_LIMIT = 0.50  # of a logging window, averaged over the target ranks
