@@ -41,8 +41,6 @@ STEP_NAME = re.compile(r"step-\d{8}")
 REQUIRED_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "config.json")
 # Names a killed save can leave behind in checkpoints/ (removed once the job holds the output directory).
 LEFTOVER_PREFIXES = (".tmp-", ".stale-", ".latest-", ".best-")
-# Held by rotation and by whoever writes `best` (the watcher may be another process, on another host).
-POINTER_LOCK = ".pointers.lock"
 
 
 class SaveError(RuntimeError):
@@ -413,14 +411,15 @@ def _rotate(root: Path, keep: int, protect: set[str]) -> None:
 
 @contextmanager
 def pointer_lock(root: Path) -> Iterator[None]:
-    """An exclusive lock (flock on checkpoints/.pointers.lock) between rotation, which must not remove the
-    checkpoint `best` names, and a writer of `best`, which must not name one rotation is removing."""
-    with (root / POINTER_LOCK).open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """An exclusive lock between rotation, which must not remove the checkpoint `best` names, and a writer of
+    `best` (the watcher, another process), which must not name one rotation is removing: an flock on the
+    checkpoints directory itself (no lock file to leave behind)."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
 
 
 def read_best(root: Path) -> Path | None:
