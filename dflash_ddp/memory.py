@@ -75,6 +75,12 @@ def drafter_memory(
 ) -> MemoryPlan:
     """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features.
 
+    A chunk's tensors peak in one of two moments, whichever holds more: at the loss (every layer's saved
+    tensors and the loss's logits chunks) or inside the backward of the last layer (the other layers'
+    saved tensors, the last layer's input, and that layer's backward temporaries; its other saved tensors
+    are freed by then: measured, the peak sits in the recomputation of its q/k/v). So "activations" counts
+    what both moments share and "backward or loss" the larger of the two remainders.
+
     With per-layer gradient checkpointing the layers keep only their inputs, and one layer's activations
     exist again while its backward recomputes them."""
     width = len(c.target_layer_ids) * c.hidden_size
@@ -83,14 +89,15 @@ def drafter_memory(
     per_layer = positions * saved_per_position(c) + context * saved_per_context_token(c)
     # once per chunk: the features, fc's output, the block embeddings, the final norm and the loss's copy
     once = context * (width + c.hidden_size) + positions * 3 * c.hidden_size
-    kept = (
-        c.num_hidden_layers * positions * c.hidden_size + per_layer
-        if checkpointing
-        else c.num_hidden_layers * per_layer
-    )
-    activations = (kept + once) * dtype_bytes
+    last_input = positions * c.hidden_size
+    if checkpointing:  # every layer's input, and the last one recomputed in full (not measured: generous)
+        shared, last_rest = c.num_hidden_layers * last_input + per_layer, 0
+    else:
+        shared, last_rest = (c.num_hidden_layers - 1) * per_layer + last_input, per_layer - last_input
+    activations = (shared + once) * dtype_bytes
     # backward of one layer, next to the saved tensors; the MLP and the norms work in pieces of rows
     backward = positions * backward_per_position(c) * 4 + 5 * MLP_ROWS * c.intermediate_size * 4
+    loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
     if attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
         # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
         # scores and their softmax per head
@@ -100,15 +107,14 @@ def drafter_memory(
         attention_ws = 3 * WORKSPACE_BYTES
     else:  # flex: tiles in on-chip memory; the BlockMask is small
         attention_ws = 0
-    loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
     return MemoryPlan(
         {
             "weights+grads+AdamW": num_params * 16,
             "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
             "received features": received_batches * tokens_per_batch * width * dtype_bytes,
-            "activations": activations + backward,
+            "activations": activations,
+            "backward or loss": max(backward, last_rest * dtype_bytes + loss_ws),
             "attention workspace": attention_ws,
-            "loss workspace": loss_ws,
         }
     )
 

@@ -167,6 +167,7 @@ def check_memory(cfg: TrainConfig, setup: RunSetup) -> None:
         biggest = max(parts, key=lambda kv: kv[1])[0]
         advice = {
             "activations": "--drafter_chunk_tokens",
+            "backward or loss": "--drafter_chunk_tokens (or --loss_chunk_size)",
             "attention workspace": "--drafter_chunk_tokens (or use --attention sparse)",
             "received features": "--tokens_per_batch",
             "tapped features": "--tokens_per_batch",

@@ -86,8 +86,11 @@ FRESH = [sys.executable, "-S", "-c", "import subprocess, sys; sys.exit(subproces
 
 
 def cli(*flags: str) -> str:
-    """Run the CLI in a fresh process started by a tiny one (see FRESH), with one thread."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """Run the CLI in a fresh process started by a tiny one (see FRESH), with one thread, and glibc told to
+    return every freed block of 64 KiB and more at once, so that the resident peak is the tensors' peak
+    plus the runtime: the prediction models tensors, not what glibc keeps of freed memory for reuse (by
+    default 0.1 GiB and more here, varying from run to run)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     result = subprocess.run(
         [*FRESH, sys.executable, "-m", "dflash_ddp.train", *flags],
         capture_output=True,
@@ -117,8 +120,9 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path):
     cli(*flags)
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     measured = max(json.loads(line)["peak_memory_gib"] for line in records)
-    # measured 0.60-0.61 GiB against 0.57 predicted, alone and from a test process holding 1.5 GiB
-    assert 0.8 <= predicted / measured <= 1.2, (predicted, measured)
+    # measured 0.53 GiB against 0.54 predicted (0.62 with glibc's default retention); the prediction is
+    # used to refuse runs, so it should not fall below the tensors' peak
+    assert 0.95 <= predicted / measured <= 1.25, (predicted, measured)
 
 
 def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path, capsys):
