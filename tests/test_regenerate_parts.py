@@ -25,6 +25,7 @@ def test_merge_orders_rows_leaves_out_bad_empty_and_cut_rows_and_waits_for_missi
 
     out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
     parts.mkdir()
+    (parts / "settings.json").write_text('{"rows": 5}')  # as the run's start writes it
     # rows from two world sizes, out of order, one found twice, one file ending in a line cut by a kill
     (parts / "rank0-of-2.jsonl").write_text(record(2, "c", hit=True) + "\n" + record(0, "a") + "\n")
     (parts / "rank1-of-2.jsonl").write_text(
@@ -35,6 +36,11 @@ def test_merge_orders_rows_leaves_out_bad_empty_and_cut_rows_and_waits_for_missi
 
     (parts / "rank0-of-1.jsonl").write_text(record(3, "d") + "\n" + record(0, "a") + "\n")
     summary = parts_mod.merge(out, parts, 5, keep_truncated)
+    # the settings outlive OUT.parts, beside OUT, with the merge-time choice
+    assert json.loads(parts_mod.settings_path(out).read_text()) == {
+        "rows": 5,
+        "keep_truncated": keep_truncated,
+    }
     # row 1 (empty) and row 4 (bad) are always left out; row 2 (cut off by --max_new_tokens) by default
     assert summary == parts_mod.Summary(
         rows=5, written=2 + keep_truncated, bad=1, empty=1, hit_max_new_tokens=1, turns=4, new_tokens=20
@@ -120,6 +126,7 @@ def test_rows_with_kept_tool_calls_are_written(tmp_path):
     messages.append({"role": "assistant", "content": "It is sunny."})
     parts = tmp_path / "out.jsonl.parts"
     parts.mkdir()
+    (parts / "settings.json").write_text("{}")
     record = {"row": 0, "messages": messages, "hit_max_new_tokens": False, "new_tokens": 4}
     (parts / "rank0-of-1.jsonl").write_text(json.dumps(record) + "\n")
     summary = parts_mod.merge(tmp_path / "out.jsonl", parts, 1)
