@@ -69,7 +69,15 @@ def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data
     )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [5, 10, 15, 20]
-    assert records[-1]["loss"] < records[0]["loss"]
+    # Learning, measured on the same batches: a run whose updates are negligible sees the same data and anchors
+    # in the same order, so its losses are the noise-free baseline (successive logged losses of one run differ
+    # by more from batch to batch than 20 steps on this random-word data lower them).
+    still = tmp_path / "still"
+    assert (
+        main(base_args(tiny_target, chat_data, still) + ["--max_steps", "20", "--learning_rate", "1e-9"]) == 0
+    )
+    baseline = [json.loads(line)["loss"] for line in (still / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] < b for r, b in zip(records[1:], baseline[1:], strict=True)), (records, baseline)
     for r in records:
         assert {"loss", "accuracy", "tau_estimate", "tokens_per_s", "wait_fraction", "lr"} <= r.keys()
 
