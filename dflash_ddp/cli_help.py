@@ -10,6 +10,7 @@ from __future__ import annotations
 import typing
 
 from .config import (
+    EMBEDDED_NAME,
     EMBEDDED_PRESET,
     FLOAT_RANGES,
     INT_MINIMUM,
@@ -26,7 +27,10 @@ REQUIRED = ("target_model", "data")  # required once the embedded default is not
 # group -> {flag: (what it does, allowed values or "" to derive them from the type and config's ranges)}
 FLAGS: dict[str, dict[str, tuple[str, str]]] = {
     "model": {
-        "target_model": ("the frozen target: a local Hugging Face model directory", "a directory"),
+        "target_model": (
+            "the frozen target: a local Hugging Face model directory",
+            "a directory, or embedded (the tiny target shipped in the package, with its preset)",
+        ),
         "num_draft_layers": ("decoder layers of the drafter", ""),
         "target_layer_ids": (
             "target layers whose outputs the drafter reads; unset: the paper's spread over the target's depth",
@@ -168,6 +172,8 @@ def resolved_values(argv: list[str]) -> tuple[dict, bool]:
     except ValueError:
         given = {}
     defaults = {name: getattr(TrainConfig(), name) for name in types_}
+    if given.get("target_model") == EMBEDDED_NAME:
+        del given["target_model"]
     embedded = "target_model" not in given
     return {**defaults, **(EMBEDDED_PRESET if embedded else {}), **given}, embedded
 

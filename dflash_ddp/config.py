@@ -23,7 +23,9 @@ from .trackers import resolve_report_to
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_TARGET = ASSETS / "tiny_qwen3"
 
-# Used when no --target_model is given: the tiny target and its data shipped in the package, with settings
+EMBEDDED_NAME = "embedded"  # --target_model embedded: the embedded default by name (other --data allowed)
+
+# Used when no --target_model is given (or --target_model embedded): the tiny target and its data shipped in the package, with settings
 # sized so that the whole job (training, then real speculative decoding) takes a few minutes on 2 CPU cores.
 EMBEDDED_PRESET: dict[str, typing.Any] = {
     "target_model": str(EMBEDDED_TARGET),
@@ -351,11 +353,15 @@ def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     config_file, flags = _parse_flags(argv, types_)
     file_values = _load_yaml(config_file, types_) if config_file else {}
     merged = {**file_values, **flags}
+    named = merged.get("target_model") == EMBEDDED_NAME  # the embedded default, asked for by name
+    if named:
+        del merged["target_model"]
     embedded = "target_model" not in merged
-    if embedded and "data" in merged:  # the tiny embedded target would silently train on the user's data
+    if embedded and "data" in merged and not named:  # else the tiny target would silently train on it
         raise ValueError(
             "--data needs --target_model: pass the model directory the conversations are for (without "
-            "--target_model the embedded tiny target trains on its own data)"
+            f"--target_model the embedded tiny target trains on its own data; --target_model {EMBEDDED_NAME} "
+            "trains it on this data on purpose)"
         )
     values = {**EMBEDDED_PRESET, **merged} if embedded else merged
     config = TrainConfig(**values)

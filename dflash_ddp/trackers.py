@@ -142,6 +142,8 @@ class Trackers:
 
     def __init__(self, started: dict):
         self._started = started  # name -> accelerate tracker
+        self.last_step = 0  # the highest step logged so far
+        self.evaluated: set[int] = set()  # checkpoint steps whose evaluation was logged
 
     @property
     def names(self) -> list[str]:
@@ -181,6 +183,7 @@ class Trackers:
     def log(self, record: dict, step: int | None = None, prefix: str = "") -> None:
         """Send a record's numbers (see `scalars`) at `step` (default: the record's own "step")."""
         step = int(record["step"] if step is None else step)
+        self.last_step = max(self.last_step, step)
         values = scalars({k: v for k, v in record.items() if k != "step"}, prefix)
         for name, tracker in list(self._started.items()):
             try:
@@ -202,6 +205,8 @@ class Trackers:
         evaluated checkpoint's step (`results["step"]`, as in eval.jsonl) is logged as eval/checkpoint_step."""
         values = {("checkpoint_step" if k == "step" else k): v for k, v in results.items()}
         self.log(values, step=step, prefix="eval/")
+        if "step" in results:
+            self.evaluated.add(int(results["step"]))
 
     def finish(self) -> None:
         for tracker in self._started.values():

@@ -419,7 +419,7 @@ def finish_watcher(watcher: subprocess.Popen, stopped: bool, out: Path) -> None:
         print(f"real tau per evaluated step: {taus}" + (f"; best {best['checkpoint']}" if best else ""))
 
 
-def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
+def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> dict:
     """Measure tau with real speculative decoding on held-out conversations, against baselines."""
     from .evaluate import evaluate, print_report
 
@@ -436,6 +436,20 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> None:
     )
     print_report(report)
     (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def close_trackers(trackers: Trackers, out: Path, report: dict | None) -> None:
+    """Send what arrived after the last logged step (the background evaluation of the final checkpoint, the
+    final evaluation's report as final_eval/...) at that step, then close the trackers."""
+    from .watch import read_evaluations
+
+    for record in read_evaluations(out)[0]:
+        if record["step"] not in trackers.evaluated:
+            trackers.log_eval(trackers.last_step, record)
+    if report:
+        trackers.log(report, step=trackers.last_step, prefix="final_eval/")
+    trackers.finish()
 
 
 def lost_peer(error: RuntimeError) -> bool:
@@ -610,8 +624,10 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         )
     start, split = time.perf_counter(), not topology.colocated
     watcher = start_watcher(cfg, ctx.device) if leader and cfg.eval_steps else None
+    trained = False
     try:
         stopped = ROLES[topology.role](ctx, run)
+        trained = True
     except RestoreError as e:
         return fail(f"error{where}: {e}", 2, split, lock=lock)
     except PeerLost as e:  # another rank failed first and says why
@@ -629,7 +645,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         return fail(message, 1, split, consequence=True, lock=lock)
     finally:
         shutdown()
-        if run.trackers:
+        if run.trackers and not trained:  # a run that trained closes them after its evaluations
             run.trackers.finish()
     if leader:
         print(
@@ -637,8 +653,9 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         )
         if watcher:
             finish_watcher(watcher, stopped, Path(cfg.output_dir))
-        if cfg.eval_data and not stopped:
-            run_final_evaluation(cfg, ctx.device)
+        report = run_final_evaluation(cfg, ctx.device) if cfg.eval_data and not stopped else None
+        if run.trackers:
+            close_trackers(run.trackers, Path(cfg.output_dir), report)
     return 0
 
 

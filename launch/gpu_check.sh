@@ -246,7 +246,7 @@ EOF
 # the data of the steps below
 if [ "$TRAIN_ROWS" -gt 0 ]; then
   head -n "$TRAIN_ROWS" "$ASSETS/data/docstring_qa_regenerated.jsonl" > "$OUT/train_rows.jsonl"
-  DATA=(--data "$OUT/train_rows.jsonl")
+  DATA=(--target_model embedded --data "$OUT/train_rows.jsonl")  # the embedded default's preset, other rows
 else
   DATA=()  # the embedded default's own data
 fi
@@ -273,7 +273,7 @@ step colocated_flex "$L_FLEX" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_d
 step gpu_shapes "$L_SHAPES" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.bench --gpu "${SHAPES[@]}" \
   --device "$DEVICE" --out "$OUT/gpu_shapes"
 # 4-5. the recipe-shaped drafter: predicted peak, then measured (bf16 on CUDA, chunks, checkpointing)
-LARGE+=(--data "$OUT/long.jsonl" --attention "$FLEX" --gradient_checkpointing true --eval_data "")
+LARGE+=(--target_model embedded --data "$OUT/long.jsonl" --attention "$FLEX" --gradient_checkpointing true --eval_data "")
 step plan_large "$L_PLAN" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LARGE[@]}" --plan \
   --output_dir "$OUT/large"
 step large "$L_LARGE" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LARGE[@]}" \

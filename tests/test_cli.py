@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from dflash_ddp.cli_help import FLAGS, usage
-from dflash_ddp.config import TrainConfig, parse_config
+from dflash_ddp.config import EMBEDDED_PRESET, TrainConfig, parse_config
 from dflash_ddp.train import main
 
 from helpers import torchrun_cmd
@@ -44,13 +44,17 @@ def test_help_exits_0_before_anything_is_parsed(capsys):
     assert capsys.readouterr().out.startswith("usage: torchrun")
 
 
-def test_data_without_target_model_is_refused(tmp_path):
+def test_data_without_target_model_is_refused_unless_the_embedded_target_is_named(tmp_path):
     with pytest.raises(ValueError, match="--data needs --target_model"):
         parse_config(["--data", "mine.jsonl"])
     config = tmp_path / "c.yaml"
     config.write_text("data: [mine.jsonl]\n")
     with pytest.raises(ValueError, match="--data needs --target_model"):
         parse_config(["--config", str(config)])
+    # on purpose: the embedded default by name, with its preset, on other data
+    named, embedded = parse_config(["--target_model", "embedded", "--data", "mine.jsonl"])
+    assert embedded and named.data == ["mine.jsonl"] and named.target_model == EMBEDDED_PRESET["target_model"]
+    assert named.max_steps == EMBEDDED_PRESET["max_steps"]
 
 
 def test_a_bad_flag_under_torchrun_is_printed_once(tmp_path):

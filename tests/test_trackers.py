@@ -146,6 +146,28 @@ def test_evaluation_results_go_to_the_trackers(tmp_path):
     assert logged["eval/acceptance/3"] == {43: pytest.approx(0.2)}
 
 
+@needs_tensorboard
+def test_evaluations_that_arrive_after_training_are_sent_before_the_trackers_close(tmp_path):
+    from dflash_ddp.train import close_trackers
+
+    trackers = Trackers.start(["tensorboard"], "late", tmp_path)
+    trackers.log({"step": 20, "loss": 1.0})
+    trackers.log_eval(20, {"step": 10, "tau": 1.5})  # seen during training
+    evaluations = [{"step": 10, "tau": 1.5}, {"step": 20, "tau": 1.8, "accept_histogram": [3, 1]}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluations))
+    close_trackers(trackers, tmp_path, {"dflash": {"tau": 1.9}, "lossless": True})
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "late"))
+    events.Reload()
+    sent = [e.value for e in events.Scalars("eval/checkpoint_step")]
+    assert sent == [10, 20]  # step 10's evaluation was not sent twice
+    logged = event_scalars(tmp_path / "tensorboard" / "late")
+    assert logged["eval/tau"] == {20: pytest.approx(1.8)}
+    assert logged["final_eval/dflash/tau"] == {20: pytest.approx(1.9)}
+    assert logged["final_eval/lossless"] == {20: 1.0}
+
+
 def test_records_become_flat_numbers():
     record = {
         "loss": 1.5,
