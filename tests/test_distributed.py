@@ -266,9 +266,10 @@ def test_a_slow_first_drafter_step_does_not_time_out_the_channel(tiny_target, ch
     """The drafter's first forward takes 3x --dist_timeout (as a first compiled step on a GPU can): it happens
     in the warm-up, before the channel opens, so no target's send waits on it and the 1+1 job completes."""
     out = tmp_path / "slow"
-    args = train_args(tiny_target, chat_data, out, max_steps=4, dist_timeout=2, max_inflight=1)
+    args = train_args(tiny_target, chat_data, out, max_steps=4, dist_timeout=5, max_inflight=1)
     script = str(SCRIPTS / "train_with_slow_first_forward.py")
-    env = {**os.environ, "SLOW_FIRST_FORWARD_S": "6"}
+    # gloo connects the ranks within --dist_timeout too: 5 s leaves room for a loaded machine
+    env = {**os.environ, "SLOW_FIRST_FORWARD_S": "15"}
     done = subprocess.run(
         torchrun_cmd(2) + [script, *args[2:]], capture_output=True, text=True, env=env, timeout=300
     )
