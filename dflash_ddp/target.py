@@ -75,7 +75,11 @@ def inspect_target(path: str | Path) -> TargetInfo:
             "convert them with `save_pretrained(..., safe_serialization=True)`)"
         )
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    config = config.get_text_config(decoder=True)
+    return target_info_from_config(config.get_text_config(decoder=True), path)
+
+
+def target_info_from_config(config, path: Path) -> TargetInfo:
+    """The shape of a target from its (text) config; `path` is where its files live."""
     rope = getattr(config, "rope_parameters", None) or {
         "rope_type": "default",
         "rope_theta": getattr(config, "rope_theta", 10000.0),

@@ -193,16 +193,7 @@ class DrafterTrainer:
         """The micro-batch's draft blocks as chunks of at most --drafter_chunk_tokens draft positions."""
         cfg, settings = self.drafter.config, self.settings
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        anchors = [
-            sample_anchors(
-                batch.loss_mask[b, : lengths[b]],
-                settings.num_anchors,
-                settings.seed,
-                epoch,
-                int(batch.sample_ids[b]),
-            )
-            for b in range(len(lengths))
-        ]
+        anchors = batch_anchors(batch, settings, epoch)
         min_slots = min_anchor_slots(cfg.block_size) if settings.attention == "flex" else 1
         chunks = []
         for pieces in plan_draft_chunks(anchors, lengths, cfg.block_size, settings.chunk_tokens):
@@ -332,6 +323,21 @@ class StepResult:
 
 def _add_terms(a: LossTerms, b: LossTerms) -> LossTerms:
     return LossTerms(*(x + y for x, y in zip(vars(a).values(), vars(b).values(), strict=True)))
+
+
+def batch_anchors(batch: Batch, settings: StepSettings, epoch: int) -> list[torch.Tensor]:
+    """Each sequence's anchors in `batch`: a pure function of the seed, the epoch and its sample id."""
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    return [
+        sample_anchors(
+            batch.loss_mask[b, : lengths[b]],
+            settings.num_anchors,
+            settings.seed,
+            epoch,
+            int(batch.sample_ids[b]),
+        )
+        for b in range(len(lengths))
+    ]
 
 
 def build_drafter(config: DFlashDraftConfig, seed: int, device: torch.device) -> DFlashDraftModel:

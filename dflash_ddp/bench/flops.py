@@ -12,8 +12,8 @@ import torch
 
 from ..data import Batch
 from ..model import DFlashDraftConfig
-from ..objective import plan_draft_chunks, sample_anchors
-from ..trainer import StepSettings
+from ..objective import plan_draft_chunks
+from ..trainer import StepSettings, batch_anchors
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, TFLOP/s; the first name contained in
 # torch.cuda.get_device_name() wins. `--peak_tflops` overrides (and is the only source on other devices).
@@ -49,16 +49,7 @@ def draft_work(batch: Batch, settings: StepSettings, block_size: int, epoch: int
     """The work of `DrafterTrainer.step` on `batch`: the same anchors (a pure function of seed, epoch and
     sample id) and the same chunks. A block anchored at a sees the context keys j < a and its own block."""
     lengths = batch.attention_mask.sum(dim=1).tolist()
-    anchors = [
-        sample_anchors(
-            batch.loss_mask[b, : lengths[b]],
-            settings.num_anchors,
-            settings.seed,
-            epoch,
-            int(batch.sample_ids[b]),
-        )
-        for b in range(len(lengths))
-    ]
+    anchors = batch_anchors(batch, settings, epoch)
     work = DraftWork()
     for b, a in enumerate(anchors):
         targets = a[:, None] + torch.arange(1, block_size)  # the positions block k = 1..bs-1 predicts

@@ -39,7 +39,13 @@ from ..data import Batch
 from ..memory import GIB, peak_resident_bytes, process_baseline
 from ..model import DFlashDraftConfig
 from ..run_setup import plan_memory
-from ..target import SharedTargetHead, TargetInfo, default_target_layer_ids, tapped_features
+from ..target import (
+    SharedTargetHead,
+    TargetInfo,
+    default_target_layer_ids,
+    tapped_features,
+    target_info_from_config,
+)
 from ..topology import Topology, select_device
 from ..trainer import (
     DrafterTrainer,
@@ -105,21 +111,7 @@ def target_info(config, path: Path) -> TargetInfo:
     """What `inspect_target` would read from a directory holding `config` (written there: --plan's memory
     model reads the config from it; no weights)."""
     config.save_pretrained(path)
-    return TargetInfo(
-        path=path,
-        model_type=config.model_type,
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        vocab_size=config.vocab_size,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters=dict(config.rope_parameters),
-        tie_word_embeddings=False,
-    )
+    return target_info_from_config(config, path)
 
 
 def build_target(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
