@@ -599,7 +599,7 @@ def inspect(path: Path) -> str:
         f"step         {state.get('global_step')}  (epoch {state.get('epoch')}, "
         f"{state.get('batches_consumed')} global batches consumed, {state.get('tokens_seen')} tokens)",
         f"topology     {topo.get('target_ranks')} target + {topo.get('drafter_ranks')} drafter rank(s) "
-        f"(world size {topo.get('world_size')})",
+        f"(world size {topo.get('world_size')}, tensor-parallel groups of {topo.get('target_tp_size', 1)})",
         f"fingerprints {state.get('fingerprints')}",
         "files",
     ]

@@ -80,6 +80,10 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
             "the last N ranks train the drafter (data-parallel); the others run the target",
             "",
         ),
+        "target_tp_size": (
+            "target ranks per tensor-parallel group (one sharded copy of the target per group, inside a node)",
+            "",
+        ),
         "max_inflight": ("sends a target rank keeps outstanding before it waits (backpressure)", ""),
         "dist_timeout": ("seconds a transfer or collective may take before the job names the lost rank", ""),
         "channel_backend": (

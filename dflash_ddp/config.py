@@ -80,6 +80,8 @@ class TrainConfig:
     seed: int = 0
     # topology: the last drafter_ranks ranks train the drafter, the others run the target
     drafter_ranks: int = 1
+    # target ranks per tensor-parallel group: each group of N consecutive target ranks holds one sharded copy
+    target_tp_size: int = 1
     gradient_accumulation_steps: int = 1
     max_inflight: int = 2
     dist_timeout: float = 300.0
@@ -206,6 +208,7 @@ INT_MINIMUM = {
     "num_proc": 1,
     "num_epochs": 1,
     "drafter_ranks": 1,
+    "target_tp_size": 1,
     "gradient_accumulation_steps": 1,
     "max_inflight": 1,
     "loss_chunk_size": 1,

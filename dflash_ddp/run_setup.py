@@ -26,6 +26,7 @@ from .model import DFlashDraftConfig, DFlashDraftModel
 from .resume import check_same_run, find_checkpoint, load_trainer_state
 from .schedule import BatchSchedule
 from .target import TargetInfo, inspect_target, target_fingerprint, truncated_parameter_count
+from .tensor_parallel import check_groups_within_nodes, check_tensor_parallel
 from .topology import DistributedContext, Topology, env_world, select_device
 from .trackers import Trackers
 from .trainer import (
@@ -50,7 +51,14 @@ class RunSetup:
 def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     """Read the target's config and tokenizer, size the drafter and predict the memory of this rank's node;
     no weights are loaded."""
+    check_tensor_parallel(cfg.target_model, topology.tp_size)
+    check_groups_within_nodes(topology)
     info = inspect_target(cfg.target_model)
+    if topology.tp_size > 1 and cfg.channel_backend == "gloo" and run_device(cfg).type == "cuda":
+        raise ValueError(
+            f"--target_tp_size {topology.tp_size} with --channel_backend gloo: a tensor-parallel group "
+            "all-reduces every layer's output and needs NCCL on GPUs; pass --channel_backend auto"
+        )
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
@@ -149,6 +157,7 @@ def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topolo
         cfg.tokens_per_batch,
         dtype_bytes,
         0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
+        topology.tp_size,
     )
     checkpointing = bool(cfg.gradient_checkpointing)
     plan = drafter(checkpointing)
@@ -196,7 +205,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "drafter": f"{c.num_hidden_layers} layers, {memory.drafter_params / 1e6:.1f}M trainable parameters",
         "message_size": f"up to {cfg.tokens_per_batch * width_bytes / 2**20:.1f} MiB of features per batch "
         f"(--tokens_per_batch {cfg.tokens_per_batch})",
-        "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})",
+        "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})"
+        + (f"; weights are 1/{topology.tp_size} of the truncated target's" if topology.tp_size > 1 else ""),
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
         f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}, gradient checkpointing {'on' if memory.checkpointing else 'off'}",
         "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",

@@ -16,6 +16,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers import logging as hf_logging
 
+from .tensor_parallel import load_sharded
+
 
 @dataclass(frozen=True)
 class TargetInfo:
@@ -174,7 +176,11 @@ class _StopForward(Exception):
 
 
 def _layer_output(output) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
+    """A decoder layer's hidden states as a whole local tensor. Under tensor parallelism transformers'
+    plans leave them replicated (plain tensors); a plan that leaves them sharded returns a DTensor, gathered
+    here once, on the device."""
+    out = output[0] if isinstance(output, tuple) else output
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
 
 
 def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> nn.Module | None:
@@ -245,10 +251,18 @@ def truncated_parameter_count(info: TargetInfo, layers: int) -> int:
 
 
 class TargetFeatureExtractor:
-    """A frozen target truncated after its last tapped layer; returns the concatenated tapped features."""
+    """A frozen target truncated after its last tapped layer; returns the concatenated tapped features.
+
+    With `meshes` (tensor_parallel.group_meshes) this rank holds its shard of the group's copy, and every
+    rank of the group must call it on the same batches: each layer ends in an all-reduce among them."""
 
     def __init__(
-        self, info: TargetInfo, target_layer_ids: list[int], device: torch.device, dtype: torch.dtype
+        self,
+        info: TargetInfo,
+        target_layer_ids: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        meshes=None,
     ):
         self.target_layer_ids = list(target_layer_ids)
         keep = max(self.target_layer_ids) + 1
@@ -257,9 +271,12 @@ class TargetFeatureExtractor:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()  # the dropped layers are reported as unused weights; that is intended
         try:
-            self.model = AutoModel.from_pretrained(
-                info.path, num_hidden_layers=keep, dtype=dtype, local_files_only=True
-            )
+            if meshes is None:
+                self.model = AutoModel.from_pretrained(
+                    info.path, num_hidden_layers=keep, dtype=dtype, local_files_only=True
+                )
+            else:
+                self.model = load_sharded(info, keep, dtype, device, meshes)
         finally:
             hf_logging.set_verbosity(verbosity)
         self.model.to(device).eval().requires_grad_(False)

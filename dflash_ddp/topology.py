@@ -1,8 +1,10 @@
 """Who does what: the ranks' roles, their process groups, and which rank handles which global batch.
 
 With world size W and `--drafter_ranks M`, ranks 0..W-M-1 run the frozen target and ranks W-M..W-1 train
-one drafter data-parallel. Global batch g is computed by target rank g mod T and trained by drafter rank
-g mod M (T = W - M); drafter optimizer step s consumes batches s*M*A .. (s+1)*M*A - 1.
+one drafter data-parallel. With `--target_tp_size N` the T = W - M target ranks form G = T / N groups of N
+consecutive ranks, each group one tensor-parallel copy of the target (N = 1: every target rank is a group).
+Global batch g is computed by target group g mod G, sent by that group's first rank, and trained by drafter
+rank g mod M; drafter optimizer step s consumes batches s*M*A .. (s+1)*M*A - 1, whatever G, N and M are.
 W = 1 is the colocated case: one process does both.
 """
 
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .tensor_parallel import group_meshes
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -23,13 +27,19 @@ class Topology:
     world_size: int
     rank: int
     num_drafters: int
+    tp_size: int = 1  # target ranks per tensor-parallel group
 
     def __post_init__(self):
-        w, m = self.world_size, self.num_drafters
+        w, m, n = self.world_size, self.num_drafters, self.tp_size
         if w == 1:
             if m != 1:
                 raise ValueError(
                     f"--drafter_ranks {m}: a single process trains one colocated drafter; pass 1"
+                )
+            if n != 1:
+                raise ValueError(
+                    f"--target_tp_size {n}: one process cannot shard the target; start {n} target ranks and "
+                    f"the drafter's under torchrun (--nproc-per-node {n + 1} --drafter_ranks 1)"
                 )
             return
         if m < 1:
@@ -40,6 +50,11 @@ class Topology:
             raise ValueError(
                 f"--drafter_ranks {m}: with {w} processes at least one rank must run the target; "
                 f"pass at most {w - 1}"
+            )
+        if (w - m) % n:
+            raise ValueError(
+                f"--target_tp_size {n} does not divide the {w - m} target ranks ({w} processes - {m} drafter "
+                f"ranks): start {n} x groups + {m} processes, or pick a size that divides {w - m}"
             )
 
     @property
@@ -55,6 +70,25 @@ class Topology:
         return [0] if self.colocated else list(range(self.num_targets))
 
     @property
+    def num_groups(self) -> int:
+        """Tensor-parallel target groups (each computes whole batches)."""
+        return self.num_targets // self.tp_size
+
+    def group_ranks(self, group: int) -> list[int]:
+        """The target ranks of tensor-parallel group `group`."""
+        return self.target_ranks[group * self.tp_size : (group + 1) * self.tp_size]
+
+    @property
+    def group(self) -> int:
+        """This target rank's group."""
+        return self.rank // self.tp_size
+
+    @property
+    def sender_ranks(self) -> list[int]:
+        """The target ranks that send features: the first of each group."""
+        return [self.group_ranks(k)[0] for k in range(self.num_groups)]
+
+    @property
     def drafter_ranks(self) -> list[int]:
         return [0] if self.colocated else list(range(self.num_targets, self.world_size))
 
@@ -68,9 +102,13 @@ class Topology:
     def is_leader(self) -> bool:
         return self.rank == self.drafter_ranks[0]
 
+    def group_of(self, g: int) -> int:
+        """The target group that computes global batch g."""
+        return g % self.num_groups
+
     def target_of(self, g: int) -> int:
-        """The rank that computes global batch g."""
-        return self.target_ranks[g % self.num_targets]
+        """The rank that sends global batch g's features (the first rank of the group computing it)."""
+        return self.sender_ranks[self.group_of(g)]
 
     def drafter_of(self, g: int) -> int:
         """The rank that trains on global batch g."""
@@ -85,16 +123,17 @@ class Topology:
             + (" (data-parallel drafter)" if self.num_drafters > 1 else ""),
             f"drafter leader (logs, saves): rank {self.drafter_ranks[0]}",
         ]
-        for t in self.target_ranks:
-            feeds = sorted(
-                {
-                    self.drafter_of(g)
-                    for g in range(t, t + self.num_targets * self.num_drafters, self.num_targets)
-                }
+        groups = self.num_groups
+        for k in range(groups):
+            feeds = sorted({self.drafter_of(g) for g in range(k, k + groups * self.num_drafters, groups)})
+            ranks = self.group_ranks(k)
+            who = (
+                f"target rank {ranks[0]}"
+                if self.tp_size == 1
+                else f"target group {k} (ranks {ranks[0]}-{ranks[-1]}, tensor-parallel {self.tp_size}; "
+                f"rank {ranks[0]} sends)"
             )
-            lines.append(
-                f"target rank {t} computes batches g = {t} mod {self.num_targets} and feeds drafter ranks {feeds}"
-            )
+            lines.append(f"{who} computes batches g = {k} mod {groups} and feeds drafter ranks {feeds}")
         return lines
 
 
@@ -106,6 +145,7 @@ class DistributedContext:
     device: torch.device
     drafter_group: object | None  # process group of the drafter ranks (gradient all-reduce)
     channel_device: torch.device | None = None  # where the channel's tensors travel from (None: colocated)
+    target_meshes: object | None = None  # the target groups' device meshes (--target_tp_size > 1)
 
 
 def env_world() -> tuple[int, int, int]:
@@ -135,14 +175,18 @@ def select_device(device_request: str, local_rank: int, share_gpus: bool = False
 
 
 def init_distributed(
-    num_drafters: int, device_request: str, timeout_s: float, channel_backend: str = "auto"
+    num_drafters: int,
+    device_request: str,
+    timeout_s: float,
+    channel_backend: str = "auto",
+    tp_size: int = 1,
 ) -> DistributedContext:
     """Join the job: NCCL on CUDA, gloo on CPU (the same code). Process groups are created on every rank.
 
     `channel_backend` "gloo" on GPUs: gloo only, no NCCL communicator at all; the channel stages features
     through host memory and ranks may share a GPU."""
     rank, world, local_rank = env_world()
-    topology = Topology(world, rank, num_drafters)
+    topology = Topology(world, rank, num_drafters, tp_size)
     device = select_device(device_request, local_rank, share_gpus=channel_backend == "gloo")
     nccl = device.type == "cuda" and channel_backend != "gloo"
     if topology.colocated:
@@ -157,7 +201,10 @@ def init_distributed(
     )
     # new_group must be called by every rank, in the same order, even by ranks outside the group.
     drafter_group = dist.new_group(topology.drafter_ranks)
-    return DistributedContext(topology, device, drafter_group, device if nccl else torch.device("cpu"))
+    meshes = group_meshes(topology.num_groups, tp_size, device.type) if tp_size > 1 else None
+    return DistributedContext(
+        topology, device, drafter_group, device if nccl else torch.device("cpu"), meshes
+    )
 
 
 def _store_for_this_attempt(rank: int, world: int, timeout: datetime.timedelta) -> dict:

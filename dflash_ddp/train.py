@@ -57,6 +57,7 @@ from .run_setup import (
 from .schedule import ScheduledBatch
 from .signals import GracefulStop
 from .target import SharedTargetHead, TargetFeatureExtractor
+from .tensor_parallel import tp_group
 from .topology import DistributedContext, Topology, env_world, init_distributed, job_barrier, shutdown
 from .trackers import Trackers, resolve_report_to
 from .trainer import (
@@ -83,33 +84,53 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def run_target(ctx: DistributedContext, run: Run) -> bool:
-    """A target rank: compute the tapped features of the batches g = rank mod T, send each to its drafter.
+    """A target rank: compute the tapped features of its group's batches (g = group mod G) and, on the
+    group's first rank, send each to its drafter.
 
     The drafter leader decides when the job stops: a signal here is passed on to it (through the job's
-    store), and the loop ends early when the leader, having saved, raises the stop flag."""
+    store), and the loop ends early when the leader, having saved, raises the stop flag. The ranks of a
+    tensor-parallel group agree before each batch, since a rank that left alone would leave the others
+    waiting in the batch's all-reduces."""
     topo = ctx.topology
     signalled = GracefulStop().install()
     stop, told = StopFlag(), False
     extractor = TargetFeatureExtractor(
-        run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
+        run.setup.info,
+        run.setup.drafter_config.target_layer_ids,
+        ctx.device,
+        compute_dtype(ctx.device),
+        ctx.target_meshes,
     )
-    sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device)
+    sends = topo.rank in topo.sender_ranks
+    sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device) if sends else None
+    group = tp_group(ctx.target_meshes) if ctx.target_meshes is not None else None
     pad_id = run.setup.tokenizer.pad_token_id or 0
     job_barrier("channel-open")  # every drafter rank has built, restored and warmed up its drafter
     for item in run.schedule.batches(run.first_batch, run.end_batch):
-        if topo.target_of(item.g) != topo.rank:
+        if topo.group_of(item.g) != topo.group:
             continue
         if signalled.requested and not told:  # e.g. a scheduler preempting only this node
             stop.request(f"{signalled.signal_name} on rank {topo.rank}")
             told = True
-        if stop.is_set():
+        if group_agrees_to_stop(stop.is_set(), group):
             break
         batch = run.data.batch(item.members, pad_id)
         features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
-        sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
-    sender.close(topo.drafter_ranks)
+        if sender:
+            sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
+    if sender:
+        sender.close(topo.drafter_ranks)
     job_barrier("channel-closed")  # every drafter rank has received its END: nothing is left in flight
     return False
+
+
+def group_agrees_to_stop(stop: bool, group) -> bool:
+    """Whether any rank of this tensor-parallel group saw the stop flag (each rank alone without one)."""
+    if group is None:
+        return stop
+    flag = torch.tensor([int(stop)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 class LocalTarget:
@@ -162,7 +183,7 @@ def run_drafter(ctx: DistributedContext, run: Run) -> bool:
     def open_channel() -> ChannelReceiver:
         job_barrier("channel-open")
         return ChannelReceiver(
-            topo.rank, mine, topo.target_ranks, ctx.device, compute_dtype(ctx.device), ctx.channel_device
+            topo.rank, mine, topo.sender_ranks, ctx.device, compute_dtype(ctx.device), ctx.channel_device
         )
 
     stopped = train_drafter(ctx, run, open_channel)
@@ -327,6 +348,7 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
                     "topology": {
                         "world_size": topo.world_size,
                         "target_ranks": topo.num_targets,
+                        "target_tp_size": topo.tp_size,
                         "drafter_ranks": topo.num_drafters,
                         "colocated": topo.colocated,
                     },
@@ -548,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     where = "" if world == 1 else f" (rank {rank})"
     try:
         cfg, embedded = parse_config(argv)
-        topology = Topology(world, rank, cfg.drafter_ranks)
+        topology = Topology(world, rank, cfg.drafter_ranks, cfg.target_tp_size)
         leader = topology.is_leader
         if embedded and leader:
             print(f"no --target_model given: training the embedded default (tiny target {cfg.target_model})")
@@ -564,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)
         run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))
-        ctx = init_distributed(cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend)
+        ctx = init_distributed(
+            cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend, cfg.target_tp_size
+        )
     except ValueError as e:
         return refuse(f"error{where}: {e}", first=local_rank == 0, split=world > 1)
     lock = OutputDirLock(cfg.output_dir) if leader else None

@@ -132,7 +132,13 @@ def test_two_nodes_on_localhost_train_a_3_plus_1_job(tiny_target, chat_data, tmp
     state = json.loads(
         next((tmp_path / "2nodes" / "checkpoints").glob("step-*/trainer_state.json")).read_text()
     )
-    assert state["topology"] == {"world_size": 4, "target_ranks": 3, "drafter_ranks": 1, "colocated": False}
+    assert state["topology"] == {
+        "world_size": 4,
+        "target_ranks": 3,
+        "target_tp_size": 1,
+        "drafter_ranks": 1,
+        "colocated": False,
+    }
 
 
 def kill_rank_while_training(nproc: int, args: list[str], out: Path, rank: int) -> tuple[str, int, dict]:

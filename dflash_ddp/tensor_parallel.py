@@ -1,0 +1,119 @@
+"""Tensor-parallel target groups: which targets can be sharded, the groups' device meshes, and loading a
+truncated target sharded across one group with transformers' own tensor-parallel plans.
+
+transformers shards a model with `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`
+using the plan its model family declares (`base_model_tp_plan`: column-wise q/k/v and MLP inputs, row-wise
+outputs followed by an all-reduce, so every decoder layer's output is whole on every rank of the group). It
+builds its device mesh over the whole job, though, and a job here also has other groups and drafter
+ranks; `load_sharded` hands it the mesh of this rank's group instead (see `_group_mesh`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+from unittest import mock
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel
+from transformers.distributed import DistributedConfig
+
+if TYPE_CHECKING:
+    from .target import TargetInfo
+    from .topology import Topology
+
+# The mesh transformers expects (distributed/utils.py): dense layers on (pp, dp_replicate, fsdp, tp),
+# experts on (pp, dp_replicate, efsdp, ep). The G groups are the replicas, the N ranks of a group its tp
+# axis; experts are sharded by the tp plan (ep = 1), so their efsdp axis is the group.
+DENSE_DIMS = ("pp", "dp_replicate", "fsdp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
+
+
+def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
+    """Refuse a target that `tp_size` ranks cannot shard: a model family without a tensor-parallel plan in
+    transformers, or attention heads, KV heads, MLP widths or a vocabulary that `tp_size` does not divide.
+
+    Reads the config only; runs before the target's shape is read, since families without a plan are also
+    those whose configs name their sizes differently."""
+    if tp_size == 1 or not (Path(path) / "config.json").is_file():  # inspect_target says what is missing
+        return
+    config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True)
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(
+            f"--target_tp_size {tp_size}: transformers has no tensor-parallel plan for the model family "
+            f"'{config.model_type}' of {path}; pass --target_tp_size 1 (each target rank holds a whole copy)"
+        )
+    sizes = {
+        "attention heads (num_attention_heads)": config.num_attention_heads,
+        "KV heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None),
+        "MLP width (intermediate_size)": getattr(config, "intermediate_size", None),
+        "expert MLP width (moe_intermediate_size)": getattr(config, "moe_intermediate_size", None),
+        "vocabulary (vocab_size; the embedding is split by rows)": config.vocab_size,
+    }
+    for what, size in sizes.items():
+        if size is not None and size % tp_size:
+            raise ValueError(
+                f"--target_tp_size {tp_size} does not divide the target's {size} {what} in {path}/config.json; "
+                "pass a --target_tp_size that divides it"
+            )
+
+
+def check_groups_within_nodes(topology: Topology) -> None:
+    """A group's all-reduces run after every layer: its ranks must share a node. torchrun numbers the
+    ranks of a node consecutively, LOCAL_WORLD_SIZE per node."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if topology.tp_size == 1 or not per_node:
+        return
+    for k in range(topology.num_groups):
+        ranks = topology.group_ranks(k)
+        if ranks[0] // per_node != ranks[-1] // per_node:
+            raise ValueError(
+                f"--target_tp_size {topology.tp_size}: target group {k} (ranks {ranks[0]}-{ranks[-1]}) would span "
+                f"two nodes of {per_node} processes each; make the target ranks per node a multiple of "
+                f"{topology.tp_size} (e.g. --nproc-per-node or --drafter_ranks)"
+            )
+
+
+def group_meshes(num_groups: int, tp_size: int, device_type: str):
+    """The device meshes of the target groups, built on every rank of the job (their process groups are
+    created collectively); a rank outside the target ranks holds them without a coordinate."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    ranks = torch.arange(num_groups * tp_size)
+    dense = DeviceMesh(device_type, ranks.reshape(1, num_groups, 1, tp_size), mesh_dim_names=DENSE_DIMS)
+    experts = DeviceMesh(device_type, ranks.reshape(1, num_groups, tp_size, 1), mesh_dim_names=EXPERT_DIMS)
+    return TransformersDeviceMesh(dense, experts)
+
+
+def tp_group(meshes):
+    """This rank's tensor-parallel process group."""
+    return meshes.get_mesh("tp").get_group()
+
+
+@contextlib.contextmanager
+def _group_mesh(meshes, device: torch.device):
+    """While loading: transformers takes `meshes` (this group's) instead of one over the whole world."""
+    from transformers.distributed import mixin
+
+    with mock.patch.object(mixin, "initialize_distributed_mesh", lambda _config: (device, meshes)):
+        yield
+
+
+def load_sharded(
+    info: TargetInfo, layers: int, dtype: torch.dtype, device: torch.device, meshes
+) -> nn.Module:
+    """The target's first `layers` decoder layers, sharded across this rank's group by transformers'
+    tensor-parallel plan; each rank reads only its shard of every weight."""
+    tp_size = meshes.get_mesh("tp").size()
+    with _group_mesh(meshes, device):
+        return AutoModel.from_pretrained(
+            info.path,
+            num_hidden_layers=layers,
+            dtype=dtype,
+            local_files_only=True,
+            distributed_config=DistributedConfig(tp_size=tp_size),
+        )
