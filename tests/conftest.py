@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -121,6 +127,37 @@ def build_target(out: Path, vocab_size: int, num_layers: int = 6, seed: int = 0)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     return model
+
+
+def build_moe_target(out: Path, vocab_size: int, num_layers: int = 6, seed: int = 0) -> Qwen3MoeForCausalLM:
+    """A random Qwen3-MoE of the tiny target's width: 4 experts of MLP width 32, 2 routed per token."""
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_target(tmp_path_factory) -> Path:
+    """A directory holding a random 6-layer Qwen3-MoE (hidden 64, 4 experts) and the ChatML tokenizer."""
+    out = tmp_path_factory.mktemp("tiny_moe_target")
+    tok = build_tokenizer(out)
+    build_moe_target(out, vocab_size=len(tok))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,12 @@ from dflash_ddp.target import (
 )
 
 
-def test_layer_id_l_taps_hidden_states_l_plus_one(tiny_target):
-    info = inspect_target(tiny_target)
-    full = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+@pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])
+def test_layer_id_l_taps_hidden_states_l_plus_one(family, request):
+    """Also for a mixture-of-experts target (Qwen3-MoE: experts and router in every layer)."""
+    target = request.getfixturevalue(family)
+    info = inspect_target(target)
+    full = AutoModelForCausalLM.from_pretrained(target).eval()
     ids = torch.randint(5, 200, (2, 17))
     attn = torch.ones_like(ids)
     with torch.no_grad():

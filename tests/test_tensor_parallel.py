@@ -1,0 +1,191 @@
+"""Tensor-parallel target groups (--target_tp_size): the groups, the refusals, sharded features equal to the
+whole target's, training parity with an unsharded target, resume across a change of group size, and a
+mixture-of-experts target. Real torchrun processes on CPU/gloo."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_ddp.tensor_parallel import check_groups_within_nodes
+from dflash_ddp.topology import Topology
+from dflash_ddp.train import main
+
+from conftest import build_tokenizer
+from helpers import torchrun_cmd, train_flags
+
+SCRIPTS = Path(__file__).parent / "scripts"
+STEPS = 12
+
+
+def train_args(target, data, out, **overrides) -> list[str]:
+    settings = {"max_steps": STEPS, "save_steps": 4, "seed": 1} | overrides
+    return ["-m", "dflash_ddp.train", *train_flags(target, data, out, **settings)]
+
+
+def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(torchrun_cmd(nproc) + args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def colocated(target, data, out, **overrides) -> None:
+    """The same job in this process, with one thread like torchrun's workers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(train_args(target, data, out, **overrides)[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def weights(out: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(out / "checkpoints" / f"step-{step:08d}" / "model.safetensors")
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tiny_target, chat_data, tmp_path_factory) -> Path:
+    """One group of 2 target ranks + 1 drafter rank, 12 steps, checkpoints every 4."""
+    out = tmp_path_factory.mktemp("tp") / "tp2"
+    torchrun(3, train_args(tiny_target, chat_data, out, target_tp_size=2))
+    return out
+
+
+def test_groups_of_consecutive_target_ranks_compute_and_send_whole_batches():
+    t = Topology(world_size=7, rank=6, num_drafters=1, tp_size=2)
+    assert t.num_groups == 3 and t.group_ranks(1) == [2, 3] and t.sender_ranks == [0, 2, 4]
+    assert [t.group_of(g) for g in range(5)] == [0, 1, 2, 0, 1]
+    assert [t.target_of(g) for g in range(5)] == [0, 2, 4, 0, 2]  # the group's first rank sends
+    assert Topology(7, 3, 1, 2).group == 1
+    assert "target group 1 (ranks 2-3, tensor-parallel 2; rank 2 sends)" in "\n".join(t.describe())
+    with pytest.raises(ValueError, match="--target_tp_size 2 does not divide the 3 target ranks"):
+        Topology(4, 0, 1, 2)
+    with pytest.raises(ValueError, match="one process cannot shard the target"):
+        Topology(1, 0, 1, 2)
+
+
+def test_a_group_never_spans_two_nodes(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    check_groups_within_nodes(Topology(8, 0, 2, 2))  # groups 0-1, 2-3, 4-5: inside nodes 0-3, 4-7
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"target group 1 \(ranks 2-3\) would span two nodes of 3"):
+        check_groups_within_nodes(Topology(6, 0, 2, 2))
+
+
+def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_target):
+    """Every tapped layer (the last one final-normed), a padded batch, dense and mixture-of-experts."""
+    for target in (tiny_target, tiny_moe_target):
+        result = subprocess.run(
+            torchrun_cmd(3) + [str(SCRIPTS / "tp_features.py"), str(target)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        differences = [float(d) for d in re.findall(r"relative difference (\S+)", result.stdout)]
+        assert len(differences) == 2 * 3, result.stdout  # 2 ranks x 3 taps
+        assert max(differences) < 1e-5, result.stdout
+        assert "q_proj holds 32 of 64 rows" in result.stdout  # sharded, not replicated
+        assert result.stdout.count("sharded output gathered exactly: True") == 2
+
+
+def test_a_tp2_group_trains_like_the_unsharded_target(tiny_target, chat_data, tmp_path, tp2_run):
+    """Colocated vs 1 group of TP 2 + 1 drafter: same batches, weights within float summation order; and 2
+    groups of TP 2 train exactly the batches of 1 group."""
+    colocated(tiny_target, chat_data, tmp_path / "colocated")
+    assert_close_weights(weights(tp2_run), weights(tmp_path / "colocated"))
+    two_groups = tmp_path / "2x2+1"
+    torchrun(5, train_args(tiny_target, chat_data, two_groups, target_tp_size=2))
+    state = json.loads((two_groups / "checkpoints" / f"step-{STEPS:08d}" / "trainer_state.json").read_text())
+    assert state["topology"]["target_tp_size"] == 2 and state["topology"]["target_ranks"] == 4
+    seen = [(m["step"], m["tokens_seen"], m["epoch"]) for m in metrics(two_groups)]
+    assert seen == [(m["step"], m["tokens_seen"], m["epoch"]) for m in metrics(tp2_run)]
+    assert_close_weights(weights(two_groups), weights(tp2_run))
+
+
+def test_a_tp2_checkpoint_resumes_with_whole_target_ranks(tiny_target, chat_data, tmp_path, tp2_run):
+    """The TP-2 run's step-4 checkpoint (what a stop there leaves) resumed as 1 + 1 without tensor
+    parallelism: it continues at the same global batch and ends where the uninterrupted run ended."""
+    out = tmp_path / "resumed"
+    result = torchrun(
+        2, train_args(tiny_target, chat_data, out, resume=str(tp2_run / "checkpoints" / "step-00000004"))
+    )
+    assert "resum" in result.stdout and "step 4" in result.stdout, result.stdout[-2000:]
+    assert [m["step"] for m in metrics(out)] == list(range(5, STEPS + 1))
+    assert [m["tokens_seen"] for m in metrics(out)] == [m["tokens_seen"] for m in metrics(tp2_run)][4:]
+    assert_close_weights(weights(out), weights(tp2_run))
+
+
+def test_a_moe_target_trains_colocated_and_as_a_tp2_group(tiny_moe_target, chat_data, tmp_path):
+    colocated(tiny_moe_target, chat_data, tmp_path / "colocated", max_steps=6)
+    torchrun(3, train_args(tiny_moe_target, chat_data, tmp_path / "tp2", max_steps=6, target_tp_size=2))
+    losses = [[m["loss"] for m in metrics(tmp_path / run)] for run in ("colocated", "tp2")]
+    assert len(losses[0]) == 6 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert_close_weights(weights(tmp_path / "tp2", 6), weights(tmp_path / "colocated", 6))
+
+
+def test_a_target_whose_heads_cannot_be_split_is_refused_at_start(chat_data, tmp_path):
+    """3 attention heads cannot go to 2 ranks: one line naming the count, non-zero exit, no traceback of
+    the trainer's (torchrun's agent prints its own for any failed worker)."""
+    target = tmp_path / "three_heads"
+    tok = build_tokenizer(target)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=16,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(target)
+    result = subprocess.run(
+        torchrun_cmd(3) + train_args(target, chat_data, tmp_path / "out", target_tp_size=2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "--target_tp_size 2 does not divide the target's 3 attention heads" in result.stderr
+    assert not re.search(r'File ".*dflash_ddp', result.stderr + result.stdout), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "world, family, expected",
+    [
+        (4, "qwen3", "--target_tp_size 2 does not divide the 3 target ranks"),
+        (3, "gpt2", "transformers has no tensor-parallel plan for the model family 'gpt2'"),
+    ],
+)
+def test_splits_and_families_tensor_parallelism_cannot_serve_are_refused(
+    world, family, expected, tiny_target, chat_data, tmp_path, monkeypatch, capsys
+):
+    target = tiny_target
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        target = tmp_path / "gpt2"
+        tok = build_tokenizer(target)
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=4, n_head=2)).save_pretrained(
+            target
+        )
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world)}.items():
+        monkeypatch.setenv(key, value)
+    code = main(train_args(target, chat_data, tmp_path / "out", target_tp_size=2)[2:])
+    assert code == 2
+    assert expected in capsys.readouterr().err
