@@ -8,6 +8,12 @@ sequences per second, and predicts every split of W processes into T target and 
     drafter wait         = 1 - sequences/s / (M x drafter_rate)
     target idle          = 1 - sequences/s / (T x target_rate)
 
+With `--target_tp_size N` the target unit is a group of N ranks: its rate is measured on the group itself
+(every rank of group 0 runs the sharded forward together), T counts ranks in multiples of N, and T x
+target_rate above reads (T / N) x group_rate. The drafter's side is then timed on features drawn at random
+in the target's shape (a training step's time does not depend on their values: the drafter leader cannot
+hold a target that needs a group).
+
 Drafter ranks are counted as scaling linearly: the per-step gradient all-reduce among them is not
 modelled (its size is printed), so with M > 1 the prediction is an upper bound. The hidden-state channel
 is not modelled either (it runs at the speed of raw sends, see README). Among the splits within 2% of the
@@ -45,7 +51,8 @@ def calibration_steps(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class Rates:
-    """Sequences per second of one target rank and of one drafter rank, each on its own device."""
+    """Sequences per second of one target unit (a rank, or a tensor-parallel group) and of one drafter
+    rank, each on its own devices."""
 
     target: float
     drafter: float
@@ -61,6 +68,7 @@ class SplitPrediction:
     sequences_per_s: float
     drafter_wait: float  # fraction of the drafter ranks' time spent waiting for features
     target_idle: float  # fraction of the target ranks' time spent with nothing to compute (blocked sends)
+    tp_size: int = 1  # target ranks per group
 
     @property
     def colocated(self) -> bool:
@@ -77,33 +85,46 @@ class SplitPrediction:
         return list(range(self.processes, self.world_size))
 
 
-def predict(world_size: int, target_ranks: int, drafter_ranks: int, rates: Rates) -> SplitPrediction:
-    """The throughput and idle fractions of one split; world size 1 runs target and drafter in turn."""
+def predict(
+    world_size: int, target_ranks: int, drafter_ranks: int, rates: Rates, tp_size: int = 1
+) -> SplitPrediction:
+    """The throughput and idle fractions of one split; world size 1 runs target and drafter in turn.
+    `target_ranks` come in groups of `tp_size`, each group one unit of `rates.target`."""
     if world_size == 1:
         rate = 1.0 / (1.0 / rates.target + 1.0 / rates.drafter)
         # the drafter waits while the target computes, and the other way round
         return SplitPrediction(1, 1, 1, rate, rate / rates.target, rate / rates.drafter)
-    if target_ranks < 1 or drafter_ranks < 1 or target_ranks + drafter_ranks > world_size:
-        raise ValueError(f"{target_ranks} + {drafter_ranks} ranks is not a split of {world_size} processes")
-    targets, drafters = target_ranks * rates.target, drafter_ranks * rates.drafter
+    if (
+        target_ranks < 1
+        or drafter_ranks < 1
+        or target_ranks + drafter_ranks > world_size
+        or target_ranks % tp_size
+    ):
+        raise ValueError(
+            f"{target_ranks} (groups of {tp_size}) + {drafter_ranks} ranks is not a split of {world_size} processes"
+        )
+    targets, drafters = target_ranks // tp_size * rates.target, drafter_ranks * rates.drafter
     rate = min(targets, drafters)
     return SplitPrediction(
-        world_size, target_ranks, drafter_ranks, rate, 1 - rate / drafters, 1 - rate / targets
+        world_size, target_ranks, drafter_ranks, rate, 1 - rate / drafters, 1 - rate / targets, tp_size
     )
 
 
-def candidate_splits(world_size: int, rates: Rates) -> list[SplitPrediction]:
-    """Every split T + M <= W with T, M >= 1 (the colocated run alone for W = 1)."""
+def candidate_splits(world_size: int, rates: Rates, tp_size: int = 1) -> list[SplitPrediction]:
+    """Every split T + M <= W with T a positive multiple of `tp_size` and M >= 1 (the colocated run alone
+    for W = 1)."""
     if world_size == 1:
         return [predict(1, 1, 1, rates)]
     return [
-        predict(world_size, t, used - t, rates) for used in range(2, world_size + 1) for t in range(1, used)
+        predict(world_size, t, used - t, rates, tp_size)
+        for used in range(2, world_size + 1)
+        for t in range(tp_size, used, tp_size)
     ]
 
 
-def recommend(world_size: int, rates: Rates) -> SplitPrediction:
+def recommend(world_size: int, rates: Rates, tp_size: int = 1) -> SplitPrediction:
     """The fastest split of W processes; within TIE_TOLERANCE of it, the one using the fewest processes."""
-    splits = candidate_splits(world_size, rates)
+    splits = candidate_splits(world_size, rates, tp_size)
     best = max(s.sequences_per_s for s in splits)
     close = [s for s in splits if s.sequences_per_s >= (1 - TIE_TOLERANCE) * best]
     return min(close, key=lambda s: (s.processes, -s.sequences_per_s, s.drafter_ranks))
@@ -171,6 +192,39 @@ def measure_rates(
     return Measurement(rates, timed_batches, sequences, target_s, drafter_s)
 
 
+class RandomFeatures:
+    """The target's stand-in on a drafter leader timing its steps for a target that needs a group:
+    features of the target's width drawn at random (a step's time does not depend on their values)."""
+
+    def __init__(self, width: int, device: torch.device, dtype: torch.dtype):
+        self.width, self.device, self.dtype = width, device, dtype
+        self.generator = torch.Generator(device=device).manual_seed(0)
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        shape = (*input_ids.shape, self.width)
+        features = torch.randn(shape, generator=self.generator, device=self.device, dtype=self.dtype)
+        return features * attention_mask[..., None].to(self.dtype)
+
+
+def time_target_forward(
+    batches: Iterator[tuple[Batch, int]], extractor: TargetFeatureExtractor, accumulation: int
+) -> tuple[int, float]:
+    """(sequences, seconds) of the target's forward over the timed steps of a calibration: the same batches
+    and the same untimed steps as `measure_rates`, run by every rank of a tensor-parallel group."""
+    device = extractor.device
+    sequences, seconds = 0, 0.0
+    for step in range(calibration_steps(device)):
+        for _ in range(accumulation):
+            batch, _ = next(batches)
+            start = time.perf_counter()
+            extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
+            _synchronize(device)
+            if step >= warmup_steps(device):
+                seconds += time.perf_counter() - start
+                sequences += len(batch.sample_ids)
+    return sequences, seconds
+
+
 # ------------------------------------------------------------------------------------------ reporting
 
 
@@ -189,16 +243,32 @@ def _describe(split: SplitPrediction) -> str:
     )
 
 
+def _groups(split: SplitPrediction) -> str:
+    groups = split.target_ranks // split.tp_size
+    return f"{groups} group{'s' if groups > 1 else ''} of {split.tp_size}"
+
+
+def _split(split: SplitPrediction) -> str:
+    grouped = f" ({_groups(split)})" if split.tp_size > 1 else ""
+    return f"{split.target_ranks}{grouped} + {split.drafter_ranks}"
+
+
 def report(
-    measurement: Measurement, world_size: int, device: torch.device, drafter_ranks: int, allreduce_bytes: int
+    measurement: Measurement,
+    world_size: int,
+    device: torch.device,
+    drafter_ranks: int,
+    allreduce_bytes: int,
+    tp_size: int = 1,
 ) -> list[str]:
     """The lines `--plan --calibrate` prints: the measured rates, the splits of the planning world with
     their predictions, then `recommended split: T target ranks + M drafter ranks` and the idle ranks."""
     m, rates = measurement, measurement.rates
+    unit = "one target rank: " if tp_size == 1 else f"one target group ({tp_size} ranks, tensor-parallel):"
     lines = [
         f"calibration on {device}: {warmup_steps(device)} untimed + {TIMED_STEPS} timed optimizer steps "
         f"({m.batches} batches, {m.sequences} sequences of the schedule)",
-        f"  one target rank:  {rates.target:,.2f} sequences/s (truncated target forward, {m.target_s:.2f} s)",
+        f"  {unit} {rates.target:,.2f} sequences/s (truncated target forward, {m.target_s:.2f} s)",
         f"  one drafter rank: {rates.drafter:,.2f} sequences/s (training step, {m.drafter_s:.2f} s); the "
         f"gradient all-reduce between 2+ drafter ranks ({allreduce_bytes / 2**20:,.1f} MiB per step) is not modelled",
     ]
@@ -206,7 +276,7 @@ def report(
     if world_size == 1:
         colocated = predict(1, 1, 1, rates)
         lines.append(f"  this launch, colocated (target and drafter take turns): {_describe(colocated)}")
-    best = recommend(world, rates)
+    best = recommend(world, rates, tp_size)
     if best.colocated:
         lines.append("recommended split: colocated (one device: there is no split to choose)")
         return lines
@@ -214,7 +284,7 @@ def report(
         f"  splits of {world} processes"
         + (":" if world_size > 1 else f" (torchrun --nproc-per-node {world}):")
     )
-    shown = [s for s in candidate_splits(world, rates) if s.processes == world]
+    shown = [s for s in candidate_splits(world, rates, tp_size) if s.processes == world]
     if best.processes < world:
         shown.append(best)
     for s in shown:
@@ -222,10 +292,13 @@ def report(
         if world_size > 1 and s.processes == world and s.drafter_ranks == drafter_ranks:
             notes.append("this launch")
         mark = f"  <- {', '.join(notes)}" if notes else ""
-        lines.append(f"    {s.target_ranks} + {s.drafter_ranks}: {_describe(s)}{mark}")
+        lines.append(f"    {_split(s)}: {_describe(s)}{mark}")
+    groups = f" ({_groups(best)}, tensor-parallel)" if tp_size > 1 else ""
+    flag = f" --target_tp_size {tp_size}" if tp_size > 1 else ""
     lines.append(
-        f"recommended split: {best.target_ranks} target ranks + {best.drafter_ranks} drafter ranks "
-        f"(torchrun --nproc-per-node {best.processes} ... --drafter_ranks {best.drafter_ranks}): {_describe(best)}"
+        f"recommended split: {best.target_ranks} target ranks + {best.drafter_ranks} drafter ranks{groups} "
+        f"(torchrun --nproc-per-node {best.processes} ... --drafter_ranks {best.drafter_ranks}{flag}): "
+        f"{_describe(best)}"
     )
     idle = best.idle_ranks
     if idle:

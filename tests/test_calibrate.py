@@ -54,6 +54,25 @@ def test_a_slow_target_gets_more_target_ranks_and_a_slow_drafter_fewer():
     assert balanced.drafter_wait == balanced.target_idle == 0.0 and balanced.idle_ranks == []
 
 
+def test_a_tensor_parallel_group_is_one_target_unit():
+    """With groups of 2 the target ranks come in pairs, each pair at the group's measured rate."""
+    splits = candidate_splits(5, Rates(1.0, 1.0), tp_size=2)
+    assert sorted((s.target_ranks, s.drafter_ranks) for s in splits) == [
+        (2, 1), (2, 2), (2, 3), (4, 1)
+    ]  # fmt: skip
+    best = recommend(8, Rates(target=1.0, drafter=2.0), tp_size=2)  # a group feeds half a drafter
+    assert (best.target_ranks, best.drafter_ranks, best.sequences_per_s) == (6, 2, 3.0)
+    assert predict(8, 4, 2, Rates(1.0, 2.0), tp_size=2).sequences_per_s == 2.0  # 2 groups
+    with pytest.raises(ValueError, match="not a split"):
+        predict(8, 3, 1, Rates(1.0, 1.0), tp_size=2)
+    measurement = Measurement(Rates(1.0, 2.0), batches=3, sequences=30, target_s=30.0, drafter_s=15.0)
+    text = "\n".join(report(measurement, 8, torch.device("cpu"), 2, 2**20, tp_size=2))
+    assert "one target group (2 ranks, tensor-parallel):" in text
+    assert "    4 (2 groups of 2) + 4: 2.00 sequences/s" in text
+    assert RECOMMENDED.findall(text) == [("6", "2")]
+    assert "(3 groups of 2, tensor-parallel)" in text and "--drafter_ranks 2 --target_tp_size 2" in text
+
+
 def test_six_plus_one_when_a_seventh_target_rank_adds_nothing():
     """A drafter rank six times as fast as a target rank: 7+1, 6+2 and 6+1 all give 6 sequences/s; the
     split with fewer processes wins and rank 7 sits idle."""
@@ -163,3 +182,20 @@ def test_embedded_default_under_torchrun_plans_on_the_leader_only(tmp_path, embe
     assert len(RECOMMENDED.findall(result.stdout)) == 1 and result.stdout.count("calibration on") == 1
     assert "splits of 4 processes:" in result.stdout and "<- this launch" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_a_tensor_parallel_group_times_its_own_forward_under_torchrun(tiny_target, chat_data, tmp_path):
+    """--plan --calibrate --target_tp_size 2 with 3 processes: group 0 (ranks 0-1) measures the sharded
+    forward, the leader its steps; one report, the group counted as one unit."""
+    flags = train_flags(tiny_target, chat_data, tmp_path / "run") + ["--target_tp_size", "2"]
+    result = subprocess.run(
+        [*torchrun_cmd(3), "-m", "dflash_ddp.train", *flags, "--plan", "--calibrate"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("one target group (2 ranks, tensor-parallel):") == 1
+    assert RECOMMENDED.findall(result.stdout) == [("2", "1")]
+    assert "2 (1 group of 2) + 1:" in result.stdout and "<- recommended, this launch" in result.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -189,3 +189,35 @@ def test_splits_and_families_tensor_parallelism_cannot_serve_are_refused(
     code = main(train_args(target, chat_data, tmp_path / "out", target_tp_size=2)[2:])
     assert code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_plan_of_the_qwen3_32b_config_shows_groups_and_each_ranks_share(tmp_path, monkeypatch, capsys):
+    """configs/qwen3-32b.yaml as planned by its drafter leader (rank 4 of 8): a target directory with the
+    model's config only (no weights are read by --plan)."""
+    from safetensors.torch import save_file
+
+    target = tmp_path / "qwen3-32b"
+    build_tokenizer(target)
+    Qwen3Config(
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ).save_pretrained(target)
+    save_file({"model.embed_tokens.weight": torch.zeros(1)}, target / "model.safetensors")
+    env = {"RANK": "4", "LOCAL_RANK": "4", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = Path(__file__).parents[1] / "configs" / "qwen3-32b.yaml"
+    flags = ["--config", str(config), "--target_model", str(target), "--device", "cpu", "--plan"]
+    assert main([*flags, "--output_dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "target group 1 (ranks 2-3, tensor-parallel 2; rank 2 sends)" in out
+    assert "feeds drafter ranks [5, 7]" in out
+    # fp32 on a CPU: 31.0B truncated parameters x 4 bytes / 2 ranks
+    assert re.search(r"target_rank_memory: [\d.]+ GiB predicted peak \(weights 57\.\d\d", out)
+    assert "weights are 1/2 of the truncated target's" in out
