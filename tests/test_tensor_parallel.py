@@ -3,8 +3,11 @@ whole target's, training parity with an unsharded target, resume across a change
 mixture-of-experts target. Real torchrun processes on CPU/gloo."""
 
 import json
+import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from dflash_ddp.topology import Topology
 from dflash_ddp.train import main
 
 from conftest import build_tokenizer
-from helpers import torchrun_cmd, train_flags
+from helpers import rank_pids, torchrun_cmd, train_flags
 
 SCRIPTS = Path(__file__).parent / "scripts"
 STEPS = 12
@@ -118,16 +121,36 @@ def test_a_tp2_group_trains_like_the_unsharded_target(tiny_target, chat_data, tm
     assert_close_weights(weights(two_groups), weights(tp2_run))
 
 
-def test_a_tp2_checkpoint_resumes_with_whole_target_ranks(tiny_target, chat_data, tmp_path, tp2_run):
-    """The TP-2 run's step-4 checkpoint (what a stop there leaves) resumed as 1 + 1 without tensor
-    parallelism: it continues at the same global batch and ends where the uninterrupted run ended."""
-    out = tmp_path / "resumed"
-    result = torchrun(
-        2, train_args(tiny_target, chat_data, out, resume=str(tp2_run / "checkpoints" / "step-00000004"))
+def test_a_stopped_tp2_run_resumes_with_whole_target_ranks(tiny_target, chat_data, tmp_path, tp2_run):
+    """A TP-2 job stopped with SIGTERM in the middle saves the step it is at; resumed as 1 + 1 without
+    tensor parallelism it continues at the same global batch and ends where the uninterrupted run ended."""
+    out = tmp_path / "run"
+    script = [str(SCRIPTS / "train_with_slow_steps.py"), *train_args(tiny_target, chat_data, out)[2:]]
+    job = subprocess.Popen(
+        torchrun_cmd(3) + script + ["--target_tp_size", "2", "--save_steps", "1000"],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "SLOW_STEP_S": "0.3"},
     )
-    assert "resum" in result.stdout and "step 4" in result.stdout, result.stdout[-2000:]
-    assert [m["step"] for m in metrics(out)] == list(range(5, STEPS + 1))
-    assert [m["tokens_seen"] for m in metrics(out)] == [m["tokens_seen"] for m in metrics(tp2_run)][4:]
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert time.time() < deadline and job.poll() is None
+        time.sleep(0.05)
+    for pid in rank_pids(
+        job.pid
+    ).values():  # what torchrun does with a SIGTERM it receives: forward it to every worker
+        os.kill(pid, signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode == 0, output[-3000:]
+    [saved] = (out / "checkpoints").glob("step-*")
+    stopped_at = int(saved.name.split("-")[1])
+    assert 3 <= stopped_at < STEPS, output[-2000:]
+    result = torchrun(2, train_args(tiny_target, chat_data, out))
+    assert f"resuming from {saved}" in result.stdout, result.stdout[-2000:]
+    assert [m["step"] for m in metrics(out)] == list(range(1, STEPS + 1))
+    assert [m["tokens_seen"] for m in metrics(out)] == [m["tokens_seen"] for m in metrics(tp2_run)]
     assert_close_weights(weights(out), weights(tp2_run))
 
 
