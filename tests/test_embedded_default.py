@@ -44,7 +44,13 @@ def test_no_argument_job_runs_as_7_plus_1(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training the embedded default" in result.stdout
     state = json.loads((out / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
-    assert state["topology"] == {"world_size": 8, "target_ranks": 7, "drafter_ranks": 1, "colocated": False}
+    assert state["topology"] == {
+        "world_size": 8,
+        "target_ranks": 7,
+        "target_tp_size": 1,
+        "drafter_ranks": 1,
+        "colocated": False,
+    }
     report = json.loads((out / "eval.json").read_text())
     assert report["lossless"]
 
