@@ -201,12 +201,19 @@ def check_fit(
     colocated = target.parts["weights"] + max(drafter.total, target.total - target.parts["weights"] + state)
     sizes = {"target": target.total, "drafter": drafter.total, "colocated": colocated}
     if device.type == "cuda":
-        usable = torch.cuda.get_device_properties(device).total_memory - CUDA_RESERVE
-        name = torch.cuda.get_device_name(device)
-        return FitCheck(
-            max(sizes[r] for r in node_roles), usable, f"one {name} ({usable / GIB:.1f} GiB usable)"
-        )
+        usable, where = device_capacity(device)
+        return FitCheck(max(sizes[r] for r in node_roles), usable, where)
     needed = sum(sizes[r] for r in node_roles) + len(node_roles) * process_baseline()
     available = available_host_memory()
     ranks = f"{len(node_roles)} processes in " if len(node_roles) > 1 else ""
     return FitCheck(needed, available, f"{ranks}this machine's RAM ({available / GIB:.1f} GiB available)")
+
+
+def device_capacity(device: torch.device) -> tuple[int, str]:
+    """Bytes one process may use on `device` (a GPU's memory less CUDA_RESERVE, or this machine's available
+    RAM) and their description for messages."""
+    if device.type == "cuda":
+        usable = torch.cuda.get_device_properties(device).total_memory - CUDA_RESERVE
+        return usable, f"one {torch.cuda.get_device_name(device)} ({usable / GIB:.1f} GiB usable)"
+    available = available_host_memory()
+    return available, f"this machine's RAM ({available / GIB:.1f} GiB available)"

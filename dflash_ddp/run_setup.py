@@ -21,7 +21,15 @@ from .config import TrainConfig, config_to_dict
 from .data import DataStats
 from .dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
 from .export import to_zlab_config
-from .memory import GIB, FitCheck, MemoryPlan, check_fit, drafter_memory, target_memory
+from .memory import (
+    GIB,
+    FitCheck,
+    MemoryPlan,
+    check_fit,
+    device_capacity,
+    drafter_memory,
+    target_memory,
+)
 from .model import DFlashDraftConfig, DFlashDraftModel
 from .resume import check_same_run, find_checkpoint, load_trainer_state
 from .schedule import BatchSchedule
@@ -122,6 +130,7 @@ class RunMemory:
     fit: FitCheck
     checkpointing: bool
     drafter_params: int
+    evaluation: int  # with --eval_data: the whole target's weights, which evaluation loads on the leader
 
 
 def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topology: Topology) -> RunMemory:
@@ -165,7 +174,14 @@ def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topolo
     if cfg.gradient_checkpointing is None and not fit.fits:
         checkpointing, plan = True, drafter(True)
         fit = check_fit(plan, target, roles, device)
-    return RunMemory(plan, target, fit, checkpointing, params)
+    # speculative decoding verifies with the whole target: every layer and the LM head, on one device
+    whole = (
+        truncated_parameter_count(info, info.num_layers)
+        + (0 if info.tie_word_embeddings else info.vocab_size * info.hidden_size)
+        if cfg.eval_data
+        else 0
+    )
+    return RunMemory(plan, target, fit, checkpointing, params, whole * dtype_bytes)
 
 
 def check_memory(cfg: TrainConfig, setup: RunSetup) -> None:
@@ -186,6 +202,24 @@ def check_memory(cfg: TrainConfig, setup: RunSetup) -> None:
             f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "
             f"part is the {biggest}: lower {advice} (--plan shows every part; --memory_check false skips "
             "this check)"
+        )
+    if cfg.memory_check and cfg.eval_data:
+        check_evaluation_memory(cfg, memory)
+
+
+def check_evaluation_memory(cfg: TrainConfig, memory: RunMemory) -> None:
+    """Refuse at start an --eval_data whose evaluation cannot fit: it loads the whole target on the drafter
+    leader's device (beside the training drafter when --eval_steps evaluates during training), which a
+    target sharded across a group does not fit."""
+    available, where = device_capacity(run_device(cfg))
+    beside = memory.drafter.total if cfg.eval_steps else 0
+    if memory.evaluation + beside > available:
+        during = f" beside the drafter's {beside / GIB:.1f} GiB (--eval_steps)" if beside else ""
+        raise ValueError(
+            f"--eval_data: real-tau evaluation loads the whole target ({memory.evaluation / GIB:.1f} GiB of "
+            f"weights) on the drafter leader's device{during}, and {where} cannot hold it; train without "
+            "--eval_data and --eval_steps, then evaluate the export with `python -m dflash_ddp.evaluate` on "
+            "a device that holds the target (--memory_check false skips this check)"
         )
 
 

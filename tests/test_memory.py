@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dflash_ddp.attention import block_layout
@@ -134,3 +135,29 @@ def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path, capsys):
         len(err) == 1 and "exceeds this machine's RAM" in err[0] and "lower --drafter_chunk_tokens" in err[0]
     )
     assert not (tmp_path / "run").exists()  # refused before tokenizing or writing anything
+
+
+def test_an_evaluation_whose_target_cannot_fit_the_leaders_device_is_refused_at_start(
+    tmp_path, capsys, monkeypatch
+):
+    """--eval_data loads the whole target on the drafter leader's device: a device that cannot hold it (a
+    target sharded across a group; here a device of 1 MiB) is refused before training, not after it."""
+    from dflash_ddp import run_setup
+    from dflash_ddp.config import EMBEDDED_PRESET, TrainConfig
+    from dflash_ddp.memory import MemoryPlan
+
+    monkeypatch.setattr(run_setup, "device_capacity", lambda device: (2**20, "one test device (1.0 MiB)"))
+    out = tmp_path / "run"
+    eval_data = EMBEDDED_PRESET["eval_data"]
+    assert main(["--output_dir", str(out), "--eval_data", eval_data, "--max_steps", "2"]) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("error: --eval_data: real-tau evaluation loads the whole target (")
+    assert "one test device (1.0 MiB) cannot hold it" in err and "python -m dflash_ddp.evaluate" in err
+    assert not out.exists()
+    monkeypatch.setattr(run_setup, "device_capacity", lambda device: (2**40, "a large device"))
+    # with --eval_steps the drafter trains beside it: both are counted
+    drafter = MemoryPlan({"activations": 2**39 + 1})
+    memory = run_setup.RunMemory(drafter, drafter, None, False, 0, evaluation=2**39)
+    run_setup.check_evaluation_memory(TrainConfig(eval_data=eval_data), memory)  # after training: fits
+    with pytest.raises(ValueError, match=r"beside the drafter's 512\.0 GiB \(--eval_steps\)"):
+        run_setup.check_evaluation_memory(TrainConfig(eval_data=eval_data, eval_steps=1000), memory)
