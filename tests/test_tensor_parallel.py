@@ -90,21 +90,25 @@ def test_a_group_never_spans_two_nodes(monkeypatch):
         check_groups_within_nodes(Topology(6, 0, 2, 2))
 
 
-def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_target):
+def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_target, tmp_path):
     """Every tapped layer (the last one final-normed), a padded batch, dense and mixture-of-experts."""
-    for target in (tiny_target, tiny_moe_target):
-        result = subprocess.run(
-            torchrun_cmd(3) + [str(SCRIPTS / "tp_features.py"), str(target)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        differences = [float(d) for d in re.findall(r"relative difference (\S+)", result.stdout)]
-        assert len(differences) == 2 * 3, result.stdout  # 2 ranks x 3 taps
-        assert max(differences) < 1e-5, result.stdout
-        assert "q_proj holds 32 of 64 rows" in result.stdout  # sharded, not replicated
-        assert result.stdout.count("sharded output gathered exactly: True") == 2
+    targets = [str(tiny_target), str(tiny_moe_target)]
+    result = subprocess.run(
+        torchrun_cmd(3) + [str(SCRIPTS / "tp_features.py"), str(tmp_path), *targets],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sorted(found) == sorted(targets)
+        for target in targets:
+            differences = found[target]["relative_differences"]
+            assert len(differences) == 3 and max(differences.values()) < 1e-5, (rank, target, differences)
+            assert found[target]["q_proj_rows"] == [32, 64]  # each rank holds its half, not a replica
+            assert found[target]["sharded_output_gathered_exactly"]
+    assert not (tmp_path / "rank2.json").exists()
 
 
 def test_a_tp2_group_trains_like_the_unsharded_target(tiny_target, chat_data, tmp_path, tp2_run):
