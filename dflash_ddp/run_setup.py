@@ -232,7 +232,13 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         print(f"{'topology':>26}: {line}")
     plan = {
         "target": f"{info.path} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size})",
-        "target_layers_run": f"0..{max(c.target_layer_ids)} of {info.num_layers} (later layers, norm and LM head skipped)",
+        "target_layers_run": f"0..{max(c.target_layer_ids)} of {info.num_layers} ("
+        + (
+            "all layers, the last one's output final-normed as transformers' hidden_states[N]; the LM head skipped"
+            if max(c.target_layer_ids) == info.num_layers - 1
+            else "later layers, the final norm and the LM head skipped"
+        )
+        + ")",
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,

@@ -88,3 +88,15 @@ def test_target_directory_without_safetensors_or_config(tiny_target, tmp_path):
         inspect_target(no_config)
     with pytest.raises(ValueError, match="not a directory"):
         inspect_target(tmp_path / "missing")
+
+
+def test_plan_says_which_target_layers_run_and_whether_the_last_is_final_normed(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    from dflash_ddp.train import main
+
+    flags = ["--target_model", str(tiny_target), "--data", str(chat_data), "--output_dir", str(tmp_path)]
+    assert main([*flags, "--plan", "--target_layer_ids", "1,3"]) == 0
+    assert "0..3 of 6 (later layers, the final norm and the LM head skipped)" in capsys.readouterr().out
+    assert main([*flags, "--plan", "--target_layer_ids", "1,5"]) == 0
+    assert "0..5 of 6 (all layers, the last one's output final-normed" in capsys.readouterr().out
