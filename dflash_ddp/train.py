@@ -578,10 +578,13 @@ def fail(
     (torchrun's SIGTERM ends the wait at once). A background checkpoint write still in flight has been
     waited for by the loop's own cleanup before this point. The output directory's `lock` is released
     first: exiting skips `main`'s release, and a lock file still naming this job would make the next job
-    report taking it over from one that ended without releasing it."""
+    report taking it over from one that ended without releasing it. The message also goes to torchrun's
+    error file (write_error_file) unless this rank fails only as a consequence."""
     print(message, file=sys.stderr, flush=True)
     if not split:
         return code
+    if not consequence:  # a consequence's file could make torchrun blame it instead of the rank that failed
+        write_error_file(message)
     if lock:
         lock.release()
     if consequence:
@@ -599,6 +602,19 @@ def fail(
 REFUSAL_ECHO_DELAY_S = 3.0
 
 
+def write_error_file(message: str) -> bool:
+    """Under torchrun, put `message` in this rank's error file, which torchrun shows as the "Root Cause"
+    of its failure summary instead of "<N/A>"; False without torchrun."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker
+    if not error_file:
+        return False
+    # the layout torchrun's ErrorHandler writes; its summary prints extraInfo.py_callstack
+    info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError):
+        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    return True
+
+
 def refuse(message: str, first: bool, split: bool, lock: OutputDirLock | None = None) -> int:
     """A refusal at start: `message` on stderr, exit status 2, printed once per job in a split job (see
     REFUSAL_ECHO_DELAY_S). Under torchrun the line also goes to this rank's error file, which torchrun shows
@@ -608,12 +624,7 @@ def refuse(message: str, first: bool, split: bool, lock: OutputDirLock | None = 
     if split and not first:
         time.sleep(REFUSAL_ECHO_DELAY_S)
     print(message, file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker
-    if split and error_file:
-        # the layout torchrun's ErrorHandler writes; its summary prints extraInfo.py_callstack
-        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        with contextlib.suppress(OSError):
-            Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    if split and write_error_file(message):
         if lock:
             lock.release()
         sys.stdout.flush()

@@ -120,6 +120,7 @@ def test_a_failing_drafter_rank_exits_with_its_own_message_and_is_the_root_cause
     assert "terminate called" not in everything and "Signal 6" not in everything
     root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
     assert " rank      : 1 " in root_cause and "exitcode  : 1 " in root_cause, result.stderr[-3000:]
+    assert "error (rank 1): saving checkpoint step-00000006 failed" in root_cause  # not "<N/A>"
     assert_only_step_3_is_left(run_at_step_3)
     # the failing rank released the output directory before exiting: the next job takes over no lock
     lock = OutputDirLock(run_at_step_3)
