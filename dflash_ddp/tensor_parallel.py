@@ -19,6 +19,7 @@ from unittest import mock
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel
+from transformers import __version__ as transformers_version
 from transformers.distributed import DistributedConfig
 
 if TYPE_CHECKING:
@@ -40,6 +41,14 @@ def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
     those whose configs name their sizes differently."""
     if tp_size == 1 or not (Path(path) / "config.json").is_file():  # inspect_target says what is missing
         return
+    from transformers.distributed import mixin
+
+    if not hasattr(mixin, "initialize_distributed_mesh"):  # the one function _group_mesh replaces
+        raise ValueError(
+            f"--target_tp_size {tp_size}: this transformers ({transformers_version}) loads sharded models "
+            "differently from the 5.24 this trainer was built against; install transformers 5.24 or pass "
+            "--target_tp_size 1"
+        )
     config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True)
     if not getattr(config, "base_model_tp_plan", None):
         raise ValueError(

@@ -248,3 +248,16 @@ def test_plan_of_the_qwen3_32b_config_shows_groups_and_each_ranks_share(tmp_path
     # fp32 on a CPU: 31.0B truncated parameters x 4 bytes / 2 ranks
     assert re.search(r"target_rank_memory: [\d.]+ GiB predicted peak \(weights 57\.\d\d", out)
     assert "weights are 1/2 of the truncated target's" in out
+
+
+def test_a_transformers_that_loads_sharded_models_differently_is_named(tiny_target, monkeypatch):
+    """Sharding across a group replaces one function of transformers' loading; without it, a clear refusal
+    instead of an AttributeError in the middle of loading."""
+    from transformers.distributed import mixin
+
+    from dflash_ddp.tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(tiny_target, 2)
+    monkeypatch.delattr(mixin, "initialize_distributed_mesh")
+    with pytest.raises(ValueError, match="install transformers 5.24 or pass --target_tp_size 1"):
+        check_tensor_parallel(tiny_target, 2)
