@@ -157,9 +157,31 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _forward_steps(
+    batches: Iterator[tuple[Batch, int]], extractor, accumulation: int
+) -> Iterator[tuple[bool, list[tuple[Batch, torch.Tensor, int]], float]]:
+    """Per optimizer step of a calibration: whether it is timed (after the untimed warm-up steps), its
+    `accumulation` (batch, features, epoch) micro-batches, and the seconds their target forwards took."""
+    device = extractor.device
+    for step in range(calibration_steps(device)):
+        micro_batches, target_s = [], 0.0
+        for _ in range(accumulation):
+            batch, epoch = next(batches)
+            start = time.perf_counter()
+            features = extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
+            _synchronize(device)
+            target_s += time.perf_counter() - start
+            micro_batches.append((batch, features, epoch))
+        yield step >= warmup_steps(device), micro_batches, target_s
+
+
+def _sequences(micro_batches) -> int:
+    return sum(len(batch.sample_ids) for batch, _, _ in micro_batches)
+
+
 def measure_rates(
     batches: Iterator[tuple[Batch, int]],
-    extractor: TargetFeatureExtractor,
+    extractor: TargetFeatureExtractor | RandomFeatures,
     trainer: DrafterTrainer,
     accumulation: int,
 ) -> Measurement:
@@ -167,26 +189,16 @@ def measure_rates(
     batch through the target's forward, then each step's batches through the drafter's training step.
 
     Both sides see the same batches, so the ratio of their rates does not depend on which were drawn."""
-    device = extractor.device
     target_s = drafter_s = 0.0
     sequences = timed_batches = 0
-    warmup = warmup_steps(device)
-    for step in range(calibration_steps(device)):
-        micro_batches, step_target_s = [], 0.0
-        for _ in range(accumulation):
-            batch, epoch = next(batches)
-            start = time.perf_counter()
-            features = extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
-            _synchronize(device)
-            step_target_s += time.perf_counter() - start
-            micro_batches.append((batch, features, epoch))
+    for timed, micro_batches, step_target_s in _forward_steps(batches, extractor, accumulation):
         start = time.perf_counter()
         trainer.step(micro_batches)
-        _synchronize(device)
-        if step >= warmup:
+        _synchronize(extractor.device)
+        if timed:
             drafter_s += time.perf_counter() - start
             target_s += step_target_s
-            sequences += sum(len(batch.sample_ids) for batch, _, _ in micro_batches)
+            sequences += _sequences(micro_batches)
             timed_batches += accumulation
     rates = Rates(target=sequences / target_s, drafter=sequences / drafter_s)
     return Measurement(rates, timed_batches, sequences, target_s, drafter_s)
@@ -211,17 +223,11 @@ def time_target_forward(
 ) -> tuple[int, float]:
     """(sequences, seconds) of the target's forward over the timed steps of a calibration: the same batches
     and the same untimed steps as `measure_rates`, run by every rank of a tensor-parallel group."""
-    device = extractor.device
     sequences, seconds = 0, 0.0
-    for step in range(calibration_steps(device)):
-        for _ in range(accumulation):
-            batch, _ = next(batches)
-            start = time.perf_counter()
-            extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
-            _synchronize(device)
-            if step >= warmup_steps(device):
-                seconds += time.perf_counter() - start
-                sequences += len(batch.sample_ids)
+    for timed, micro_batches, target_s in _forward_steps(batches, extractor, accumulation):
+        if timed:
+            sequences += _sequences(micro_batches)
+            seconds += target_s
     return sequences, seconds
 
 

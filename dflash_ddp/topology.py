@@ -86,7 +86,7 @@ class Topology:
     @property
     def sender_ranks(self) -> list[int]:
         """The target ranks that send features: the first of each group."""
-        return [self.group_ranks(k)[0] for k in range(self.num_groups)]
+        return self.target_ranks[:: self.tp_size]
 
     @property
     def drafter_ranks(self) -> list[int]:
@@ -108,7 +108,7 @@ class Topology:
 
     def target_of(self, g: int) -> int:
         """The rank that sends global batch g's features (the first rank of the group computing it)."""
-        return self.sender_ranks[self.group_of(g)]
+        return self.target_ranks[self.group_of(g) * self.tp_size]
 
     def drafter_of(self, g: int) -> int:
         """The rank that trains on global batch g."""

@@ -416,7 +416,7 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
     measurement = measure_rates(
         calibration_schedule(cfg, setup, data, device), extractor, trainer, cfg.gradient_accumulation_steps
     )
-    print_calibration(cfg, measurement, topology, trainer, device)
+    print_calibration(measurement, topology, trainer, device)
 
 
 def calibration_schedule(cfg: TrainConfig, setup: RunSetup, data, device: torch.device):
@@ -432,7 +432,8 @@ def calibration_schedule(cfg: TrainConfig, setup: RunSetup, data, device: torch.
     )
 
 
-def print_calibration(cfg, measurement, topology: Topology, trainer: DrafterTrainer, device) -> None:
+def print_calibration(measurement, topology: Topology, trainer: DrafterTrainer, device) -> None:
+    """The calibration's report (calibrate.report) for this launch's topology."""
     gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.drafter.parameters())
     for line in report(
         measurement, topology.world_size, device, topology.num_drafters, gradient_bytes, topology.tp_size
@@ -476,7 +477,7 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
             measurement = dataclasses.replace(
                 drafter, rates=Rates(sequences / target_s, drafter.rates.drafter), target_s=target_s
             )
-            print_calibration(cfg, measurement, topo, trainer, device)
+            print_calibration(measurement, topo, trainer, device)
         job_barrier("calibrate-done")
     finally:
         shutdown()

@@ -111,40 +111,36 @@ def build_tokenizer(
     return fast
 
 
+# The tiny targets' shape: 4 heads of 16 (2 KV heads), hidden 64, MLP 128.
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
 def build_target(out: Path, vocab_size: int, num_layers: int = 6, seed: int = 0) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3Config(vocab_size=vocab_size, num_hidden_layers=num_layers, **TINY_SHAPE)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     return model
 
 
 def build_moe_target(out: Path, vocab_size: int, num_layers: int = 6, seed: int = 0) -> Qwen3MoeForCausalLM:
-    """A random Qwen3-MoE of the tiny target's width: 4 experts of MLP width 32, 2 routed per token."""
+    """A random Qwen3-MoE of the tiny target's shape: 4 experts of MLP width 32, 2 routed per token."""
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        num_hidden_layers=num_layers,
         moe_intermediate_size=32,
         num_experts=4,
         num_experts_per_tok=2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
+        **TINY_SHAPE,
     )
     model = Qwen3MoeForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
