@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typing
 
-from .config import (
+from dflash_ddp.config import (
     EMBEDDED_NAME,
     EMBEDDED_PRESET,
     FLOAT_RANGES,
@@ -20,9 +20,10 @@ from .config import (
     _load_yaml,
     _parse_flags,
 )
-from .trackers import REPORT_TO_CHOICES
+from dflash_ddp.observe.trackers import REPORT_TO_CHOICES
 
 REQUIRED = ("target_model", "data")  # required once the embedded default is not used
+
 
 # group -> {flag: (what it does, allowed values or "" to derive them from the type and config's ranges)}
 FLAGS: dict[str, dict[str, tuple[str, str]]] = {

@@ -17,13 +17,17 @@ from pathlib import Path
 
 import yaml
 
-from .chat_template import check_template_kwargs
-from .trackers import resolve_report_to
+from dflash_ddp.data.chat_template import check_template_kwargs
+from dflash_ddp.observe.trackers import resolve_report_to
 
 ASSETS = Path(__file__).resolve().parent / "assets"
+
+
 EMBEDDED_TARGET = ASSETS / "tiny_qwen3"
 
+
 EMBEDDED_NAME = "embedded"  # --target_model embedded: the embedded default by name (other --data allowed)
+
 
 # Used when no --target_model is given (or --target_model embedded): the tiny target and its data shipped in the package, with settings
 # sized so that the whole job (training, then real speculative decoding) takes a few minutes on 2 CPU cores.
@@ -115,7 +119,7 @@ class TrainConfig:
     eval_prompts: int = 50
     eval_max_new_tokens: int = 128
     # also at every checkpoint whose step is a multiple of eval_steps (0: off), by a background process on
-    # the drafter leader's device: eval.jsonl and checkpoints/best (see watch.py)
+    # the drafter leader's device: eval.jsonl and checkpoints/best (see evaluation/watch.py)
     eval_steps: int = 0
 
     def validate(self) -> None:
@@ -221,6 +225,7 @@ INT_MINIMUM = {
     "eval_steps": 0,
 }
 
+
 # Float settings: (whether a value is in range, the range in words). Every one must also be finite.
 FLOAT_RANGES = {
     "learning_rate": (lambda v: v > 0, "a finite number > 0"),
@@ -230,6 +235,7 @@ FLOAT_RANGES = {
     "loss_gamma": (lambda v: v > 0, "a finite number > 0 (the position-decay scale)"),
     "dist_timeout": (lambda v: 0 < v <= 1e7, "a finite number of seconds in (0, 1e7]"),
 }
+
 
 # Settings a resumed run may change when named in --resume_override (a change of any other setting that
 # the checkpoint records either belongs to another run or is followed automatically).

@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .checkpoint import existing_checkpoints
-from .config import ASSETS, EMBEDDED_TARGET
-from .jobs import SMALL_JOB, as_flags, torchrun_cmd, worker_pids
+from dflash_ddp.checkpoint.manifest import existing_checkpoints
+from dflash_ddp.config import ASSETS, EMBEDDED_TARGET
+from dflash_ddp.parallel.jobs import SMALL_JOB, as_flags, torchrun_cmd, worker_pids
 
 SETTINGS = {
     "target_model": str(EMBEDDED_TARGET),
@@ -37,8 +37,14 @@ SETTINGS = {
     "seed": 5,
     "dist_timeout": 60,
 }
+
+
 WORLD = 4  # 3 target ranks + 1 drafter rank
+
+
 KINDS = ("SIGKILL", "SIGTERM", "full disk")
+
+
 FULL_DISK_BYTES = 64 * 1024  # above metrics.jsonl's size, below every checkpoint's weights file
 
 

@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from dflash_ddp.jobs import SMALL_JOB, as_flags, torchrun_cmd
-from dflash_ddp.jobs import worker_pids as rank_pids
+from dflash_ddp.parallel.jobs import SMALL_JOB, as_flags, torchrun_cmd
+from dflash_ddp.parallel.jobs import worker_pids as rank_pids
 
 __all__ = [
     "SMALL_JOB",
@@ -27,7 +27,7 @@ __all__ = [
 def small_draft_config(**overrides):
     """A drafter config small enough for exact CPU checks: 2 layers of width 32 (4 heads x 8, 2 KV heads),
     a 50-token vocabulary with mask id 49, taps [0, 2] of a 4-layer target, block size 4."""
-    from dflash_ddp.model import DFlashDraftConfig
+    from dflash_ddp.drafter.model import DFlashDraftConfig
 
     settings = dict(
         vocab_size=50,

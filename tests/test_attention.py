@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dflash_ddp.attention as attention
-from dflash_ddp.attention import block_layout, block_sparse_attention, dense_attention
-from dflash_ddp.flex import flex_block_mask
-from dflash_ddp.model import DFlashDraftModel
-from dflash_ddp.objective import build_block_inputs, dense_block_mask
+import dflash_ddp.drafter.attention as attention
+from dflash_ddp.drafter.attention import block_layout, block_sparse_attention, dense_attention
+from dflash_ddp.drafter.flex import flex_block_mask
+from dflash_ddp.drafter.model import DFlashDraftModel
+from dflash_ddp.drafter.objective import build_block_inputs, dense_block_mask
 
 from helpers import small_draft_config
 

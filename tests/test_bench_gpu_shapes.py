@@ -13,10 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_ddp.bench.flops import draft_work, drafter_flops, target_forward_flops
 from dflash_ddp.bench.gpu_shapes import SCALES, add_arguments, build_target, qwen3_config, run
-from dflash_ddp.data import Batch
-from dflash_ddp.objective import block_loss_terms, dense_block_mask, sample_anchors
-from dflash_ddp.target import SharedTargetHead, tapped_features
-from dflash_ddp.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.data.batch import Batch
+from dflash_ddp.drafter.objective import block_loss_terms, dense_block_mask, sample_anchors
+from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.target_model.features import tapped_features
+from dflash_ddp.target_model.head import SharedTargetHead
 
 from helpers import small_draft_config
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_ddp import calibrate
-from dflash_ddp.calibrate import Measurement, Rates, candidate_splits, predict, recommend, report
-from dflash_ddp.target import TargetFeatureExtractor
+from dflash_ddp.drafter.trainer import DrafterTrainer
+from dflash_ddp.setup import calibrate
+from dflash_ddp.setup.calibrate import Measurement, Rates, candidate_splits, predict, recommend, report
+from dflash_ddp.target_model.features import TargetFeatureExtractor
 from dflash_ddp.train import main
-from dflash_ddp.trainer import DrafterTrainer
 
 from helpers import torchrun_cmd, train_flags
 

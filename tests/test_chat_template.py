@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_ddp.chat_template import ChatTokenizer, load_chat_template
-from dflash_ddp.data import BadRow
+from dflash_ddp.data.chat_template import ChatTokenizer, load_chat_template
+from dflash_ddp.data.sources import BadRow
 
 from conftest import build_tokenizer
 
@@ -181,7 +181,7 @@ def test_an_assistant_turn_without_a_prompt_is_a_bad_row():
 
 def test_both_ways_give_the_same_masks_on_the_embedded_data():
     from dflash_ddp.config import EMBEDDED_PRESET
-    from dflash_ddp.data import read_conversations
+    from dflash_ddp.data.sources import read_conversations
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_PRESET["target_model"])
     marked = ChatTokenizer(tokenizer, {})

@@ -11,15 +11,11 @@ import sys
 import pytest
 import torch
 
-from dflash_ddp.checkpoint import (
-    SaveError,
-    read_latest,
-    remove_leftovers,
-    save_checkpoint,
-    verify_checkpoint,
-    write_manifest,
-)
-from dflash_ddp.resume import check_same_run, find_checkpoint, load_tensor_file, load_trainer_state
+from dflash_ddp.checkpoint.layout import read_latest
+from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
+from dflash_ddp.checkpoint.resume import find_checkpoint, load_tensor_file, load_trainer_state
+from dflash_ddp.checkpoint.writer import SaveError, remove_leftovers, save_checkpoint
+from dflash_ddp.setup.start import check_same_run
 from dflash_ddp.train import main
 
 from conftest import build_target
@@ -44,8 +40,8 @@ def _newest(out):
 
 def _training_objects(ckpt):
     """A drafter of the checkpoint's shape with a fresh AdamW and a constant schedule, to save."""
-    from dflash_ddp.export import from_zlab_config
-    from dflash_ddp.model import DFlashDraftModel
+    from dflash_ddp.drafter.model import DFlashDraftModel
+    from dflash_ddp.drafter.zlab import from_zlab_config
 
     drafter = DFlashDraftModel(from_zlab_config(json.loads((ckpt / "config.json").read_text())))
     optimizer = torch.optim.AdamW(drafter.parameters())
@@ -315,7 +311,7 @@ def test_latest_is_only_followed_to_a_checkpoint_beside_it(finished_run):
 
 
 def test_a_failed_rotation_is_a_save_error_naming_the_complete_checkpoint(finished_run, monkeypatch):
-    from dflash_ddp import checkpoint
+    from dflash_ddp.checkpoint import writer
 
     ckpt = _newest(finished_run)
     drafter, optimizer, scheduler = _training_objects(ckpt)
@@ -324,7 +320,7 @@ def test_a_failed_rotation_is_a_save_error_naming_the_complete_checkpoint(finish
     def refuse(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", refuse)
+    monkeypatch.setattr(writer.shutil, "rmtree", refuse)
     with pytest.raises(
         SaveError, match="removing old checkpoints after saving step-00000009 failed .*Permission"
     ):
@@ -349,8 +345,8 @@ def test_leftovers_of_killed_saves_are_cleared_and_a_set_aside_only_copy_moved_b
 def test_snapshots_reuse_host_buffers_and_write_the_same_files(tmp_path):
     """A writer's second save refills the host buffers of its first (no new allocation per save), and the
     files equal those of a save into fresh memory."""
-    from dflash_ddp.checkpoint import HostStaging, snapshot, write_checkpoint
-    from dflash_ddp.model import DFlashDraftModel
+    from dflash_ddp.checkpoint.writer import HostStaging, snapshot, write_checkpoint
+    from dflash_ddp.drafter.model import DFlashDraftModel
 
     from helpers import small_draft_config
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dflash_ddp import dataset
-from dflash_ddp.chat_template import ChatTokenizer
-from dflash_ddp.dataset import TokenizeSettings, load_or_tokenize, tokenize_dataset
+from dflash_ddp.data import dataset
+from dflash_ddp.data.chat_template import ChatTokenizer
+from dflash_ddp.data.dataset import TokenizeSettings, load_or_tokenize, tokenize_dataset
 
 from conftest import conversation
 
@@ -126,8 +126,8 @@ CONCURRENT = """
 import sys, time
 from pathlib import Path
 from transformers import AutoTokenizer
-from dflash_ddp import dataset
-from dflash_ddp.chat_template import ChatTokenizer
+from dflash_ddp.data import dataset
+from dflash_ddp.data.chat_template import ChatTokenizer
 target, data, cache, go = sys.argv[1:]
 tokenize = dataset.tokenize_dataset
 def slow_tokenize(*args, **kwargs):  # long enough that all processes overlap

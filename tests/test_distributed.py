@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_ddp.topology import Topology
+from dflash_ddp.parallel.topology import Topology
 
 from helpers import kill_job, rank_pids, torchrun_cmd, train_flags
 
@@ -243,10 +243,10 @@ def test_ranks_that_read_different_data_refuse_to_start(tiny_target, chat_data, 
 
 
 def test_the_drafter_refuses_a_batch_its_schedule_does_not_expect():
-    from dflash_ddp.data import Batch
-    from dflash_ddp.schedule import ScheduledBatch
-    from dflash_ddp.train import check_batch
-    from dflash_ddp.transport import ChannelError, Message
+    from dflash_ddp.data.batch import Batch
+    from dflash_ddp.data.schedule import ScheduledBatch
+    from dflash_ddp.parallel.channel import ChannelError, Message
+    from dflash_ddp.roles.drafter import check_batch
 
     ids = torch.ones(2, 3, dtype=torch.long)
     message = Message(5, 0, Batch(ids, ids, ids, torch.tensor([7, 9])), torch.zeros(2, 3, 4), 2, 0.0, 0)
@@ -286,7 +286,7 @@ def test_a_slow_first_drafter_step_does_not_time_out_the_channel(tiny_target, ch
 def test_ranks_share_a_gpu_only_through_the_gloo_channel(monkeypatch):
     """Two local ranks on a one-GPU node: refused under NCCL with a line saying what to do, sharing cuda:0
     with --channel_backend gloo (the one-GPU check of a split job)."""
-    from dflash_ddp import topology
+    from dflash_ddp.parallel import topology
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -15,19 +15,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ddp.evaluate import (
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.evaluate import main
+from dflash_ddp.evaluation.decoding import (
     as_transformers_assistant,
-    check_compatibility,
-    evaluate,
     greedy_generate,
-    main,
     speculative_generate,
     transformers_generate,
     untrained_drafter,
 )
-from dflash_ddp.export import load_drafter, save_drafter
-from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
-from dflash_ddp.target import _decoder_layers, capture_layer_outputs, inspect_target
+from dflash_ddp.evaluation.evaluate import check_compatibility, evaluate
+from dflash_ddp.serving.export import load_drafter, save_drafter
+from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers
+from dflash_ddp.target_model.info import inspect_target
 
 VOCAB, HIDDEN, LAYERS, BLOCK, MASK_ID, EOS_ID = 128, 64, 4, 4, 3, 2
 TAPS = [1, 2]
@@ -106,7 +106,7 @@ def fit_drafter(drafter: DFlashDraftModel, target: nn.Module, prompts, steps: in
     with torch.no_grad():
         for prompt in prompts:
             seq = torch.tensor(prompt + greedy_generate(target, prompt, 24).tokens)[None]
-            with capture_layer_outputs(_decoder_layers(target), TAPS, stop_after_last=False) as captured:
+            with capture_layer_outputs(decoder_layers(target), TAPS, stop_after_last=False) as captured:
                 target(input_ids=seq)
             feats = torch.cat([captured[i] for i in TAPS], dim=-1)
             anchors = torch.arange(len(prompt) - 1, seq.shape[1] - BLOCK + 1)

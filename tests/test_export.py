@@ -13,12 +13,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-from dflash_ddp.evaluate import as_transformers_assistant
-from dflash_ddp.export import load_drafter, main, package_version, save_drafter, to_zlab_config, zlab_keys
-from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
-from dflash_ddp.regenerate_parts import settings_path
-from dflash_ddp.run_setup import fingerprint_files
-from dflash_ddp.target import target_fingerprint
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.zlab import to_zlab_config, zlab_keys
+from dflash_ddp.evaluation.decoding import as_transformers_assistant
+from dflash_ddp.export import main
+from dflash_ddp.files import fingerprint_files
+from dflash_ddp.regeneration.parts import settings_path
+from dflash_ddp.serving.export import load_drafter, package_version, save_drafter
+from dflash_ddp.target_model.info import target_fingerprint
 
 from helpers import small_draft_config
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dflash_ddp import soak
-from dflash_ddp.checkpoint import verify_checkpoint
-from dflash_ddp.run_lock import OutputDirLock
+from dflash_ddp.checkpoint.manifest import verify_checkpoint
+from dflash_ddp.parallel.run_lock import OutputDirLock
 from dflash_ddp.train import main
 
 from helpers import file_size_limit, rank_pids, torchrun_cmd, train_flags
@@ -209,8 +209,8 @@ def test_a_partial_last_metrics_line_is_dropped_on_resume(run_at_step_3, tiny_ta
 def test_a_failing_metrics_append_is_a_save_error(tmp_path):
     code = (
         "import sys\n"
-        "from dflash_ddp.progress import TrainingMonitor\n"
-        "from dflash_ddp.checkpoint import SaveError\n"
+        "from dflash_ddp.observe.progress import TrainingMonitor\n"
+        "from dflash_ddp.checkpoint.writer import SaveError\n"
         "monitor = TrainingMonitor(sys.argv[1], 10)\n"
         "record = {'step': 1, 'loss': 1.0, 'accuracy': 0.0, 'tau_estimate': 1.0, 'pad': 'x' * 3000}\n"
         "try:\n"

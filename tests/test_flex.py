@@ -5,10 +5,10 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
-import dflash_ddp.flex as flex
-from dflash_ddp.flex import compiled_flex, flex_block_mask, min_anchor_slots
-from dflash_ddp.model import DFlashDraftModel
-from dflash_ddp.objective import build_block_inputs, dense_block_mask, sample_anchors
+import dflash_ddp.drafter.flex as flex
+from dflash_ddp.drafter.flex import compiled_flex, flex_block_mask, min_anchor_slots
+from dflash_ddp.drafter.model import DFlashDraftModel
+from dflash_ddp.drafter.objective import build_block_inputs, dense_block_mask, sample_anchors
 
 from helpers import small_draft_config
 

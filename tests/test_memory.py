@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from dflash_ddp.attention import block_layout
-from dflash_ddp.memory import saved_per_context_token, saved_per_position
-from dflash_ddp.model import DFlashDraftConfig, DFlashDraftModel
-from dflash_ddp.objective import build_block_inputs
+from dflash_ddp.drafter.attention import block_layout
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.objective import build_block_inputs
+from dflash_ddp.setup.memory import saved_per_context_token, saved_per_position
 from dflash_ddp.train import main
 
 from helpers import small_draft_config
@@ -68,7 +68,7 @@ def test_peak_resident_memory_is_the_process_own(tmp_path):
     carries the parent's high-water mark through fork and exec: the measured-peak run read 1.11 GiB instead
     of 0.73 inside the test suite)."""
     held = torch.ones(512 << 18)  # 512 MiB resident in this process
-    code = "from dflash_ddp.memory import peak_resident_bytes as p; print(p())"
+    code = "from dflash_ddp.setup.memory import peak_resident_bytes as p; print(p())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     del held
     assert int(child.stdout) < 400 << 20  # importing torch: about 0.3 GiB
@@ -142,11 +142,11 @@ def test_an_evaluation_whose_target_cannot_fit_the_leaders_device_is_refused_at_
 ):
     """--eval_data loads the whole target on the drafter leader's device: a device that cannot hold it (a
     target sharded across a group; here a device of 1 MiB) is refused before training, not after it."""
-    from dflash_ddp import run_setup
     from dflash_ddp.config import EMBEDDED_PRESET, TrainConfig
-    from dflash_ddp.memory import MemoryPlan
+    from dflash_ddp.setup import plan
+    from dflash_ddp.setup.memory import MemoryPlan
 
-    monkeypatch.setattr(run_setup, "device_capacity", lambda device: (2**20, "one test device (1.0 MiB)"))
+    monkeypatch.setattr(plan, "device_capacity", lambda device: (2**20, "one test device (1.0 MiB)"))
     out = tmp_path / "run"
     eval_data = EMBEDDED_PRESET["eval_data"]
     assert main(["--output_dir", str(out), "--eval_data", eval_data, "--max_steps", "2"]) == 2
@@ -154,10 +154,10 @@ def test_an_evaluation_whose_target_cannot_fit_the_leaders_device_is_refused_at_
     assert err.startswith("error: --eval_data: real-tau evaluation loads the whole target (")
     assert "one test device (1.0 MiB) cannot hold it" in err and "python -m dflash_ddp.evaluate" in err
     assert not out.exists()
-    monkeypatch.setattr(run_setup, "device_capacity", lambda device: (2**40, "a large device"))
+    monkeypatch.setattr(plan, "device_capacity", lambda device: (2**40, "a large device"))
     # with --eval_steps the drafter trains beside it: both are counted
     drafter = MemoryPlan({"activations": 2**39 + 1})
-    memory = run_setup.RunMemory(drafter, drafter, None, False, 0, evaluation=2**39)
-    run_setup.check_evaluation_memory(TrainConfig(eval_data=eval_data), memory)  # after training: fits
+    memory = plan.RunMemory(drafter, drafter, None, False, 0, evaluation=2**39)
+    plan.check_evaluation_memory(TrainConfig(eval_data=eval_data), memory)  # after training: fits
     with pytest.raises(ValueError, match=r"beside the drafter's 512\.0 GiB \(--eval_steps\)"):
-        run_setup.check_evaluation_memory(TrainConfig(eval_data=eval_data, eval_steps=1000), memory)
+        plan.check_evaluation_memory(TrainConfig(eval_data=eval_data, eval_steps=1000), memory)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from dflash_ddp.attention import block_layout
-from dflash_ddp.flex import flex_block_mask
-from dflash_ddp.model import DFlashDraftModel
-from dflash_ddp.objective import build_block_inputs, dense_block_mask
+from dflash_ddp.drafter.attention import block_layout
+from dflash_ddp.drafter.flex import flex_block_mask
+from dflash_ddp.drafter.model import DFlashDraftModel
+from dflash_ddp.drafter.objective import build_block_inputs, dense_block_mask
 
 from helpers import small_draft_config
 
@@ -143,8 +143,8 @@ def test_cached_inference_equals_one_shot_forward():
 def test_lean_norm_and_swiglu_have_exact_gradients(monkeypatch):
     """RMSNorm and the MLP half of a layer keep fewer tensors for backward than autograd would, and the MLP
     recomputes itself in row pieces in backward; values and gradients equal plain autograd's."""
-    import dflash_ddp.model as model
-    from dflash_ddp.model import DFlashMLP, RMSNorm
+    import dflash_ddp.drafter.model as model
+    from dflash_ddp.drafter.model import DFlashMLP, RMSNorm
 
     norm = RMSNorm(8, 1e-6).double()
     norm.weight.data.normal_()
@@ -170,7 +170,7 @@ def test_lean_norm_and_swiglu_have_exact_gradients(monkeypatch):
 
 
 def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():
-    from dflash_ddp.attention import block_layout
+    from dflash_ddp.drafter.attention import block_layout
 
     inputs, features, embeds = setup_inputs()
     layout = block_layout(inputs.anchors, SEQ, BS, 4, torch.device("cpu"))

@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dflash_ddp.objective import (
+from dflash_ddp.drafter.objective import (
     block_loss_terms,
     build_block_inputs,
     chunked_weighted_ce,

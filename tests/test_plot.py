@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from dflash_ddp.plot import PLOTS, main
+from dflash_ddp.observe.plot import PLOTS
+from dflash_ddp.plot import main
 
 pytest.importorskip("matplotlib", reason='the plots need the optional extra: pip install -e ".[plot]"')
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_ddp import progress
-from dflash_ddp.progress import TrainingMonitor, pipeline_warnings, send_wait_fractions
+from dflash_ddp.observe import progress
+from dflash_ddp.observe.progress import TrainingMonitor, pipeline_warnings, send_wait_fractions
 
 
 def test_send_wait_fractions_per_target_from_cumulative_seconds():

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ddp import regenerate as rg
-from dflash_ddp.chat_template import load_target_tokenizer
-from dflash_ddp.data import BadRow
-from dflash_ddp.regenerate_parts import settings_path
-from dflash_ddp.target import inspect_target, load_causal_lm
+from dflash_ddp.data.chat_template import load_target_tokenizer
+from dflash_ddp.data.sources import BadRow
+from dflash_ddp.regeneration import regenerate as rg
+from dflash_ddp.regeneration.parts import settings_path
+from dflash_ddp.target_model.info import inspect_target
+from dflash_ddp.target_model.loading import load_causal_lm
 
 from conftest import CHATML_TEMPLATE
 from helpers import kill_job, torchrun_cmd

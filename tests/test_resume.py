@@ -179,7 +179,7 @@ def test_fewer_drafter_ranks_keep_the_global_batch(tiny_target, chat_data, tmp_p
 def test_a_second_ctrl_c_ends_the_process_at_once_a_second_sigterm_does_not():
     code = (
         "import os, signal, sys, time\n"
-        "from dflash_ddp.signals import GracefulStop\n"
+        "from dflash_ddp.parallel.signals import GracefulStop\n"
         "stop = GracefulStop().install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "print('first signal noted:', stop.requested, flush=True)\n"
@@ -234,9 +234,9 @@ def test_a_training_step_draws_only_from_generators_that_resume_restores(
 
     import numpy as np
 
-    from dflash_ddp.checkpoint import rng_state
+    from dflash_ddp.checkpoint.writer import rng_state
+    from dflash_ddp.drafter.trainer import DrafterTrainer
     from dflash_ddp.train import main
-    from dflash_ddp.trainer import DrafterTrainer
 
     assert set(rng_state()) == ({"torch", "cuda"} if torch.cuda.is_available() else {"torch"})
     unrestored = []

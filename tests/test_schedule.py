@@ -5,7 +5,7 @@ test_distributed.py (bit-identical drafters; every drafter rank checks each batc
 
 import random
 
-from dflash_ddp.schedule import BatchSchedule, epoch_batches
+from dflash_ddp.data.schedule import BatchSchedule, epoch_batches
 
 LENGTHS = [random.Random(i).randint(20, 300) for i in range(200)]
 

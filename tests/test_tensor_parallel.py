@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ddp.tensor_parallel import check_groups_within_nodes
-from dflash_ddp.topology import Topology
+from dflash_ddp.parallel.topology import Topology
+from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes
 from dflash_ddp.train import main
 
 from conftest import build_tokenizer
@@ -255,7 +255,7 @@ def test_a_transformers_that_loads_sharded_models_differently_is_named(tiny_targ
     instead of an AttributeError in the middle of loading."""
     from transformers.distributed import mixin
 
-    from dflash_ddp.tensor_parallel import check_tensor_parallel
+    from dflash_ddp.target_model.tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(tiny_target, 2)
     monkeypatch.delattr(mixin, "initialize_distributed_mesh")

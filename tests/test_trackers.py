@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash_ddp.config import parse_config
-from dflash_ddp.trackers import Trackers, resolve_report_to, scalars
+from dflash_ddp.observe.trackers import Trackers, resolve_report_to, scalars
 from dflash_ddp.train import main
 
 from helpers import train_flags
@@ -148,7 +148,7 @@ def test_evaluation_results_go_to_the_trackers(tmp_path):
 
 @needs_tensorboard
 def test_evaluations_that_arrive_after_training_are_sent_before_the_trackers_close(tmp_path):
-    from dflash_ddp.train import close_trackers
+    from dflash_ddp.roles.evaluation import close_trackers
 
     trackers = Trackers.start(["tensorboard"], "late", tmp_path)
     trackers.log({"step": 20, "loss": 1.0})

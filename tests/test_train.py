@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_ddp.checkpoint import verify_checkpoint
+from dflash_ddp.checkpoint.manifest import verify_checkpoint
 from dflash_ddp.train import main
 
 from conftest import conversation
@@ -160,7 +160,7 @@ def test_train_last_turn_only_through_the_cli(tiny_target, tmp_path):
 
 
 def test_only_a_lost_peer_is_reported_without_traceback():
-    from dflash_ddp.train import lost_peer
+    from dflash_ddp.parallel.exits import lost_peer
 
     gloo = RuntimeError("[../pair.cc:553] Connection closed by peer [127.0.0.1]:33488. This is typically ...")
     assert lost_peer(gloo)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dflash_ddp.trainer as trainer_module
+import dflash_ddp.drafter.trainer as trainer_module
 from dflash_ddp.train import main
 
 from helpers import small_draft_config, train_flags
@@ -40,8 +40,8 @@ def test_chunked_steps_train_the_weights_of_unchunked_steps(tiny_target, chat_da
 
 
 def small_trainer(lazy_checks: bool, learning_rate: float = 1e-3):
-    from dflash_ddp.target import SharedTargetHead
-    from dflash_ddp.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+    from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+    from dflash_ddp.target_model.head import SharedTargetHead
 
     config = small_draft_config(vocab_size=64, mask_token_id=63)
     drafter = build_drafter(config, 0, torch.device("cpu"))
@@ -53,7 +53,7 @@ def small_trainer(lazy_checks: bool, learning_rate: float = 1e-3):
 
 
 def random_batch(seed: int):
-    from dflash_ddp.data import Batch
+    from dflash_ddp.data.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 60, (3, 30), generator=g)

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data import Batch
-from ..jobs import torchrun_cmd
-from ..transport import ChannelReceiver, ChannelSender, pack
+from dflash_ddp.data.batch import Batch
+from dflash_ddp.parallel.channel import ChannelReceiver, ChannelSender, pack
+from dflash_ddp.parallel.jobs import torchrun_cmd
 
 # (batch size, tokens per sequence, feature width): features of 5 tapped layers of a 1024-wide target,
 # then of a 4096-wide one (Qwen3-8B's width) at a smaller batch; fp32 on CPU.

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..data import Batch
-from ..model import DFlashDraftConfig
-from ..objective import plan_draft_chunks
-from ..trainer import StepSettings, batch_anchors
+from dflash_ddp.data.batch import Batch
+from dflash_ddp.drafter.model import DFlashDraftConfig
+from dflash_ddp.drafter.objective import plan_draft_chunks
+from dflash_ddp.drafter.trainer import StepSettings, batch_anchors
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, TFLOP/s; the first name contained in
 # torch.cuda.get_device_name() wins. `--peak_tflops` overrides (and is the only source on other devices).
@@ -98,7 +98,7 @@ def drafter_flops(c: DFlashDraftConfig, work: DraftWork, checkpointing: bool = F
     gradient. Attention counts only the entries the block rule allows (context keys before each anchor
     and the block itself), not the masked-out ones a kernel's tiles may still compute.
     Recomputed by this code, counted in `executed` only: q/k/v projections and the MLP's gate and up
-    (model.py rebuilds them in backward), the attention scores (flash-style backward: 2 L h D E), the LM
+    (drafter/model.py rebuilds them in backward), the attention scores (flash-style backward: 2 L h D E), the LM
     head's logits (the chunked loss: 2 H V N; so the LM head executes 3 x 2 H V N), and with gradient
     checkpointing each layer's forward once more."""
     L, H, V = c.num_hidden_layers, c.hidden_size, c.vocab_size

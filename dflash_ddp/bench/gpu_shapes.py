@@ -1,6 +1,6 @@
 """Qwen3-8B-shaped performance with random weights (no download): the target rank's forward, the drafter
-rank's training step, their FLOPs and model FLOP utilisation (MFU), peak memory against memory.py, and the
-split of 8 devices that calibrate.py recommends from the two measured rates.
+rank's training step, their FLOPs and model FLOP utilisation (MFU), peak memory against setup/memory.py, and the
+split of 8 devices that setup/calibrate.py recommends from the two measured rates.
 
 `python -m dflash_ddp.bench --gpu [--scale qwen3-8b|tiny] [--out DIR] [--peak_tflops X]`
 
@@ -33,29 +33,19 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel
 
-from ..calibrate import Measurement, Rates, recommend, report, warmup_steps
-from ..config import EMBEDDED_TARGET, TrainConfig
-from ..data import Batch
-from ..memory import GIB, peak_resident_bytes, process_baseline
-from ..model import DFlashDraftConfig
-from ..run_setup import plan_memory
-from ..target import (
-    SharedTargetHead,
-    TargetInfo,
-    default_target_layer_ids,
-    tapped_features,
-    target_info_from_config,
-)
-from ..topology import Topology, select_device
-from ..trainer import (
-    DrafterTrainer,
-    OptimizerSettings,
-    StepSettings,
-    build_drafter,
-    compute_dtype,
-    drafter_config_for,
-    resolve_attention,
-)
+from dflash_ddp.config import EMBEDDED_TARGET, TrainConfig
+from dflash_ddp.data.batch import Batch
+from dflash_ddp.drafter.model import DFlashDraftConfig
+from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.parallel.topology import Topology, compute_dtype, select_device
+from dflash_ddp.setup.calibrate import Measurement, Rates, recommend, report, warmup_steps
+from dflash_ddp.setup.drafter_config import drafter_config_for, resolve_attention
+from dflash_ddp.setup.memory import GIB, peak_resident_bytes, process_baseline
+from dflash_ddp.setup.plan import plan_memory
+from dflash_ddp.target_model.features import tapped_features
+from dflash_ddp.target_model.head import SharedTargetHead
+from dflash_ddp.target_model.info import TargetInfo, default_target_layer_ids, target_info_from_config
+
 from .flops import DraftWork, device_peak, draft_work, drafter_flops, target_forward_flops
 
 MFU_GOAL = 0.55  # below it (on CUDA) one more drafter step runs under torch.profiler
@@ -424,7 +414,7 @@ def run(args: argparse.Namespace) -> dict:
         f"(predicted {drafter['predicted_peak_gib']:.2f}: {memory.drafter.describe()})"
     )
 
-    # the split of 8 devices, from the two rates (calibrate.py's model and report)
+    # the split of 8 devices, from the two rates (setup/calibrate.py: its model and report)
     rates = Rates(target=target["sequences_per_s"], drafter=sequences / drafter["step_s"])
     measurement = Measurement(
         rates, args.drafter_steps, sequences * args.drafter_steps, sequences / rates.target, drafter["step_s"]

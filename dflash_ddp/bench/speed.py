@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import ASSETS, EMBEDDED_TARGET, parse_config
-from ..run_setup import build_schedule, load_data, prepare
-from ..topology import Topology
+from dflash_ddp.config import ASSETS, EMBEDDED_TARGET, parse_config
+from dflash_ddp.parallel.topology import Topology
+from dflash_ddp.setup.run import build_schedule, load_data, prepare
 
 SEQ_LEN = 512
 

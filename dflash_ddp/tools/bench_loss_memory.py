@@ -26,7 +26,7 @@ def _child(rows: int, vocab: int, hidden: int, chunk: int, mode: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    from dflash_ddp.objective import chunked_weighted_ce
+    from dflash_ddp.drafter.objective import chunked_weighted_ce
 
     torch.manual_seed(0)
     h = torch.randn(rows, hidden, requires_grad=True)

@@ -16,7 +16,7 @@ import math
 import random
 import time
 
-from dflash_ddp.schedule import epoch_batches
+from dflash_ddp.data.schedule import epoch_batches
 
 
 def length_mixes(n: int, max_len: int, seed: int) -> dict[str, list[int]]:
@@ -42,9 +42,9 @@ def embedded_lengths(max_seq_len: int) -> list[int]:
     """Lengths of the embedded default's tokenized training conversations."""
     from transformers import AutoTokenizer
 
-    from dflash_ddp.chat_template import ChatTokenizer
     from dflash_ddp.config import EMBEDDED_PRESET
-    from dflash_ddp.dataset import TokenizeSettings, tokenize_dataset
+    from dflash_ddp.data.chat_template import ChatTokenizer
+    from dflash_ddp.data.dataset import TokenizeSettings, tokenize_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_PRESET["target_model"], local_files_only=True)
     data, _ = tokenize_dataset(

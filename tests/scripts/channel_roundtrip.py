@@ -6,9 +6,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dflash_ddp.data import Batch
-from dflash_ddp.target import TargetFeatureExtractor, inspect_target
-from dflash_ddp.transport import ChannelReceiver, ChannelSender
+from dflash_ddp.data.batch import Batch
+from dflash_ddp.parallel.channel import ChannelReceiver, ChannelSender
+from dflash_ddp.target_model.features import TargetFeatureExtractor
+from dflash_ddp.target_model.info import inspect_target
 
 SHAPES = [(1, 5), (3, 17), (2, 64), (5, 9), (1, 120), (4, 33)]  # (batch size, longest sequence)
 

@@ -6,7 +6,7 @@ The pause in seconds is the first argument; the rest are the tool's own flags.""
 import sys
 import time
 
-from dflash_ddp import regenerate
+from dflash_ddp.regeneration import regenerate
 
 PAUSE_S = float(sys.argv.pop(1))
 write = regenerate.PartWriter.write

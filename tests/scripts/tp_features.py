@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from dflash_ddp.target import TargetFeatureExtractor, _layer_output, inspect_target
-from dflash_ddp.tensor_parallel import group_meshes
+from dflash_ddp.parallel.topology import group_meshes
+from dflash_ddp.target_model.features import TargetFeatureExtractor, _layer_output
+from dflash_ddp.target_model.info import inspect_target
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

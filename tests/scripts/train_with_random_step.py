@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from dflash_ddp import trainer
+from dflash_ddp.drafter import trainer
 from dflash_ddp.train import main
 
 original_step = trainer.DrafterTrainer.step

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from dflash_ddp import model
+from dflash_ddp.drafter import model
 from dflash_ddp.train import main
 
 original_forward = model.DFlashDraftModel.forward

@@ -1,0 +1,130 @@
+"""Resuming: which checkpoint, and restoring every stateful part from it.
+
+`--resume auto` (default) takes the newest checkpoint whose manifest verifies, reporting and skipping
+corrupt or half-written ones; `never` refuses an output directory that already holds checkpoints
+(starting over there would throw that work away); a path resumes from that checkpoint. Whether the
+checkpoint belongs to this run is decided in setup/start.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_ddp.checkpoint.manifest import existing_checkpoints, verify_checkpoint
+from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
+from dflash_ddp.files import describe_error
+
+REQUIRED_STATE = (
+    "global_step",
+    "epoch",
+    "batches_consumed",
+    "tokens_seen",
+    "topology",
+    "config",
+    "fingerprints",
+    "drafter",
+)
+
+
+class RestoreError(ValueError):
+    """A verified checkpoint could not be loaded into this run's objects (a refused pickle, a state that
+    does not fit): the resume is refused."""
+
+
+def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start. `report` prints a warning line."""
+    if resume not in ("auto", "never"):
+        path = Path(resume)
+        problems = verify_checkpoint(path) if path.is_dir() else [f"{path}: not a directory"]
+        if problems:
+            raise ValueError(f"--resume {resume}: not a valid checkpoint: " + "; ".join(problems))
+        return path
+    root = Path(output_dir) / "checkpoints"
+    for tmp in sorted(root.glob(".tmp-*")) if root.is_dir() else []:
+        report(f"ignoring {tmp}: a save that never completed (the process died while writing it)")
+    found = existing_checkpoints(output_dir)
+    if resume == "never":
+        if found:
+            raise ValueError(
+                f"--resume never, but --output_dir {output_dir} already holds checkpoints (newest: "
+                f"{found[-1].name}): pass a new --output_dir, or --resume auto to continue that run"
+            )
+        return None
+    for path in reversed(found):
+        problems = verify_checkpoint(path)
+        if not problems:
+            return path
+        report(f"skipping corrupt checkpoint {path.name}: " + "; ".join(problems))
+    if found:
+        raise ValueError(
+            f"--output_dir {output_dir}: none of its {len(found)} checkpoints verifies (see above); "
+            "restore one, or pass --resume never with a new --output_dir"
+        )
+    return None
+
+
+def load_trainer_state(path: Path) -> dict:
+    """trainer_state.json with every required field present (a missing field is an error, never a default)."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}/trainer_state.json: unreadable ({describe_error(e)})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}/trainer_state.json: not a JSON object")
+    missing = [k for k in REQUIRED_STATE if k not in state]
+    missing += [
+        f"fingerprints.{k}" for k in ("target", "tokenizer", "data") if k not in state.get("fingerprints", {})
+    ]
+    missing += [
+        f"topology.{k}" for k in ("target_ranks", "drafter_ranks") if k not in state.get("topology", {})
+    ]
+    if missing:
+        raise ValueError(f"{path}/trainer_state.json: missing field(s) {missing}")
+    return state
+
+
+def load_weights(path: Path, drafter: DFlashDraftModel) -> None:
+    """Strict load: missing or unexpected keys, or wrong shapes, are an error listing them."""
+    try:
+        state = load_file(path / "model.safetensors")
+    except Exception as e:  # SafetensorError, OSError: a file damaged after its hash was checked
+        raise ValueError(f"{path}/model.safetensors: refused to load ({describe_error(e)})") from None
+    own = trainable_state_dict(drafter)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{path}/model.safetensors does not fit the drafter: missing {missing}, unexpected {unexpected}, "
+            f"shape mismatches {wrong}"
+        )
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(state[name])
+
+
+def load_tensor_file(path: Path):
+    """torch.load with weights_only=True: tensors and plain containers only, never arbitrary objects."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # an UnpicklingError for anything that would run code
+        raise ValueError(f"{path}: refused to load ({describe_error(e)})") from None
+
+
+def restore_rng(path: Path, index: int) -> None:
+    """Restore drafter rank `index`'s generators from the checkpoint's rng-rank{index}.pt (weights_only);
+    nothing to do when it has none for that index (it was saved with fewer drafter ranks)."""
+    file = path / f"rng-rank{index}.pt"
+    if not file.is_file():
+        return
+    state = load_tensor_file(file)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

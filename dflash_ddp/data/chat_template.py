@@ -1,0 +1,236 @@
+"""A conversation -> token ids and the assistant-only loss mask, with the target's own chat template.
+
+The mask covers what the model itself generates after the generation prompt: the assistant's text up to
+and including its end-of-turn token. Two ways to find it:
+
+- the template has `{% generation %}` markers: transformers' `return_assistant_tokens_mask` reads them;
+- it has none (the official Qwen3 and Llama-3 templates): each assistant turn i starts where the
+  rendering of the conversation before it, with the generation prompt, stops matching the rendering of the
+  whole conversation, and ends after the end-of-turn special token the template writes after an answer
+  (learned once from a probe conversation). A template that later rewrites the turn itself (Qwen3 drops
+  the thinking block of answers before the last user turn) is handled: both ends are found in the whole
+  conversation's rendering. One that rewrites text BEFORE the turn (Mistral moves the system prompt to
+  the last user turn; Qwen3 drops the thinking of an earlier tool-calling turn) is refused for that row,
+  never mis-masked: add {% generation %} markers to such a template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import TemplateError
+
+from dflash_ddp.data.sources import BadRow
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+PROBE = "\u2063dflash-probe"  # invisible separator: never part of real text
+
+
+# apply_chat_template's own arguments: passed through --chat_template_kwargs they would collide or change
+# what is rendered (a generation prompt after every conversation, token ids instead of text)
+RESERVED_KWARGS = {
+    "add_generation_prompt",
+    "chat_template",
+    "continue_final_message",
+    "conversation",
+    "documents",
+    "messages",
+    "return_assistant_tokens_mask",
+    "return_dict",
+    "tokenize",
+    "tools",
+}
+
+
+def check_template_kwargs(kwargs: dict) -> None:
+    """Refuse --chat_template_kwargs keys that are apply_chat_template's own arguments."""
+    clash = sorted(RESERVED_KWARGS & set(kwargs))
+    if clash:
+        raise ValueError(
+            f"--chat_template_kwargs: {', '.join(clash)} cannot be set (chat rendering sets it); pass only "
+            "the template's own variables, such as enable_thinking"
+        )
+
+
+def load_target_tokenizer(target_dir: str | Path, template_file: str = ""):
+    """The target's tokenizer (local files only) with `--chat_template` applied; ValueError naming the
+    directory when it cannot be loaded or ends up without a chat template."""
+    from transformers import AutoTokenizer  # here: config.py imports this module and stays light
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--target_model {target_dir}: cannot load its tokenizer ({e})") from None
+    load_chat_template(tokenizer, template_file)
+    return tokenizer
+
+
+def load_chat_template(tokenizer, template_file: str) -> None:
+    """Replace the tokenizer's chat template with the jinja file `--chat_template` names (if any)."""
+    if template_file:
+        path = Path(template_file)
+        if not path.is_file():
+            raise ValueError(f"--chat_template {template_file}: file not found")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    if not tokenizer.chat_template:
+        raise ValueError(
+            "the tokenizer of --target_model has no chat template: add one to its tokenizer_config.json "
+            "or pass --chat_template FILE.jinja"
+        )
+
+
+@dataclass
+class ChatTokenizer:
+    """Renders and tokenizes conversations; picklable, so tokenization can run in worker processes."""
+
+    tokenizer: object
+    template_kwargs: dict
+    last_turn_only: bool = False
+
+    def __post_init__(self):
+        self.has_generation_markers = bool(GENERATION_MARKER.search(self.tokenizer.chat_template))
+        if not self.has_generation_markers and not self.tokenizer.is_fast:
+            raise ValueError(
+                "the chat template has no {% generation %} markers and the tokenizer is not a fast "
+                "tokenizer: the assistant spans need character offsets (use a tokenizer.json tokenizer)"
+            )
+        self.end_of_turn = self._end_of_turn_text()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text, with the template's own arguments."""
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+        )
+
+    def _end_of_turn_text(self) -> str | None:
+        """The special token the template writes right after an answer ('<|im_end|>', '<|eot_id|>', '</s>'),
+        found after both answers of a two-exchange probe; None when there is none (or not the same one
+        after both), and spans then end where the next rendering prefix starts."""
+        first, last = PROBE + "1", PROBE + "2"
+        probe = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": last},
+        ]
+        try:
+            text = self.render(probe)
+        except (TemplateError, ValueError, TypeError) as e:
+            raise ValueError(
+                f"the chat template (--chat_template, or the tokenizer's own) cannot render a user/assistant "
+                f"exchange: {type(e).__name__}: {e}"
+            ) from None
+        if first not in text or last not in text:
+            raise ValueError("the chat template does not render the assistant's content verbatim")
+        specials = sorted(
+            set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab()),
+            key=len,
+            reverse=True,
+        )
+        after = [text.split(answer, 1)[1].lstrip() for answer in (first, last)]
+        token = next((t for t in specials if t and after[0].startswith(t)), None)
+        return token if token and after[1].startswith(token) else None
+
+    def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+        """Token ids and the 0/1 assistant mask of one conversation; BadRow when it cannot be masked."""
+        try:
+            if self.has_generation_markers:
+                ids, mask = self._marked(messages)
+            else:
+                ids, mask = self._by_prefixes(messages, where)
+        except BadRow:
+            raise
+        except (
+            TemplateError,
+            ValueError,
+            TypeError,
+        ) as e:  # a template's raise_exception, an empty prefix...
+            raise BadRow(f"{where}: the chat template refuses this conversation: {e}") from None
+        if not any(mask):
+            raise BadRow(f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens")
+        return ids, mask
+
+    def _marked(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        out = self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **self.template_kwargs,
+        )
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        if self.last_turn_only and any(mask):
+            last_start = max(i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
+            mask = [m if i >= last_start else 0 for i, m in enumerate(mask)]
+        return ids, mask
+
+    def _by_prefixes(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+        text = self.render(messages)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if self.last_turn_only:
+            turns = turns[-1:]
+        spans = [self._span(messages, i, text, where) for i in turns]
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        # a token overlapping a span is the model's to predict (as transformers' generation masks do)
+        mask = [int(any(start < e and end > s for s, e in spans)) for start, end in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+
+    def _span(self, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int]:
+        """Character span of assistant turn i inside `text`, the rendering of the whole conversation."""
+        if i == 0:
+            raise BadRow(f"{where}: turn 0 is an assistant turn: nothing precedes it")
+        before = self.render(messages[:i])
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        start = common_prefix(prompt, text)
+        if start < common_prefix(before, prompt):
+            raise BadRow(
+                f"{where}: turn {i}: the chat template renders the turns before it differently once the "
+                "conversation goes on (it moves or rewrites earlier text), so its span cannot be derived: "
+                "add {% generation %} markers to the template (--chat_template FILE)"
+            )
+        if self.end_of_turn:
+            end = text.find(self.end_of_turn, start)
+            if end < 0:
+                raise BadRow(f"{where}: turn {i}: no '{self.end_of_turn}' after the assistant's text")
+            return start, end + len(self.end_of_turn)
+        upto = self.render(messages[: i + 1])
+        if not text.startswith(upto):
+            raise BadRow(
+                f"{where}: turn {i}: the chat template renders this turn differently inside the whole "
+                "conversation and writes no end-of-turn token: add {% generation %} markers to it "
+                "(--chat_template FILE)"
+            )
+        return start, len(upto.rstrip())
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search over C-speed slice comparisons)."""
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def json_object(text: str) -> dict:
+    """argparse type of --chat_template_kwargs: a JSON object, or a usage error showing one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"enable_thinking\": false}}', got {text!r}"
+        )
+    return value

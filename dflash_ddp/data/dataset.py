@@ -1,0 +1,313 @@
+"""The tokenized training set: built once per (files, tokenizer, template, settings), cached on disk.
+
+Samples live in three flat tensors (ids, mask, offsets) rather than Python lists: a 1B-token data set
+takes 5 GB per process this way, instead of tens of GB of int objects. The cache is one safetensors
+file (no pickle) named by a fingerprint of everything that decides its content; the first process to
+take the cache's file lock tokenizes, the others of the job wait and then read the same file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import socket
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tokenizers
+import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dflash_ddp.data.batch import Batch
+from dflash_ddp.data.chat_template import ChatTokenizer
+from dflash_ddp.data.sources import BadRow, DataStats, data_file_contents, read_conversations
+from dflash_ddp.files import describe_error, file_sha256
+
+CHUNK_ROWS = 256  # rows per task of a tokenization worker
+
+
+PROGRESS_EVERY_S = 30.0
+
+
+CACHE_VERSION = 2  # bump when tokenization or masking changes, so that old caches are not reused
+
+
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges*",
+    "chat_template*",
+)
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """The settings that decide the tokenized data besides the ChatTokenizer (all part of the cache key)."""
+
+    max_seq_len: int
+    block_size: int
+    overlength: str = "truncate"  # truncate | drop
+    skip_bad_rows: bool = False
+
+
+class TokenizedDataset:
+    """Samples 0..n-1 as token ids and assistant masks; `batch` right-pads a list of them."""
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        offsets: torch.Tensor,
+        fingerprint: str | None = None,
+    ):
+        self.input_ids, self.loss_mask, self.offsets = input_ids, loss_mask, offsets
+        self.lengths = (offsets[1:] - offsets[:-1]).tolist()
+        self._fingerprint = fingerprint  # known when read from the cache
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of sample i's token ids and loss mask."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[lo:hi], self.loss_mask[lo:hi]
+
+    def batch(self, indices: list[int], pad_id: int) -> Batch:
+        """The samples at `indices`, right-padded with `pad_id`; sample ids = the indices."""
+        longest = max(self.lengths[i] for i in indices)
+        ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(indices), longest), dtype=torch.long)
+        loss = torch.zeros((len(indices), longest), dtype=torch.long)
+        for b, i in enumerate(indices):
+            sample_ids, sample_mask = self.sample(i)
+            n = len(sample_ids)
+            ids[b, :n], attn[b, :n], loss[b, :n] = sample_ids, 1, sample_mask
+        return Batch(ids, attn, loss, torch.tensor(indices))
+
+    def fingerprint(self) -> str:
+        """A content hash of ids and masks, stored with checkpoints; computed once (the cache file carries it,
+        so the ranks that read the cache do not hash gigabytes again)."""
+        if self._fingerprint is None:
+            self._fingerprint = self._hash()
+        return self._fingerprint
+
+    def _hash(self) -> str:
+        h = hashlib.sha256()
+        for t in (self.offsets, self.input_ids, self.loss_mask):
+            h.update(memoryview(t.contiguous().numpy()))  # no copy of a multi-GB tensor
+        return h.hexdigest()[:16]
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[array, array]]) -> TokenizedDataset:
+        """Concatenate per-sample int32 ids and uint8 masks (arrays: 5 bytes per token, no int objects)."""
+        ids, mask = array("i"), array("B")
+        lengths = [0]
+        for sample_ids, sample_mask in samples:
+            ids.extend(sample_ids)
+            mask.extend(sample_mask)
+            lengths.append(len(sample_ids))
+        return cls(
+            torch.frombuffer(ids, dtype=torch.int32).clone() if ids else torch.zeros(0, dtype=torch.int32),
+            torch.frombuffer(mask, dtype=torch.uint8).clone() if mask else torch.zeros(0, dtype=torch.uint8),
+            torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0),
+        )
+
+
+_worker: ChatTokenizer | None = None
+
+
+def _start_worker(chat: ChatTokenizer) -> None:
+    global _worker
+    _worker = chat
+
+
+def _tokenize_rows(rows: list[tuple[str, list[dict]]]) -> list[tuple[array, array] | BadRow]:
+    """Runs in a worker process (or inline): (ids, mask) arrays or one BadRow per row, in order."""
+    out = []
+    for where, messages in rows:
+        try:
+            ids, mask = _worker(messages, where)
+            out.append((array("i", ids), array("B", mask)))
+        except BadRow as e:
+            out.append(e)
+    return out
+
+
+def _tokenize_all(chat: ChatTokenizer, rows: list, num_proc: int, log) -> Iterator:
+    """Results of every row, in order; a progress line every PROGRESS_EVERY_S seconds."""
+    chunks = (rows[i : i + CHUNK_ROWS] for i in range(0, len(rows), CHUNK_ROWS))
+    start = last = time.perf_counter()
+    done = 0
+    for results in _chunk_results(chat, chunks, num_proc if len(rows) > CHUNK_ROWS else 1):
+        yield from results
+        done += len(results)
+        if time.perf_counter() - last > PROGRESS_EVERY_S:
+            last = time.perf_counter()
+            log(f"tokenized {done}/{len(rows)} rows ({done / (last - start):.0f} rows/s)")
+
+
+def _chunk_results(chat: ChatTokenizer, chunks: Iterator[list], num_proc: int) -> Iterator[list]:
+    if num_proc <= 1:
+        _start_worker(chat)
+        yield from map(_tokenize_rows, chunks)
+        return
+    # spawn, not fork: the parent may hold torch threads and locks that a forked child would inherit
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        num_proc, mp_context=context, initializer=_start_worker, initargs=(chat,)
+    ) as pool:
+        # a bounded number of chunks in flight: the rows are not all pickled into the pool up front
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(_tokenize_rows, chunk))
+            if len(pending) >= 4 * num_proc:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def tokenize_dataset(
+    chat: ChatTokenizer, paths: list[str], settings: TokenizeSettings, num_proc: int = 1, log=print
+) -> tuple[TokenizedDataset, DataStats]:
+    """Tokenize every row, apply --overlength, and drop samples with < 2*block_size response tokens."""
+    stats = DataStats()
+    rows = read_conversations(paths, settings.skip_bad_rows, stats)
+    samples = []
+    for result in _tokenize_all(chat, rows, num_proc, log):
+        if isinstance(result, BadRow):
+            if not settings.skip_bad_rows:
+                raise result
+            stats.skip(result)
+            continue
+        ids, mask = result
+        cut = len(ids) > settings.max_seq_len
+        if cut and settings.overlength == "drop":
+            stats.overlength_dropped += 1
+            continue
+        ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
+        if sum(mask[1:]) < 2 * settings.block_size:  # position 0 is never a label
+            stats.too_short += 1  # counted once: a truncated sample dropped here is not also "truncated"
+            continue
+        stats.truncated += cut
+        samples.append((ids, mask))
+        stats.tokens += len(ids)
+        stats.response_tokens += sum(mask[1:])
+    stats.kept = len(samples)
+    if not samples:
+        raise ValueError(
+            f"--data {' '.join(paths)}: no sample is left with at least {2 * settings.block_size} response "
+            f"tokens within --max_seq_len {settings.max_seq_len} ({stats.summary()})"
+        )
+    return TokenizedDataset.from_samples(samples), stats
+
+
+def _hash_file(h, path: Path) -> None:
+    h.update(f"{path.name}:{path.stat().st_size}:{file_sha256(path)}\n".encode())
+
+
+def cache_key(chat: ChatTokenizer, tokenizer_dir: Path, paths: list[str], settings: TokenizeSettings) -> str:
+    """sha256 over the data files' bytes, the tokenizer files, the template and the settings."""
+    # the libraries' versions too: a tokenizers release may split text differently
+    versions = f"v{CACHE_VERSION} transformers {transformers.__version__} tokenizers {tokenizers.__version__}"
+    h = hashlib.sha256(f"dflash_ddp tokenized {versions}\n".encode())
+    for f in data_file_contents(paths):
+        _hash_file(h, f)
+    for pattern in TOKENIZER_FILES:
+        for f in sorted(tokenizer_dir.glob(pattern)):
+            _hash_file(h, f)
+    h.update(chat.tokenizer.chat_template.encode())
+    chat_settings = {"template_kwargs": chat.template_kwargs, "last_turn_only": chat.last_turn_only}
+    h.update(json.dumps([asdict(settings), chat_settings], sort_keys=True).encode())
+    return h.hexdigest()[:20]
+
+
+def _write_cache(path: Path, data: TokenizedDataset, stats: DataStats) -> None:
+    tmp = path.with_suffix(
+        f".tmp-{socket.gethostname()}-{os.getpid()}"
+    )  # unique across nodes sharing the dir
+    tensors = {"input_ids": data.input_ids, "loss_mask": data.loss_mask, "offsets": data.offsets}
+    try:
+        save_file(
+            tensors, tmp, metadata={"stats": json.dumps(asdict(stats)), "fingerprint": data.fingerprint()}
+        )
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written file would fill the disk further on every attempt
+        raise
+
+
+def _read_cache(path: Path) -> tuple[TokenizedDataset, DataStats]:
+    with safe_open(path, framework="pt") as f:
+        stats = DataStats(**json.loads(f.metadata()["stats"]))
+        tensors = [f.get_tensor(name) for name in ("input_ids", "loss_mask", "offsets")]
+        data = TokenizedDataset(*tensors, fingerprint=f.metadata().get("fingerprint"))
+    return data, stats
+
+
+def load_or_tokenize(
+    chat: ChatTokenizer,
+    tokenizer_dir: Path,
+    paths: list[str],
+    settings: TokenizeSettings,
+    cache_dir: Path,
+    num_proc: int = 1,
+    log=print,
+) -> tuple[TokenizedDataset, DataStats, bool]:
+    """The tokenized data from the cache, or tokenized now and cached. Returns (data, stats, from_cache).
+
+    A cache file is complete whenever it exists (written aside, then renamed), so reading needs no lock.
+    Without one, a process takes the key's exclusive lock, looks again, and tokenizes: the other
+    processes of the job wait for its file instead of tokenizing too. An unreadable cache file is
+    reported and replaced."""
+    key = cache_key(chat, tokenizer_dir, paths, settings)
+    path = cache_dir / f"tokenized-{key}.safetensors"
+    cached = _try_read_cache(path, log)
+    if cached is not None:
+        return *cached, True
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = (cache_dir / f"tokenized-{key}.lock").open("a")
+    except OSError as e:
+        raise ValueError(f"--cache_dir {cache_dir}: cannot use the tokenized-data cache ({e})") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _try_read_cache(path, log)
+        if cached is not None:
+            return *cached, True
+        log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
+        start = time.perf_counter()
+        data, stats = tokenize_dataset(chat, paths, settings, num_proc, log)
+        try:
+            _write_cache(path, data, stats)
+        # a full disk is an OSError from Python but a SafetensorError from safetensors' writer
+        except (OSError, SafetensorError) as e:
+            raise ValueError(
+                f"--cache_dir {cache_dir}: cannot write the tokenized-data cache ({describe_error(e)}); "
+                "free space there or pass another --cache_dir"
+            ) from None
+        log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
+    return data, stats, False
+
+
+def _try_read_cache(path: Path, log) -> tuple[TokenizedDataset, DataStats] | None:
+    if not path.is_file():
+        return None
+    try:
+        return _read_cache(path)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:  # a damaged or foreign file
+        log(f"ignoring the unreadable cache file {path} ({describe_error(e)}); tokenizing again")
+        return None

@@ -1,0 +1,216 @@
+"""Conversations from jsonl/json/parquet files or `save_to_disk` directories, checked row by row.
+
+Every unusable row raises BadRow naming its place ('file:line' or 'file:row N') and the reason, or with
+`--skip_bad_rows` is counted in DataStats and skipped. Problems of a whole input (missing, unreadable,
+empty) always raise ValueError.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    # tool results: never in the loss, kept for the template to render
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
+}
+
+
+@dataclass
+class DataStats:
+    """Counts printed at start and stored in the run directory."""
+
+    rows: int = 0
+    bad_rows: int = 0  # skipped with --skip_bad_rows
+    truncated: int = 0  # longer than --max_seq_len, cut (--overlength truncate)
+    overlength_dropped: int = 0  # longer than --max_seq_len, dropped (--overlength drop)
+    too_short: int = 0  # fewer than 2*block_size response tokens
+    kept: int = 0
+    tokens: int = 0  # of the kept samples
+    response_tokens: int = 0  # of the kept samples: tokens the loss covers
+    bad_row_examples: list[str] = field(default_factory=list)
+
+    def skip(self, error: BadRow) -> None:
+        """Count a skipped row (--skip_bad_rows), keeping the first few reasons for data_stats.json."""
+        self.bad_rows += 1
+        if len(self.bad_row_examples) < 10:
+            self.bad_row_examples.append(str(error))
+
+    def summary(self) -> str:
+        """One line with every count, as printed at start."""
+        return (
+            f"{self.rows} rows, {self.bad_rows} bad rows skipped, {self.truncated} truncated and "
+            f"{self.overlength_dropped} dropped for --max_seq_len, {self.too_short} dropped with fewer than "
+            f"2*block_size response tokens, {self.kept} kept ({self.tokens} tokens, "
+            f"{self.response_tokens} in the loss)"
+        )
+
+
+class BadRow(ValueError):
+    """A row that cannot be used; `--skip_bad_rows` skips and counts these instead of stopping."""
+
+
+def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -> list[dict]:
+    if "messages" in row:
+        turns = row["messages"]
+        role_key, text_key = "role", "content"
+    elif "conversations" in row:
+        turns = row["conversations"]
+        role_key, text_key = "from", "value"
+    else:
+        raise BadRow(f"{where}: the row has neither 'messages' nor 'conversations'")
+    if not isinstance(turns, list) or not turns:
+        raise BadRow(f"{where}: the conversation is empty or not a list")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise BadRow(f"{where}: turn {i} needs '{role_key}' and '{text_key}'")
+        role = ROLE_ALIASES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise BadRow(f"{where}: turn {i} has unknown role '{turn[role_key]}'")
+        # other keys (reasoning_content, tool_calls, name...) go to the template; None = absent (parquet
+        # gives every turn every key of the column's schema)
+        extra = {k: v for k, v in turn.items() if k not in (role_key, text_key) and v is not None}
+        content = "" if turn[text_key] is None and extra.get("tool_calls") else turn[text_key]
+        if not isinstance(content, str):
+            raise BadRow(f"{where}: turn {i} '{text_key}' must be a string")
+        if role == "assistant" and not content.strip() and not extra.get("tool_calls"):
+            raise BadRow(f"{where}: turn {i} is an empty assistant turn")
+        messages.append({**extra, "role": role, "content": content})
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise BadRow(f"{where}: the conversation has no assistant turn")
+    return messages
+
+
+def data_files(paths: list[str]) -> list[Path]:
+    """Files and `save_to_disk` directories named directly or through glob patterns, in a stable order."""
+    found = []
+    for path in paths:
+        if glob.has_magic(path):
+            matched = sorted(glob.glob(path))
+            if not matched:
+                raise ValueError(f"--data {path}: the pattern matches no file")
+            found += [Path(m) for m in matched]
+        elif not Path(path).exists():
+            raise ValueError(f"--data {path}: file not found")
+        else:
+            found.append(Path(path))
+    for p in found:
+        if p.is_dir() and not (p / "state.json").is_file():
+            hint = " (a DatasetDict: pass one split's directory, e.g. DIR/train)"
+            raise ValueError(
+                f"--data {p}: a directory must be written by datasets' save_to_disk"
+                + (hint if (p / "dataset_dict.json").is_file() else "")
+            )
+        if p.is_file() and p.suffix not in (".jsonl", ".json", ".parquet"):
+            raise ValueError(
+                f"--data {p}: unsupported file type '{p.suffix}' (use .jsonl, .json or .parquet)"
+            )
+    return found
+
+
+def data_file_contents(paths: list[str]) -> list[Path]:
+    """Every file whose bytes make up the --data inputs (a save_to_disk directory counts as its files)."""
+    return [
+        f
+        for path in data_files(paths)
+        for f in (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    ]
+
+
+def _jsonl_rows(path: Path):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            if not raw.strip():
+                continue
+            try:
+                yield where, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield where, BadRow(f"{where}: not valid UTF-8")
+            except json.JSONDecodeError as e:
+                yield where, BadRow(f"{where}: malformed JSON ({e.msg})")
+
+
+def _json_rows(path: Path):
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` accepts
+            yield from _jsonl_rows(path)
+            return
+        raise ValueError(f"--data {path}: not a valid JSON file ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path}: not valid UTF-8 ({e})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--data {path}: a .json file must hold a list of rows")
+    yield from ((f"{path}:row {i}", row) for i, row in enumerate(data))
+
+
+def _arrow_rows(path: Path):
+    """Rows of a parquet file (streamed in record batches) or a save_to_disk directory (memory-mapped)."""
+    try:
+        if path.is_dir():
+            import datasets
+
+            yield from ((f"{path}:row {i}", row) for i, row in enumerate(datasets.load_from_disk(str(path))))
+            return
+        import pyarrow.parquet as pq
+
+        i = 0
+        for record_batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in record_batch.to_pylist():
+                yield f"{path}:row {i}", row
+                i += 1
+    except (OSError, ValueError) as e:  # pyarrow's errors derive from these; name the file, no traceback
+        raise ValueError(f"--data {path}: cannot be read as a data set ({type(e).__name__}: {e})") from None
+
+
+def _rows(path: Path):
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path)
+    if path.suffix == ".json":
+        return _json_rows(path)
+    return _arrow_rows(path)
+
+
+def read_conversations(
+    paths: list[str],
+    skip_bad_rows: bool = False,
+    stats: DataStats | None = None,
+    require_assistant: bool = True,
+):
+    """Rows of the --data inputs as (where, messages), where = 'file:line' or 'file:row N'.
+
+    `require_assistant=False` accepts prompt-only rows (for regeneration).
+
+    A bad row raises BadRow naming its place and the reason, or with `skip_bad_rows` is counted in
+    `stats` and skipped. Problems of a whole file (missing, wrong type) always raise."""
+    stats = stats if stats is not None else DataStats()
+    rows = []
+    for path in data_files(paths):
+        for where, row in _rows(path):
+            stats.rows += 1
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                if not isinstance(row, dict):
+                    raise BadRow(f"{where}: a row must be a JSON object")
+                rows.append((where, _normalise_messages(row, where, require_assistant)))
+            except BadRow as e:
+                if not skip_bad_rows:
+                    raise
+                stats.skip(e)
+    if not rows:
+        raise ValueError(f"--data {paths}: no usable rows")
+    return rows

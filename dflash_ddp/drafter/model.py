@@ -1,0 +1,389 @@
+"""The DFlash drafter: Qwen3-style layers whose keys/values also read the fused target context.
+
+One forward takes the embeddings of block tokens (`[anchor, MASK, ...]`, embedded with the target's
+frozen embedding) and the concatenated hidden states of the tapped target layers, and returns the
+final-normed hidden states of the block tokens. The target's LM head turns them into logits; the
+drafter owns neither the embedding nor the LM head.
+
+The same `forward` serves training (a `BlockLayout` for the block-sparse path, a flex-attention
+BlockMask, or a 4-D boolean mask, each describing many blocks per sequence) and inference (a
+`transformers` cache holding previous context keys/values, as `generate(..., speculation_type="dflash")`
+calls it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from dflash_ddp.drafter.attention import BlockLayout, attend
+from dflash_ddp.drafter.flex import BlockMask
+
+
+class DFlashDraftConfig(PretrainedConfig):
+    """Shape of a DFlash drafter. Width follows the target; depth, taps, mask and block are DFlash's own."""
+
+    model_type = "dflash_draft"
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 5,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        head_dim: int = 128,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        max_position_embeddings: int = 40960,
+        rope_parameters: dict | None = None,
+        initializer_range: float = 0.02,
+        num_target_layers: int = 36,
+        target_layer_ids: Sequence[int] = (1, 9, 17, 25, 33),
+        mask_token_id: int = 151669,
+        block_size: int = 16,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 1000000.0})
+        self.initializer_range = initializer_range
+        self.num_target_layers = num_target_layers
+        self.target_layer_ids = list(target_layer_ids)
+        self.mask_token_id = mask_token_id
+        self.block_size = block_size
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+
+
+def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """w * (x / rms(x)) in x's dtype; the statistics (`rstd`) in fp32 for half inputs."""
+    return (weight * (x.to(rstd.dtype) * rstd).to(x.dtype)).to(x.dtype)
+
+
+def _rms_norm_backward(x, weight, rstd, grad):
+    """Gradients of `_rms_normed` w.r.t. x (x's dtype) and the weight (fp32 sums, the weight's dtype), in
+    pieces of about 2^20 values: its temporaries stay small next to the activations it runs beside."""
+    acc, shape, width = rstd.dtype, x.shape, x.shape[-1]
+    x, grad, rstd = x.reshape(-1, width), grad.reshape(-1, width), rstd.reshape(-1, 1)
+    grad_x = torch.empty_like(x)
+    grad_weight = torch.zeros(width, dtype=acc, device=x.device)
+    rows = max(1, (1 << 20) // width)
+    for r in range(0, x.shape[0], rows):
+        g, rs = grad[r : r + rows].to(acc), rstd[r : r + rows]
+        normed = x[r : r + rows].to(acc) * rs
+        grad_weight += (g * normed.to(x.dtype).to(acc)).sum(0)
+        g = g * weight.to(acc)
+        grad_x[r : r + rows] = rs * (g - normed * (g * normed).mean(-1, keepdim=True))
+    return grad_x.view(shape), grad_weight.to(weight.dtype)
+
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 statistics for half inputs
+    return torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = w * (x / rms(x)), keeping only x and 1/rms for backward (autograd's version keeps x/rms too)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = _rstd(x, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return _rms_normed(x, weight, rstd)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*_rms_norm_backward(*ctx.saved_tensors, grad), None)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm as in Qwen3 (statistics in fp32), returning the input's dtype, so that under
+    autocast bf16 activations stay bf16 (an fp32 weight times bf16 would otherwise give fp32)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for arbitrary position ids; rope variants come from transformers' own init functions."""
+
+    def __init__(self, config: DFlashDraftConfig):
+        super().__init__()
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = config.rope_parameters["rope_theta"]
+            dim = config.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        # A dtype cast of the drafter (e.g. to bf16) must not round the rope frequencies; device moves apply.
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, D]; cos/sin: [B, T, D]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from block tokens; keys/values from the fused context AND the block (KV injection)."""
+
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _qkv(self, x, norm, context, cos, sin):
+        """Roped queries [B, heads, Q, D], roped keys and values [B, kv heads, S + Q, D] of the block's
+        pre-norm states x."""
+        hidden = norm(x)
+        batch, q_len, _ = hidden.shape
+        kv_len = context.shape[1] + q_len
+        q = self.q_norm(self.q_proj(hidden).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        # context and block projected apart, then joined: no joined copy of the projections' input
+        k = torch.cat([self.k_proj(context), self.k_proj(hidden)], dim=1)
+        k = self.k_norm(k.view(batch, kv_len, self.num_kv_heads, self.head_dim))
+        v = torch.cat([self.v_proj(context), self.v_proj(hidden)], dim=1)
+        v = v.view(batch, kv_len, self.num_kv_heads, self.head_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        return _apply_rope(q, cos[:, -q_len:], sin[:, -q_len:]), _apply_rope(k, cos, sin), v
+
+    def forward(self, x, norm, context, cos, sin, mask, cache=None):
+        """Attention output (after o_proj) of the block whose pre-norm states are x; `norm` is the layer's
+        input norm."""
+        if torch.is_grad_enabled() and cache is None:
+            # Training keeps x only: the norm, projections, q/k norms and rope (cheap next to attention) are
+            # recomputed in backward, instead of keeping the normed input and q, k before their norms.
+            q, k, v = checkpoint(self._qkv, x, norm, context, cos, sin, use_reentrant=False)
+        else:
+            q, k, v = self._qkv(x, norm, context, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+# Rows of one piece of the MLP's recomputation in backward: its temporaries (about four [rows, I] tensors)
+# stay small next to the saved activations whatever the number of draft positions.
+MLP_ROWS = 1024
+
+
+class _MLPResidual(torch.autograd.Function):
+    """h + down(silu(gate(n)) * up(n)) with n = rmsnorm(h), keeping only h and 1/rms for backward.
+
+    Autograd would keep n, gate, up and silu(gate) * up: 2 H + 3 I values per position against H here.
+    The backward recomputes n, gate and up in pieces of MLP_ROWS rows (two of the MLP's three matmuls
+    again) and works on them in place, so its temporaries do not grow with the positions either. Matmuls
+    run in `dtype` (bf16 under autocast), the norm's statistics and the weight gradients' sums in fp32."""
+
+    @staticmethod
+    def forward(ctx, h, norm_weight, eps, w_gate, w_up, w_down, dtype):
+        flat = h.reshape(-1, h.shape[-1])
+        rstd = _rstd(flat, eps)
+        out = torch.empty_like(flat)
+        wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
+        for r in range(0, flat.shape[0], MLP_ROWS):
+            x = flat[r : r + MLP_ROWS]
+            n = _rms_normed(x, norm_weight, rstd[r : r + MLP_ROWS]).to(dtype)
+            gate = n @ wg.T
+            act = F.silu(gate).mul_(n @ wu.T)
+            out[r : r + MLP_ROWS] = x + (act @ wd.T).to(h.dtype)
+        ctx.save_for_backward(h, norm_weight, w_gate, w_up, w_down, rstd)
+        ctx.dtype = dtype
+        return out.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, norm_weight, w_gate, w_up, w_down, rstd = ctx.saved_tensors
+        dtype, acc = ctx.dtype, torch.promote_types(ctx.dtype, torch.float32)
+        flat, grad = h.reshape(-1, h.shape[-1]), grad.reshape(-1, h.shape[-1])
+        wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
+        d_wg, d_wu, d_wd = (torch.zeros_like(w, dtype=acc) for w in (w_gate, w_up, w_down))
+        d_norm = torch.zeros_like(norm_weight)
+        d_h = torch.empty_like(flat)
+        for r in range(0, flat.shape[0], MLP_ROWS):
+            x, g, rs = flat[r : r + MLP_ROWS], grad[r : r + MLP_ROWS], rstd[r : r + MLP_ROWS]
+            n = _rms_normed(x, norm_weight, rs).to(dtype)
+            g_c = g.to(dtype)
+            gate, up = n @ wg.T, n @ wu.T
+            sig = torch.sigmoid(gate)
+            t = torch.mul(gate, sig).mul_(up)  # silu(gate) * up: down_proj's input
+            d_wd += (g_c.T @ t).to(acc)
+            a = torch.mm(g_c, wd, out=t).mul_(sig)  # d(silu * up) * sigmoid
+            k = sig.neg_().add_(1).mul_(gate).add_(1)  # 1 + gate (1 - sigmoid)
+            d_up = gate.mul_(a)  # d * silu(gate)
+            d_gate = a.mul_(up).mul_(k)  # d * up * silu'(gate)
+            d_wg += (d_gate.T @ n).to(acc)
+            d_wu += (d_up.T @ n).to(acc)
+            d_n = (d_gate @ wg).addmm_(d_up, wu)
+            d_x, d_w = _rms_norm_backward(x, norm_weight, rs, d_n)
+            d_norm += d_w
+            d_h[r : r + MLP_ROWS] = g + d_x
+        grads = (d.to(w.dtype) for d, w in ((d_wg, w_gate), (d_wu, w_up), (d_wd, w_down)))
+        return d_h.view_as(h), d_norm, None, *grads, None
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: DFlashDraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The MLP half of a layer: h + mlp(norm(h)), in the autocast dtype when autocast is on."""
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        with torch.autocast(device, enabled=False):
+            weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+            return _MLPResidual.apply(h, norm.weight, norm.eps, *weights, dtype)
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm layer; the context enters only as extra keys/values, never through the MLP or o_proj."""
+
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, context, cos, sin, mask, cache=None):
+        hidden = hidden + self.self_attn(hidden, self.input_layernorm, context, cos, sin, mask, cache)
+        return self.mlp(hidden, self.post_attention_layernorm)
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """The trainable drafter: decoder layers, context fusion (`fc` + `hidden_norm`) and the final norm."""
+
+    config_class = DFlashDraftConfig
+    base_model_prefix = ""
+    main_input_name = "noise_embeds"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config: DFlashDraftConfig):
+        super().__init__(config)
+        num_taps = len(config.target_layer_ids)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(num_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False  # per layer (--gradient_checkpointing)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def forward(
+        self,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask=None,
+        cache=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Draft hidden states for the block tokens.
+
+        noise_embeds: [B, Q, H] target embeddings of the block tokens.
+        context_hidden_states: [B, S, K*H] tapped target features (new context only when `cache` holds the rest).
+        position_ids: [B, S + Q] positions of the context tokens, then of the block tokens.
+        attention_mask: None, a [B, S_total] padding mask of ones/zeros (transformers' generate), a boolean
+            [B, 1, Q, S + Q] visibility mask, a BlockLayout or a BlockMask (see `attention.attend`).
+        cache: a transformers DynamicCache-like object with `update(k, v, layer_idx)`.
+        """
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.shape[-1] != context_hidden_states.shape[1] + noise_embeds.shape[1]:
+            raise ValueError(
+                f"position_ids covers {position_ids.shape[-1]} positions, expected context "
+                f"{context_hidden_states.shape[1]} + block {noise_embeds.shape[1]}"
+            )
+        mask = _padding_mask_to_visibility(attention_mask)
+        features = context_hidden_states
+        # under autocast fc reads bf16 features as they are; otherwise they take the weights' dtype
+        if not torch.is_autocast_enabled(features.device.type):
+            features = features.to(self.fc.weight.dtype)
+        context = self.hidden_norm(self.fc(features))
+        hidden = noise_embeds.to(context.dtype)
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        for layer in self.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # keep only the layer's input; its activations are recomputed in backward
+                hidden = checkpoint(layer, hidden, context, cos, sin, mask, cache, use_reentrant=False)
+            else:
+                hidden = layer(hidden, context, cos, sin, mask, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+
+def _padding_mask_to_visibility(attention_mask):
+    """A 2-D 0/1 key padding mask (as transformers' generate passes it) becomes a boolean key mask."""
+    training_masks = (BlockLayout,) if BlockMask is None else (BlockLayout, BlockMask)
+    if attention_mask is None or isinstance(attention_mask, training_masks):
+        return attention_mask
+    if attention_mask.dim() == 2:
+        if bool(attention_mask.all()):
+            return None
+        return attention_mask.bool()[:, None, None, :]
+    return attention_mask
+
+
+def trainable_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
+    """The drafter's weights as the checkpoint and the z-lab export store them (no buffers)."""
+    return {name: p.detach() for name, p in model.named_parameters()}

@@ -1,0 +1,285 @@
+"""One optimizer step of the drafter on target features: `DrafterTrainer.step` is the only place the drafter
+trains; the colocated loop and the distributed drafter ranks both call it with (batch, features) pairs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import get_cosine_schedule_with_warmup
+
+from dflash_ddp.data.batch import Batch
+from dflash_ddp.drafter.attention import block_layout
+from dflash_ddp.drafter.flex import flex_block_mask, min_anchor_slots
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.objective import (
+    BlockInputs,
+    LossTerms,
+    block_loss_terms,
+    build_block_inputs,
+    dense_block_mask,
+    plan_draft_chunks,
+    sample_anchors,
+)
+from dflash_ddp.parallel.topology import compute_dtype
+from dflash_ddp.target_model.head import SharedTargetHead
+
+
+@dataclass
+class StepSettings:
+    """What one optimizer step needs besides the data and the model."""
+
+    num_anchors: int
+    seed: int
+    max_grad_norm: float
+    loss_chunk_size: int
+    attention: str  # "sparse", "flex" or "dense" (see attention.py)
+    chunk_tokens: int  # draft positions per drafter forward/backward (--drafter_chunk_tokens)
+    loss_gamma: float | None = None
+
+
+@dataclass
+class DraftChunk:
+    """One forward/backward of the drafter: a few sequences' blocks, their features and attention mask."""
+
+    inputs: BlockInputs  # on the compute device
+    features: torch.Tensor  # [rows, context_len, K*H]
+    mask: object  # BlockLayout, BlockMask or boolean tensor (see attention.attend)
+    weight_sum: float  # of inputs.weights, computed on the host before the copy
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW with a cosine schedule and linear warmup."""
+
+    learning_rate: float
+    weight_decay: float
+    warmup_ratio: float
+    total_steps: int
+
+
+class DrafterTrainer:
+    """Owns the drafter, the shared target head, AdamW and the cosine schedule."""
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        head: SharedTargetHead,
+        settings: StepSettings,
+        optim: OptimizerSettings,
+        group=None,
+        lazy_checks: bool | None = None,
+    ):
+        self.drafter = drafter
+        self.group = group  # the drafter ranks' process group when M > 1
+        self.head = head
+        self.settings = settings
+        self.device = next(drafter.parameters()).device
+        # Reading a device value stalls a GPU's queue: on CUDA the finite-loss check and the metrics wait
+        # for a logging step (on the CPU a read costs nothing, so the check happens before the update).
+        self.lazy_checks = self.device.type == "cuda" if lazy_checks is None else lazy_checks
+        self.optimizer = torch.optim.AdamW(
+            drafter.parameters(),
+            lr=optim.learning_rate,
+            weight_decay=optim.weight_decay,
+            betas=(0.9, 0.95),
+            fused=self.lazy_checks,  # the fused kernel can skip a non-finite step on the device
+        )
+        self.scheduler = get_cosine_schedule_with_warmup(
+            self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps
+        )
+        self.global_step = 0
+        self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()  # fp32 on CPU: exact, and what the parity tests compare
+
+    def _mask(self, anchors: torch.Tensor, context_len: int):
+        """The chunk's attention rule in the form the chosen path takes; `anchors` are on the host."""
+        cfg = self.drafter.config
+        if self.settings.attention == "flex":
+            return flex_block_mask(anchors.to(self.device), context_len, cfg.block_size)
+        if self.settings.attention == "dense":
+            return dense_block_mask(anchors.to(self.device), context_len, cfg.block_size)
+        return block_layout(anchors, context_len, cfg.block_size, cfg.num_attention_heads, self.device)
+
+    def sum_over_drafters(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of `t` over all drafter ranks (itself when there is one)."""
+        if self.group is not None:
+            t = t.clone()
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def _sync_gradients(self) -> None:
+        """Sum the gradients of all drafter ranks (the loss is already globally normalised)."""
+        grads = [p.grad for p in self.drafter.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _chunks(self, batch: Batch, features: torch.Tensor, epoch: int) -> list[DraftChunk]:
+        """The micro-batch's draft blocks as chunks of at most --drafter_chunk_tokens draft positions."""
+        cfg, settings = self.drafter.config, self.settings
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        anchors = batch_anchors(batch, settings, epoch)
+        min_slots = min_anchor_slots(cfg.block_size) if settings.attention == "flex" else 1
+        chunks = []
+        for pieces in plan_draft_chunks(anchors, lengths, cfg.block_size, settings.chunk_tokens):
+            rows = [row for row, _ in pieces]
+            context_len = max(lengths[row] for row in rows)  # keys past every row's end are never visible
+            inputs = build_block_inputs(
+                batch.input_ids[rows, :context_len],
+                batch.loss_mask[rows, :context_len],
+                [part for _, part in pieces],
+                cfg.block_size,
+                cfg.mask_token_id,
+                settings.loss_gamma,
+                min_slots,
+            )
+            rows_t = torch.tensor(rows, device=features.device)
+            chunks.append(
+                DraftChunk(
+                    inputs.to(self.device),
+                    # contiguous whatever the sender's padding: GEMM blocking (and rounding) follows strides
+                    features[:, :context_len].index_select(0, rows_t),
+                    self._mask(inputs.anchors, context_len),
+                    float(inputs.weight_sum),
+                )
+            )
+        return chunks
+
+    def _forward_backward(self, chunk: DraftChunk, weight_sum: torch.Tensor) -> LossTerms:
+        """One chunk's forward and backward (gradients accumulate); its loss terms, detached."""
+        inputs = chunk.inputs
+        with self._autocast():
+            out = self.drafter(
+                self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
+            ).last_hidden_state
+            terms = block_loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss_chunk_size)
+        (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
+        # detached, so the next chunk's activations never meet this one's
+        return LossTerms(*(t.detach() for t in vars(terms).values()))
+
+    def warm_up(self) -> None:
+        """Forward and backward on made-up batches of two sequences and of one, then drop the gradients.
+
+        On CUDA this compiles the flex kernel (both of its graphs) and grows the allocator before the
+        hidden-state channel opens, so no target's send waits on the drafter's first, slowest step. Nothing
+        a training step reads changes: no optimizer step, no generator drawn from."""
+        config, length = self.drafter.config, 2 * 128
+        width = len(config.target_layer_ids) * config.hidden_size
+        for rows in (2, 1):
+            ids = torch.arange(rows * length).view(rows, length) % config.vocab_size
+            batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids), torch.arange(rows))
+            features = torch.zeros(rows, length, width, dtype=compute_dtype(self.device), device=self.device)
+            weight_sum = torch.ones((), device=self.device)
+            for chunk in self._chunks(batch, features, epoch=0):
+                self._forward_backward(chunk, weight_sum)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, micro_batches: list[tuple[Batch, torch.Tensor, int]]) -> StepResult:
+        """One optimizer step over (batch, target features, epoch) micro-batches.
+
+        Each micro-batch is processed in chunks bounded by --drafter_chunk_tokens; the loss is normalised by
+        the weight sum of ALL chunks of ALL micro-batches of ALL drafter ranks, and the ranks' gradients are
+        summed, so the update does not depend on how the global batch is split or chunked.
+        """
+        chunks = [
+            chunk
+            for batch, features, epoch in micro_batches
+            for chunk in self._chunks(batch, features.to(self.device), epoch)
+        ]
+        weight_sum = self.sum_over_drafters(
+            torch.tensor(sum(c.weight_sum for c in chunks), dtype=torch.float32, device=self.device)
+        )
+        totals = LossTerms.zeros(self.drafter.config.block_size, self.device)
+        for chunk in chunks:
+            totals = _add_terms(totals, self._forward_backward(chunk, weight_sum))
+        for p in self.drafter.parameters():  # a rank whose batch had no anchors still joins the all-reduce
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.group is not None:
+            self._sync_gradients()
+            totals = LossTerms(*(self.sum_over_drafters(t) for t in vars(totals).values()))
+        # 0/0 (nothing scored) counts as non-finite too
+        bad = ~torch.isfinite(totals.loss_sum) | ~(totals.weight_sum > 0)
+        if not self.lazy_checks and bool(bad):  # stop before the update
+            raise FloatingPointError(self._nonfinite_message(self.global_step + 1))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.max_grad_norm)
+        if self.lazy_checks:
+            # No host sync per step: the fused AdamW skips the update on the device when found_inf is set,
+            # and `check_finite` (each logging step, before any save) stops the run.
+            bad = bad | ~torch.isfinite(grad_norm)
+            self.optimizer.found_inf = bad.float()
+            self._first_bad_step = torch.where(
+                (self._first_bad_step == 0) & bad, self.global_step + 1, self._first_bad_step
+            )
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return StepResult(totals, grad_norm.detach(), self.global_step, lr)
+
+    def _nonfinite_message(self, step: int) -> str:
+        return (
+            f"non-finite loss or gradient at step {step}; the drafter was not updated with it: lower "
+            "--learning_rate (or --max_grad_norm) and resume from the last checkpoint"
+        )
+
+    def check_finite(self) -> None:
+        """Raise FloatingPointError if a step since the start had a non-finite loss (lazy checks only)."""
+        if self.lazy_checks and int(self._first_bad_step):
+            raise FloatingPointError(self._nonfinite_message(int(self._first_bad_step)))
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's sums on the device; read (one host sync) only when a step is logged."""
+
+    totals: LossTerms
+    grad_norm: torch.Tensor
+    step: int
+    lr: float
+
+    def metrics(self) -> dict:
+        """Loss, accuracy, estimated tau, grad norm, lr and step as plain numbers."""
+        metrics = self.totals.metrics()
+        metrics.update({"step": self.step, "lr": self.lr, "grad_norm": float(self.grad_norm)})
+        return metrics
+
+
+def _add_terms(a: LossTerms, b: LossTerms) -> LossTerms:
+    return LossTerms(*(x + y for x, y in zip(vars(a).values(), vars(b).values(), strict=True)))
+
+
+def batch_anchors(batch: Batch, settings: StepSettings, epoch: int) -> list[torch.Tensor]:
+    """Each sequence's anchors in `batch`: a pure function of the seed, the epoch and its sample id."""
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    return [
+        sample_anchors(
+            batch.loss_mask[b, : lengths[b]],
+            settings.num_anchors,
+            settings.seed,
+            epoch,
+            int(batch.sample_ids[b]),
+        )
+        for b in range(len(lengths))
+    ]
+
+
+def build_drafter(config: DFlashDraftConfig, seed: int, device: torch.device) -> DFlashDraftModel:
+    """A freshly initialised drafter; the init depends only on the seed (the same on every rank)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlashDraftModel(config)
+    return model.to(device).train()

@@ -1,0 +1,201 @@
+"""Greedy and speculative decoding with a DFlash drafter: the project's own block-draft/verify loop, plain
+greedy decoding (the ground truth) and transformers' generate, each counting target verify steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
+
+
+@dataclass
+class DecodeResult:
+    """One greedy decoding of one prompt."""
+
+    tokens: list[int]  # generated tokens, prompt excluded, ending at the first EOS or at max_new_tokens
+    seconds: float  # wall time, prefill included
+    target_forwards: int  # calls of the target's forward
+    accepted: list[int] = field(default_factory=list)  # tokens committed per verify step (bonus included)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _as_input(prompt_ids, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).view(1, -1)
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def _commit(new: list[int], room: int, eos: set[int]) -> list[int]:
+    """The part of `new` a greedy decoder would emit: at most `room` tokens, ending at the first EOS."""
+    new = new[:room]
+    for i, token in enumerate(new):
+        if token in eos:
+            return new[: i + 1]
+    return new
+
+
+@torch.inference_mode()
+def greedy_generate(
+    target: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()
+) -> DecodeResult:
+    """Plain greedy decoding with a KV cache, one target forward per token, timed."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = target.device
+    ids = _as_input(prompt_ids, device)
+    eos = set(eos_token_ids)
+    cache = DynamicCache(config=target.config)
+    _sync(device)
+    start = time.perf_counter()
+    logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    tokens = [int(logits[0, -1].argmax())]
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+        step = torch.tensor([[tokens[-1]]], device=device)
+        logits = target(input_ids=step, cache=cache, use_cache=True).logits
+        tokens.append(int(logits[0, -1].argmax()))
+    _sync(device)
+    return DecodeResult(tokens, time.perf_counter() - start, target_forwards=len(tokens))
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: nn.Module, drafter: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()
+) -> DecodeResult:
+    """Greedy block-draft/verify decoding (batch size 1), lossless with respect to `greedy_generate`.
+
+    The target prefills the prompt; the outputs of its tapped layers at every prompt position are the first
+    context. Each cycle the drafter sees the new context features (positions not yet in its cache) and the block
+    `[anchor, MASK, ...]` at positions anchor_pos.. anchor_pos+block_size-1, where the anchor is the last committed
+    token; the target's LM head over outputs 1.. gives block_size-1 draft tokens. One target forward verifies
+    `[anchor, drafts]`; the longest prefix of drafts equal to the target's own greedy choices is accepted, plus the
+    target's next token (the bonus). Both KV caches are cropped back to the committed prefix, and the tapped
+    outputs of the committed verified positions (anchor and accepted drafts) become the next new context.
+
+    `drafter` is called as transformers' DFlash candidate generator calls it and needs `config.block_size`,
+    `config.mask_token_id` and `config.target_layer_ids`. Returns the generated tokens, the number of tokens
+    committed by each verify step (bonus included, cut at EOS / max_new_tokens like the tokens) and wall time.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    config = drafter.config
+    block_size, layer_ids = config.block_size, list(config.target_layer_ids)
+    device = target.device
+    ids = _as_input(prompt_ids, device)
+    eos = set(eos_token_ids)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
+    target_cache, drafter_cache = DynamicCache(config=target.config), DynamicCache()
+    target_cache.activate_past_recording()  # lets `crop` roll back sliding-window layers too, as in transformers
+    accepted: list[int] = []
+    _sync(device)
+    start = time.perf_counter()
+    final_norm = last_layer_norm(target, layer_ids, target.config.get_text_config().num_hidden_layers)
+    with capture_layer_outputs(decoder_layers(target), layer_ids, False, final_norm) as captured:
+        logits = target(input_ids=ids, cache=target_cache, use_cache=True, logits_to_keep=1).logits
+        context = torch.cat([captured[i] for i in layer_ids], dim=-1)
+        context_start = 0  # position of context[:, 0]
+        tokens = [int(logits[0, -1].argmax())]
+        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+            anchor_pos = ids.shape[1] + len(tokens) - 1  # the anchor's own target features do not exist yet
+            anchor = torch.tensor([[tokens[-1]]], device=device)
+            positions = torch.arange(context_start, anchor_pos + block_size, device=device)[None]
+            hidden = drafter(
+                noise_embeds=embed(torch.cat([anchor, masks], dim=1)),
+                context_hidden_states=context,
+                position_ids=positions,
+                cache=drafter_cache,
+            ).last_hidden_state
+            # The cache must hold context only: the next block is written at new positions with a new anchor.
+            drafter_cache.crop(-block_size)
+            drafts = head(hidden[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
+            verified = target(
+                input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True
+            )
+            choices = verified.logits[0].argmax(dim=-1)  # choices[k]: the target's token after verify input k
+            num_ok = int((drafts[0] == choices[:-1]).long().cumprod(dim=0).sum())
+            new = _commit(choices[: num_ok + 1].tolist(), max_new_tokens - len(tokens), eos)
+            accepted.append(len(new))
+            tokens += new
+            # The anchor and the accepted drafts stay in the target cache; the bonus token is the next anchor.
+            target_cache.crop(-(block_size - num_ok - 1))
+            context = torch.cat([captured[i] for i in layer_ids], dim=-1)[:, : num_ok + 1]
+            context_start = anchor_pos
+    _sync(device)
+    return DecodeResult(
+        tokens, time.perf_counter() - start, target_forwards=1 + len(accepted), accepted=accepted
+    )
+
+
+@torch.inference_mode()
+def transformers_generate(
+    target: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = (), **generate_kwargs
+) -> DecodeResult:
+    """`target.generate(..., do_sample=False)` with extra arguments (an assistant, prompt lookup), timed, with
+    the target's forward calls counted: every call after a plain prefill verifies one set of candidates."""
+    device = target.device
+    ids = _as_input(prompt_ids, device)
+    eos = sorted(set(eos_token_ids))
+    calls = 0
+
+    def count(_module, _args):
+        nonlocal calls
+        calls += 1
+
+    handle = target.register_forward_pre_hook(count)
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,  # never used at batch size 1; set to silence a warning
+            **generate_kwargs,
+        )
+        _sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        handle.remove()
+    tokens = _commit(out[0, ids.shape[1] :].tolist(), max_new_tokens, set(eos))
+    return DecodeResult(tokens, seconds, target_forwards=calls)
+
+
+def as_transformers_assistant(drafter: DFlashDraftModel, target: nn.Module) -> DFlashDraftModel:
+    """The drafter on the target's device and in its dtype, as `target.generate(assistant_model=drafter,
+    speculation_type="dflash")` needs: its candidate generator applies the target's LM head to the drafter's
+    output without casting it (an fp32 drafter with a bf16 target fails with a dtype error).
+
+    Returns `drafter` itself when it already matches, else a converted copy (the input is never modified).
+    Only the weights are cast: `Module.to(dtype)` would also round the fp32 rotary frequency buffer to bf16,
+    which shifts RoPE angles at long positions.
+    """
+    device, dtype = target.device, target.dtype
+    if all(p.device == device and p.dtype == dtype for p in drafter.parameters()):
+        return drafter
+    converted = copy.deepcopy(drafter).to(device)
+    for p in converted.parameters():
+        p.data = p.data.to(dtype)
+    return converted.eval()
+
+
+def untrained_drafter(config: DFlashDraftConfig, seed: int = 0) -> DFlashDraftModel:
+    """A freshly initialised drafter of the same shape (seeded, without touching the global RNG)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DFlashDraftModel(copy.deepcopy(config)).eval()

@@ -1,0 +1,348 @@
+"""Real speculative decoding with a DFlash drafter: acceptance length, speed, and the lossless check.
+
+`python -m dflash_ddp.evaluate --target_model DIR --drafter DIR --data FILE` decodes the first prompts of a
+jsonl/json conversation file greedily in five ways, in one run and on the same prompts:
+
+- plain greedy decoding with a KV cache (the baseline and the ground truth);
+- our own block-draft/verify loop (`speculative_generate`) with the given drafter;
+- the same loop with an UNTRAINED drafter of the same shape (what training must beat);
+- transformers' prompt-lookup decoding (a drafter-free baseline);
+- transformers' own DFlash support, `target.generate(assistant_model=drafter, speculation_type="dflash")`.
+
+Every speculative output must equal the greedy output token for token; the CLI exits 1 otherwise and 2 on
+bad input. tau is the mean number of tokens committed per target verify step, bonus token included.
+
+`python -m dflash_ddp.evaluate --watch RUN_DIR` follows a training run and measures tau at its checkpoints
+instead (see watch.py, in this folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_ddp.data.chat_template import json_object, load_target_tokenizer
+from dflash_ddp.data.sources import read_conversations
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.evaluation.decoding import (
+    DecodeResult,
+    as_transformers_assistant,
+    greedy_generate,
+    speculative_generate,
+    transformers_generate,
+    untrained_drafter,
+)
+from dflash_ddp.parallel.topology import resolve_device
+from dflash_ddp.serving.export import load_drafter
+from dflash_ddp.target_model.info import TargetInfo, inspect_target
+from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm
+
+METHODS = ("dflash", "dflash_untrained", "prompt_lookup", "transformers_dflash")
+
+
+METHOD_LABELS = {
+    "greedy": "greedy (baseline)",
+    "dflash": "DFlash, this drafter",
+    "dflash_untrained": "DFlash, untrained drafter",
+    "prompt_lookup": "prompt lookup (transformers)",
+    "transformers_dflash": "DFlash in transformers generate",
+}
+
+
+def check_compatibility(config: DFlashDraftConfig, info: TargetInfo) -> None:
+    """Raise ValueError when a drafter with this config cannot run on the target described by `info`."""
+    if config.hidden_size != info.hidden_size:
+        raise ValueError(
+            f"the drafter's hidden_size is {config.hidden_size} but the target's hidden_size is "
+            f"{info.hidden_size} ({info.path}): the drafter was built for another target"
+        )
+    outside = [i for i in config.target_layer_ids if not 0 <= i < info.num_layers]
+    if outside:
+        raise ValueError(
+            f"the drafter's target_layer_ids {list(config.target_layer_ids)} include {outside}, outside the "
+            f"target's {info.num_layers} decoder layers (valid ids 0..{info.num_layers - 1})"
+        )
+    if not 0 <= config.mask_token_id < info.vocab_size:
+        raise ValueError(
+            f"the drafter's mask_token_id {config.mask_token_id} is outside the target's vocabulary "
+            f"(vocab_size {info.vocab_size})"
+        )
+
+
+def load_prompts(
+    tokenizer, data_path: str | Path, num_prompts: int, template_kwargs: dict | None = None
+) -> list[tuple[str, list[int]]]:
+    """The first `num_prompts` rows of a conversation file as (where, prompt ids): each conversation up to its
+    last assistant turn, rendered with the tokenizer's chat template and the generation prompt."""
+    prompts = []
+    for where, messages in read_conversations([str(data_path)])[:num_prompts]:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if last == 0:
+            raise ValueError(f"{where}: nothing precedes the assistant turn, so there is no prompt")
+        rendered = tokenizer.apply_chat_template(
+            messages[:last],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(template_kwargs or {}),
+        )
+        prompts.append((where, list(rendered["input_ids"])))
+    return prompts
+
+
+@dataclass
+class EvalSetup:
+    """Everything loaded and checked before any decoding: bad input fails here, early."""
+
+    target: nn.Module
+    drafter: DFlashDraftModel  # on the target's device and dtype
+    untrained: DFlashDraftModel
+    prompts: list[tuple[str, list[int]]]
+    eos: list[int]
+
+
+def prepare_evaluation(
+    target_dir: str | Path,
+    drafter: DFlashDraftModel | str | Path,
+    data_path: str | Path,
+    num_prompts: int,
+    device: str,
+    chat_template: str = "",
+    template_kwargs: dict | None = None,
+) -> EvalSetup:
+    """Load and cross-check target, tokenizer, drafter and prompts. Bad input raises ValueError.
+
+    `chat_template` (a jinja file) and `template_kwargs` render the prompts as training rendered its data."""
+    if num_prompts < 1:
+        raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
+    torch_device = resolve_device(device)
+    info = inspect_target(target_dir)
+    if not isinstance(drafter, DFlashDraftModel):
+        drafter = load_drafter(drafter)
+    check_compatibility(drafter.config, info)
+    tokenizer = load_target_tokenizer(info.path, chat_template)
+    prompts = load_prompts(tokenizer, data_path, num_prompts, template_kwargs)
+    # fp32 on CPU (bf16 matmuls are slow there); bf16 on CUDA, as the target is served.
+    dtype = torch.bfloat16 if torch_device.type == "cuda" else torch.float32
+    target = load_causal_lm(info, torch_device, dtype)
+    return EvalSetup(
+        target=target,
+        drafter=as_transformers_assistant(drafter, target),
+        untrained=as_transformers_assistant(untrained_drafter(drafter.config), target),
+        prompts=prompts,
+        eos=eos_token_ids(tokenizer, target),
+    )
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def run_evaluation(
+    setup: EvalSetup, max_new_tokens: int, on_prompt: Callable[[int, int], None] | None = None
+) -> dict:
+    """Decode every prompt with every method; return the report (see `evaluate`)."""
+    target, eos = setup.target, setup.eos
+    block_size = setup.drafter.config.block_size
+    lookup_tokens = block_size - 1  # the same largest step as the drafter: block_size tokens per verify
+    runs: dict[str, Callable[[list[int], int], DecodeResult]] = {
+        "greedy": lambda p, n: greedy_generate(target, p, n, eos),
+        "dflash": lambda p, n: speculative_generate(target, setup.drafter, p, n, eos),
+        "dflash_untrained": lambda p, n: speculative_generate(target, setup.untrained, p, n, eos),
+        "prompt_lookup": lambda p, n: transformers_generate(
+            target, p, n, eos, prompt_lookup_num_tokens=lookup_tokens
+        ),
+        "transformers_dflash": lambda p, n: transformers_generate(
+            target, p, n, eos, assistant_model=setup.drafter, speculation_type="dflash"
+        ),
+    }
+    # One short untimed pass per method first, so that one-off costs (CUDA kernels, allocator) are not timed.
+    for run in runs.values():
+        run(setup.prompts[0][1], min(max_new_tokens, 2 * block_size))
+
+    results: dict[str, list[DecodeResult]] = {name: [] for name in runs}
+    mismatched = []
+    for index, (where, prompt) in enumerate(setup.prompts):
+        for name, run in runs.items():
+            results[name].append(run(prompt, max_new_tokens))
+        truth = results["greedy"][-1].tokens
+        for name in METHODS:
+            tokens = results[name][-1].tokens
+            if tokens != truth:
+                mismatched.append(
+                    {"method": name, "prompt": where, "first_difference": _first_difference(tokens, truth)}
+                )
+        if on_prompt is not None:
+            on_prompt(index + 1, len(setup.prompts))
+    return _summarise(results, mismatched, setup, max_new_tokens, lookup_tokens)
+
+
+def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, lookup_tokens: int) -> dict:
+    block_size = setup.drafter.config.block_size
+    greedy_tokens = sum(len(r.tokens) for r in results["greedy"])
+    greedy_rate = greedy_tokens / sum(r.seconds for r in results["greedy"])
+    report = {
+        "num_prompts": len(setup.prompts),
+        "max_new_tokens": max_new_tokens,
+        "block_size": block_size,
+        "prompt_lookup_num_tokens": lookup_tokens,
+        "device": str(setup.target.device),
+        "dtype": str(setup.target.dtype).removeprefix("torch."),
+        "greedy": {"tokens": greedy_tokens, "tokens_per_s": greedy_rate},
+    }
+    for name in METHODS:
+        runs = results[name]
+        tokens = sum(len(r.tokens) for r in runs)
+        # Our loop and transformers' DFlash prefill without drafting (the first token is not a verify step);
+        # in prompt lookup every target forward verifies candidates, the first one included.
+        prefill = 0 if name == "prompt_lookup" else 1
+        steps = sum(r.target_forwards - prefill for r in runs)
+        rate = tokens / sum(r.seconds for r in runs)
+        entry = {
+            "tau": (tokens - prefill * len(runs)) / steps if steps else None,  # None: no verify step ran
+            "verify_steps": steps,
+            "tokens": tokens,
+            "tokens_per_s": rate,
+            "speedup": rate / greedy_rate,
+            "mismatches": sum(m["method"] == name for m in mismatched),
+        }
+        if name in ("dflash", "dflash_untrained"):
+            counts = [0] * block_size
+            for r in runs:
+                for length in r.accepted:
+                    counts[length - 1] += 1
+            entry["accept_histogram"] = counts  # entry k-1: verify steps that committed k tokens
+        report[name] = entry
+    report["mismatched"] = mismatched
+    report["lossless"] = not mismatched
+    return report
+
+
+def evaluate(
+    target_dir: str | Path,
+    drafter: DFlashDraftModel | str | Path,
+    data_path: str | Path,
+    num_prompts: int = 50,
+    max_new_tokens: int = 128,
+    device: str = "auto",
+    chat_template: str = "",
+    template_kwargs: dict | None = None,
+) -> dict:
+    """Real speculative decoding of the first `num_prompts` prompts of `data_path` with `drafter` (a model,
+    which is not modified, or an exported directory) on the target in `target_dir`.
+
+    Returns a JSON-ready dict: `greedy` {tokens, tokens_per_s}; for each of `dflash`, `dflash_untrained`,
+    `prompt_lookup`, `transformers_dflash`: {tau, verify_steps, tokens, tokens_per_s, speedup, mismatches}
+    (plus `accept_histogram` for the first two); `mismatched` (method, prompt, first differing token index);
+    `lossless` (every output equals greedy); and the settings used. Bad input raises ValueError.
+    """
+    setup = prepare_evaluation(
+        target_dir, drafter, data_path, num_prompts, device, chat_template, template_kwargs
+    )
+    return run_evaluation(setup, max_new_tokens)
+
+
+def print_report(report: dict, console=None) -> None:
+    """The report as rich tables: methods (tau, speed, lossless) and the accepted-length histogram."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(
+        title=(
+            f"DFlash evaluation: {report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
+            f"block_size {report['block_size']}, {report['device']} {report['dtype']}"
+        )
+    )
+    for column in ("method", "tau", "tokens/s", "speedup", "equals greedy"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    table.add_row(METHOD_LABELS["greedy"], "1.00", f"{report['greedy']['tokens_per_s']:.1f}", "1.00x", "-")
+    for name in METHODS:
+        entry = report[name]
+        ok = report["num_prompts"] - entry["mismatches"]
+        verdict = f"{ok}/{report['num_prompts']}" + ("" if entry["mismatches"] == 0 else " MISMATCH")
+        table.add_row(
+            METHOD_LABELS[name],
+            "-" if entry["tau"] is None else f"{entry['tau']:.2f}",
+            f"{entry['tokens_per_s']:.1f}",
+            f"{entry['speedup']:.2f}x",
+            verdict,
+            style=None if entry["mismatches"] == 0 else "bold red",
+        )
+    console.print(table)
+
+    histogram = Table(title="tokens committed per verify step (bonus included)")
+    histogram.add_column("accepted", justify="right")
+    for name in ("dflash", "dflash_untrained"):
+        histogram.add_column(METHOD_LABELS[name], justify="right")
+    totals = {name: max(1, sum(report[name]["accept_histogram"])) for name in ("dflash", "dflash_untrained")}
+    for length in range(1, report["block_size"] + 1):
+        cells = []
+        for name in ("dflash", "dflash_untrained"):
+            count = report[name]["accept_histogram"][length - 1]
+            cells.append(f"{count} ({100 * count / totals[name]:.1f}%)")
+        histogram.add_row(str(length), *cells)
+    console.print(histogram)
+
+    for m in report["mismatched"]:
+        console.print(
+            f"[bold red]{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}"
+        )
+    console.print("lossless: every output equals greedy" if report["lossless"] else "[bold red]NOT lossless")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: 0 when every speculative output equals greedy, 1 on a mismatch, 2 on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_ddp.evaluate", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--target_model", required=True, help="Hugging Face model directory of the target")
+    parser.add_argument(
+        "--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)"
+    )
+    parser.add_argument("--data", required=True, help="jsonl/json file of conversations ('messages')")
+    parser.add_argument("--num_prompts", type=_positive_int, default=50)
+    parser.add_argument("--max_new_tokens", type=_positive_int, default=128)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--chat_template", default="", help="jinja file replacing the tokenizer's template")
+    parser.add_argument(
+        "--chat_template_kwargs", type=json_object, default={}, help="e.g. '{\"enable_thinking\": false}'"
+    )
+    parser.add_argument("--json", help="also write the report to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        setup = prepare_evaluation(
+            args.target_model,
+            args.drafter,
+            args.data,
+            args.num_prompts,
+            args.device,
+            args.chat_template,
+            args.chat_template_kwargs,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = run_evaluation(
+        setup, args.max_new_tokens, lambda i, n: print(f"prompt {i}/{n}", file=sys.stderr)
+    )
+    print_report(report)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["lossless"] else 1

@@ -1,0 +1,192 @@
+"""PNG plots of a run's metrics: `python -m dflash_ddp.plot RUN_DIR [--out DIR]`.
+
+Reads RUN_DIR/metrics.jsonl (one JSON object per logged step) and, where they exist, the real acceptance
+lengths measured with speculative decoding: RUN_DIR/eval.jsonl (one {"step", "tau", ...} per evaluated
+checkpoint) and RUN_DIR/eval.json (the evaluation at the end of training). Writes into RUN_DIR (or DIR):
+
+- loss.png        the training loss
+- accuracy.png    the accuracy at each block position (1 = the first drafted token) and overall
+- tau.png         tau~ (a teacher-forced estimate on training batches) and the real tau
+- throughput.png  training tokens per second
+- pipeline.png    the fraction of time the drafter waited for batches, and each target rank's queue depth
+
+matplotlib is an optional extra: `pip install -e ".[plot]"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PLOTS = ("loss", "accuracy", "tau", "throughput", "pipeline")
+
+
+def read_jsonl(path: Path, required: tuple[str, ...]) -> tuple[list[dict], list[str]]:
+    """The JSON objects of a file, one per line, each holding `required` keys; notes to print.
+
+    A last line that does not parse is skipped with a note (a running job may be writing it); any other
+    bad line is an error naming file:line."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records, notes = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                notes.append(f"note: {path}:{number}: skipped an unreadable last line (still being written?)")
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON object ({e}); delete or repair the line") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object; delete or repair the line")
+        missing = [key for key in required if key not in record]
+        if missing:
+            raise ValueError(
+                f"{path}:{number}: no {', '.join(map(repr, missing))}; is this a dflash_ddp run?"
+            )
+        records.append(record)
+    return records, notes
+
+
+def real_tau(run_dir: Path, last_step: int) -> tuple[list[tuple[int, float]], tuple[int, float] | None]:
+    """Real tau per evaluated checkpoint (eval.jsonl) and at the end of training (eval.json, at the last
+    logged step), each empty/None when not measured."""
+    during = []
+    path = run_dir / "eval.jsonl"
+    if path.is_file():
+        records, _ = read_jsonl(path, ("step", "tau"))
+        during = [(r["step"], r["tau"]) for r in records]
+    final = None
+    path = run_dir / "eval.json"
+    if path.is_file():
+        try:
+            final = (last_step, json.loads(path.read_text())["dflash"]["tau"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{path}: no dflash.tau ({e!r}); delete it or run the evaluation again"
+            ) from None
+    return during, final
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list]:
+    """(steps, values) of the records that hold `key`."""
+    kept = [r for r in records if r.get(key) is not None]
+    return [r["step"] for r in kept], [r[key] for r in kept]
+
+
+def _axes(figure, title: str, ylabel: str):
+    ax = figure.subplots()
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def draw(name: str, records: list[dict], run_dir: Path, figure) -> bool:
+    """Draw plot `name` on `figure`; False when the records hold nothing for it."""
+    if name == "loss":
+        steps, loss = series(records, "loss")
+        _axes(figure, "training loss (decay-weighted cross-entropy)", "loss").plot(steps, loss)
+        return bool(steps)
+    if name == "accuracy":
+        steps, per_position = series(records, "accuracy_per_position")
+        if not steps:
+            return False
+        ax = _axes(figure, "accuracy on training batches", "top-1 accuracy")
+        for k in range(max(len(p) for p in per_position)):
+            kept = [(s, p[k]) for s, p in zip(steps, per_position, strict=True) if k < len(p)]
+            ax.plot(*zip(*kept, strict=True), label=f"block position {k + 1}", linewidth=1)
+        ax.plot(*series(records, "accuracy"), label="all positions", color="black", linewidth=2)
+        ax.legend(fontsize="small", ncol=2)
+        return True
+    if name == "tau":
+        steps, estimate = series(records, "tau_estimate")
+        if not steps:
+            return False
+        ax = _axes(figure, "acceptance length (tokens per target verify step)", "tau")
+        ax.plot(steps, estimate, label="tau~ estimate (teacher-forced, training batches)")
+        during, final = real_tau(run_dir, steps[-1])
+        if during:
+            ax.plot(*zip(*during, strict=True), "o-", label="real tau (speculative decoding, eval.jsonl)")
+        if final:
+            ax.plot(*final, "s", markersize=9, label="real tau at the end (eval.json)")
+        ax.legend(fontsize="small")
+        return True
+    if name == "throughput":
+        steps, rate = series(records, "tokens_per_s")
+        _axes(figure, "training throughput", "tokens / s").plot(steps, rate)
+        return bool(steps)
+    from matplotlib.ticker import MaxNLocator  # plot_run checked that matplotlib is there
+
+    steps, wait = series(records, "wait_fraction")
+    if not steps:
+        return False
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    top.plot(steps, [100 * w for w in wait])
+    top.set_title("drafter waiting for batches")
+    top.set_ylabel("% of the logging window")
+    queue_steps, queues = series(records, "target_inflight")
+    ranks = sorted({rank for q in queues for rank in q}, key=int)
+    for rank in ranks:  # none in a colocated run: its target runs in the drafter's process
+        kept = [(s, q[rank]) for s, q in zip(queue_steps, queues, strict=True) if rank in q]
+        bottom.step(*zip(*kept, strict=True), where="post", label=f"target rank {rank}")
+    bottom.set_title("sends in flight per target rank" if ranks else "no target ranks (colocated run)")
+    bottom.set_ylabel("batches")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.set_xlabel("optimizer step")
+    if ranks:
+        bottom.legend(fontsize="small")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    return True
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[list[Path], list[str]]:
+    """Write the PNGs of a run; returns the files written and notes to print."""
+    try:
+        from matplotlib.figure import Figure  # the object API: no display, no global pyplot state
+    except ImportError:
+        raise ValueError('matplotlib is not installed: pip install -e ".[plot]"') from None
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{metrics}: no such file (pass the --output_dir of a run that logged a step)")
+    records, notes = read_jsonl(metrics, ("step",))
+    if not records:
+        raise ValueError(f"{metrics}: no logged step yet")
+    out = Path(out_dir) if out_dir else run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in PLOTS:
+        figure = Figure(figsize=(8, 6 if name == "pipeline" else 4.5), layout="constrained")
+        if draw(name, records, run_dir, figure):
+            figure.savefig(out / f"{name}.png", dpi=100)
+            written.append(out / f"{name}.png")
+        else:
+            notes.append(f"note: {metrics} holds nothing for {name}.png; skipped")
+    return written, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: 0 when the plots are written, 1 on unreadable input or without matplotlib, 2 on bad arguments."""
+    parser = argparse.ArgumentParser(prog="python -m dflash_ddp.plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a run's --output_dir (holds metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR)")
+    args = parser.parse_args(argv)
+    try:
+        written, notes = plot_run(args.run_dir, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for note in notes:
+        print(note, file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

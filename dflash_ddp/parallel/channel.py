@@ -1,0 +1,338 @@
+"""The hidden-state channel: target ranks send batches with their tapped features to drafter ranks.
+
+A message is three kinds of tensors sent point-to-point (NCCL on GPUs, gloo on CPU) as one batch of
+sends; the receiver takes the header, then the ints (which give the sequence lengths), then the features:
+  header   int64[16]: version, kind (DATA/END), global batch g, epoch, batch size B, total tokens N,
+           feature width, dtype code, the sender's cumulative send-wait (us) and in-flight depth
+  ints     int64[2N + 2B]: token ids and response mask packed without padding, then lengths, sample ids
+  features B tensors [len_b, K*H]: each sequence's tapped features without its padding (bf16 on GPU,
+           fp32 on CPU). They are views of the target's output, received straight into the drafter's
+           padded buffer, so neither side copies features to pack or unpack them
+Each target keeps at most `max_inflight` messages outstanding (backpressure). The drafter receives on
+a background thread that pre-posts the next batch while the current one trains; both sides time their
+waits. END messages close every (target, drafter) pair so that no send is left unmatched at exit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dflash_ddp.data.batch import Batch
+
+VERSION = 1
+
+
+HEADER_LEN = 16
+
+
+DATA, END = 1, 2
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class ChannelError(RuntimeError):
+    """A peer died, got stuck past --dist_timeout, or disagrees on the schedule. Names the ranks involved."""
+
+
+class PeerLost(ChannelError):
+    """A send or receive failed because the peer rank died or got stuck: a consequence of that rank's
+    failure, not a failure of this rank's own."""
+
+
+@dataclass
+class Message:
+    """One received batch with its provenance."""
+
+    g: int
+    epoch: int
+    batch: Batch
+    features: torch.Tensor  # [B, S, K*H], zeros at padding
+    source: int
+    sender_wait_s: float
+    sender_inflight: int
+
+
+def pack(batch: Batch, features: torch.Tensor, g: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(header, ints, per-sequence feature views) for one batch; padding is not sent."""
+    lengths = batch.attention_mask.sum(dim=1)
+    real = batch.attention_mask.bool()
+    ints = torch.cat([batch.input_ids[real], batch.loss_mask[real], lengths, batch.sample_ids]).to(
+        torch.int64
+    )
+    slices = [features[b, :n] for b, n in enumerate(lengths.tolist())]  # contiguous views, no copy
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[:8] = torch.tensor(
+        [
+            VERSION,
+            DATA,
+            g,
+            epoch,
+            lengths.numel(),
+            int(lengths.sum()),
+            features.shape[-1],
+            DTYPES.index(features.dtype),
+        ]
+    )
+    return header, ints, slices
+
+
+def unpack_tokens(header: torch.Tensor, ints: torch.Tensor) -> Batch:
+    """The right-padded Batch described by a header and its ints message."""
+    b, n = int(header[4]), int(header[5])
+    ints = ints.cpu()
+    ids, mask, lengths, sample_ids = ints[:n], ints[n : 2 * n], ints[2 * n : 2 * n + b], ints[2 * n + b :]
+    attention = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    input_ids = torch.zeros(attention.shape, dtype=torch.long)
+    loss_mask = torch.zeros(attention.shape, dtype=torch.long)
+    input_ids[attention] = ids
+    loss_mask[attention] = mask
+    return Batch(input_ids, attention.long(), loss_mask, sample_ids)
+
+
+def padded_feature_buffer(batch: Batch, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[B, S, width] with zeros at padding; the real positions are filled by the receives."""
+    features = torch.empty(*batch.input_ids.shape, width, dtype=dtype, device=device)
+    for b, n in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+        features[b, n:].zero_()
+    return features
+
+
+def _header(kind: int, g: int = -1) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[:3] = torch.tensor([VERSION, kind, g])
+    return header
+
+
+class ChannelSender:
+    """A target rank's side: asynchronous sends with at most `max_inflight` outstanding messages.
+
+    `device` is where the messages travel from: the target's GPU under NCCL, the CPU under gloo (features
+    computed on a GPU are then copied to host memory first)."""
+
+    def __init__(self, rank: int, max_inflight: int, device: torch.device):
+        self.rank = rank
+        self.max_inflight = max_inflight
+        self.device = device
+        self.inflight: deque[tuple[int, list, list]] = deque()
+        self.wait_s = 0.0
+
+    def _comm(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if self.device.type == "cuda" else t
+
+    def _drain_to(self, limit: int) -> None:
+        while len(self.inflight) > limit:
+            dst, works, _tensors = self.inflight.popleft()
+            start = time.perf_counter()
+            try:
+                for w in works:
+                    w.wait()
+                if self.device.type == "cuda":  # NCCL's wait() only orders the stream: block for backpressure
+                    torch.cuda.current_stream(self.device).synchronize()
+            except RuntimeError as e:
+                raise PeerLost(
+                    f"target rank {self.rank}: sending to drafter rank {dst} failed ({e}); that rank died or is stuck"
+                ) from None
+            self.wait_s += time.perf_counter() - start
+
+    def send(self, dst: int, batch: Batch, features: torch.Tensor, g: int, epoch: int) -> None:
+        """Queue batch g for drafter rank `dst`; blocks only when max_inflight messages are outstanding."""
+        self._drain_to(self.max_inflight - 1)
+        header, ints, slices = pack(batch, features.to(self.device), g, epoch)
+        header[8] = int(self.wait_s * 1e6)
+        header[9] = len(self.inflight)
+        tensors = [self._comm(header), self._comm(ints), *slices]
+        # One batch of sends per message (one NCCL group launch, not 2 + B). The tensors ride along with their
+        # works: a send buffer must outlive the send.
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, dst) for t in tensors])
+        self.inflight.append((dst, works, tensors))
+
+    def close(self, drafter_ranks: Iterable[int]) -> None:
+        """Send END to every drafter and wait until everything sent has been received."""
+        for dst in drafter_ranks:
+            end = self._comm(_header(END))
+            self.inflight.append((dst, dist.batch_isend_irecv([dist.P2POp(dist.isend, end, dst)]), [end]))
+        self._drain_to(0)
+
+
+class ChannelReceiver:
+    """A drafter rank's side: a background thread receives the scheduled batches in order.
+
+    After `drain()` (the job is stopping early) it discards what still arrives and ends once every
+    target has sent END, so that no target is left blocked on a send.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        schedule: list[tuple[int, int]],
+        end_sources: list[int],
+        device: torch.device,
+        feature_dtype: torch.dtype,
+        channel_device: torch.device,
+        prefetch: int = 2,
+    ):
+        self.rank = rank
+        self.device = device  # where the drafter trains
+        self.channel_device = channel_device  # where messages arrive: the GPU under NCCL, else the CPU
+        self.feature_dtype = feature_dtype
+        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.draining = threading.Event()
+        self.error: BaseException | None = None
+        self.wait_s = 0.0
+        self.bytes_received = 0
+        self._thread = threading.Thread(
+            target=self._receive_all, args=(schedule, end_sources), name="hidden-state-receiver", daemon=True
+        )
+        self._thread.start()
+
+    def _recv_into(self, tensors: list[torch.Tensor], src: int, what: str) -> None:
+        """Receive into `tensors`, in order, as one batch of receives."""
+        try:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src) for t in tensors]):
+                work.wait()
+        except RuntimeError as e:
+            raise PeerLost(
+                f"drafter rank {self.rank}: receiving {what} from target rank {src} failed ({e}); "
+                f"target rank {src} died or is stuck (see --dist_timeout)"
+            ) from None
+
+    def _hand_over(self, item) -> None:
+        """Queue an item for the training thread, unless the job is draining (then drop it)."""
+        while not self.draining.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _receive_batch(self, header: torch.Tensor, src: int, on: torch.device) -> Message:
+        g, (b, n, width, dtype) = int(header[2]), (int(x) for x in header[4:8])
+        ints = torch.empty(2 * n + 2 * b, dtype=torch.int64, device=on)
+        self._recv_into([ints], src, f"batch {g}")
+        batch = unpack_tokens(header, ints)  # the lengths, hence where each sequence's features go
+        features = padded_feature_buffer(batch, width, DTYPES[dtype], on)
+        rows = [features[row, :length] for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist())]
+        self._recv_into(rows, src, f"the features of batch {g}")
+        if on.type == "cuda":
+            torch.cuda.current_stream(on).synchronize()  # the receiver thread's own stream
+        self.bytes_received += n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8
+        return Message(
+            g,
+            int(header[3]),
+            batch,
+            features.to(self.device, self.feature_dtype),  # from host memory under gloo
+            src,
+            int(header[8]) / 1e6,
+            int(header[9]),
+        )
+
+    def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
+        on = self.channel_device
+        if on.type == "cuda":  # receive on a stream of our own, so that receives overlap the training step
+            torch.cuda.set_device(on)
+            with torch.cuda.stream(torch.cuda.Stream(on)):
+                self._receive_loop(schedule, end_sources, on)
+        else:
+            self._receive_loop(schedule, end_sources, on)
+
+    def _receive_loop(
+        self, schedule: list[tuple[int, int]], end_sources: list[int], on: torch.device
+    ) -> None:
+        ended: set[int] = set()
+        try:
+            for g, src in schedule:
+                if src in ended:
+                    continue
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=on)
+                self._recv_into([header], src, f"batch {g}")
+                header = header.cpu()
+                kind = int(header[1])
+                if kind == END and self.draining.is_set():  # that target stopped early, as asked
+                    ended.add(src)
+                    continue
+                if int(header[0]) != VERSION or kind != DATA or int(header[2]) != g:
+                    raise ChannelError(
+                        f"drafter rank {self.rank}: expected batch {g} from target rank {src}, got header "
+                        f"{header[:4].tolist()}; the ranks disagree on the schedule (same config everywhere?)"
+                    )
+                self._hand_over(self._receive_batch(header, src, on))
+            for src in end_sources:
+                if src in ended:
+                    continue
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=on)
+                self._recv_into([header], src, "the end")
+                if int(header[1]) != END:
+                    raise ChannelError(
+                        f"drafter rank {self.rank}: target rank {src} sent more batches than scheduled"
+                    )
+            self._hand_over(None)
+        except BaseException as e:  # handed to the training thread, which raises it
+            self.error = e
+            self._hand_over(e)
+
+    def get(self) -> Message:
+        """The next scheduled batch; the time spent waiting for it is added to `wait_s`."""
+        start = time.perf_counter()
+        item = self.queue.get()
+        self.wait_s += time.perf_counter() - start
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            raise ChannelError(f"drafter rank {self.rank}: the stream ended before the schedule did")
+        if item.features.is_cuda:  # received on the receiver's stream, used on this one: tell the allocator
+            item.features.record_stream(torch.cuda.current_stream(item.features.device))
+        return item
+
+    def drain(self) -> None:
+        """Stop handing batches over: from now on whatever arrives is dropped until every target's END."""
+        self.draining.set()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
+    def close(self) -> None:
+        """Wait for the END messages (the stream's clean end)."""
+        if self.draining.is_set():
+            self._thread.join()
+            if self.error is not None:
+                raise self.error
+            return
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        self._thread.join()
+
+
+class StopFlag:
+    """Stopping early, through the job's key-value store (a polled irecv is not an option: gloo never marks
+    it completed without wait()). Any rank that receives a signal posts a request, naming itself; the
+    drafter leader reads requests at each step boundary, saves, and then sets the stop that every target
+    polls between batches."""
+
+    KEY = "dflash_ddp/stop"
+    REQUEST_KEY = "dflash_ddp/stop_request"
+
+    def __init__(self):
+        self.store = dist.distributed_c10d._get_default_store()
+
+    def set(self) -> None:
+        self.store.set(self.KEY, "1")
+
+    def is_set(self) -> bool:
+        return self.store.check([self.KEY])
+
+    def request(self, who: str) -> None:
+        """Ask the leader to stop the job (`who`: e.g. "SIGTERM on rank 1")."""
+        self.store.set(self.REQUEST_KEY, who)
+
+    def requested(self) -> str:
+        """Who asked the job to stop, or "" (one store round trip; the leader asks once per step)."""
+        return self.store.get(self.REQUEST_KEY).decode() if self.store.check([self.REQUEST_KEY]) else ""

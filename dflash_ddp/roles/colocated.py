@@ -1,0 +1,45 @@
+"""One process (world size 1): the target runs here and feeds the drafter's loop directly."""
+
+from __future__ import annotations
+
+import time
+
+from dflash_ddp.parallel.channel import Message
+from dflash_ddp.parallel.topology import DistributedContext, compute_dtype
+from dflash_ddp.roles.drafter import train_drafter
+from dflash_ddp.setup.run import Run
+from dflash_ddp.target_model.features import TargetFeatureExtractor
+
+
+class LocalTarget:
+    """The colocated batch source: the target runs in this process; its compute time is the 'wait'."""
+
+    def __init__(self, extractor: TargetFeatureExtractor, run: Run):
+        self.extractor, self.data = extractor, run.data
+        self.pad_id = run.setup.tokenizer.pad_token_id or 0
+        self.items = run.schedule.batches(run.first_batch, run.end_batch)
+        self.wait_s = 0.0
+        self.bytes_received = 0
+
+    def get(self) -> Message:
+        start = time.perf_counter()
+        item = next(self.items)
+        batch = self.data.batch(item.members, self.pad_id)
+        device = self.extractor.device
+        features = self.extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
+        self.wait_s += time.perf_counter() - start
+        return Message(item.g, item.epoch, batch, features, 0, 0.0, 0)
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_colocated(ctx: DistributedContext, run: Run) -> bool:
+    """One process: the target runs here and feeds the drafter's loop directly."""
+    extractor = TargetFeatureExtractor(
+        run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
+    )
+    return train_drafter(ctx, run, lambda: LocalTarget(extractor, run))

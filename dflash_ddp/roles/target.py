@@ -1,0 +1,62 @@
+"""A target rank's loop: compute the tapped features of its group's batches and send them to their drafter."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dflash_ddp.parallel.channel import ChannelSender, StopFlag
+from dflash_ddp.parallel.signals import GracefulStop
+from dflash_ddp.parallel.topology import DistributedContext, compute_dtype, job_barrier, tp_group
+from dflash_ddp.setup.run import Run
+from dflash_ddp.target_model.features import TargetFeatureExtractor
+
+
+def run_target(ctx: DistributedContext, run: Run) -> bool:
+    """A target rank: compute the tapped features of its group's batches (g = group mod G) and, on the
+    group's first rank, send each to its drafter.
+
+    The drafter leader decides when the job stops: a signal here is passed on to it (through the job's
+    store), and the loop ends early when the leader, having saved, raises the stop flag. The ranks of a
+    tensor-parallel group agree before each batch, since a rank that left alone would leave the others
+    waiting in the batch's all-reduces."""
+    topo = ctx.topology
+    signalled = GracefulStop().install()
+    stop, told = StopFlag(), False
+    extractor = TargetFeatureExtractor(
+        run.setup.info,
+        run.setup.drafter_config.target_layer_ids,
+        ctx.device,
+        compute_dtype(ctx.device),
+        ctx.target_meshes,
+    )
+    sends = topo.rank in topo.sender_ranks
+    sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device) if sends else None
+    group = tp_group(ctx.target_meshes) if ctx.target_meshes is not None else None
+    pad_id = run.setup.tokenizer.pad_token_id or 0
+    job_barrier("channel-open")  # every drafter rank has built, restored and warmed up its drafter
+    for item in run.schedule.batches(run.first_batch, run.end_batch):
+        if topo.group_of(item.g) != topo.group:
+            continue
+        if signalled.requested and not told:  # e.g. a scheduler preempting only this node
+            stop.request(f"{signalled.signal_name} on rank {topo.rank}")
+            told = True
+        if group_agrees_to_stop(stop.is_set(), group):
+            break
+        batch = run.data.batch(item.members, pad_id)
+        features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
+        if sender:
+            sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
+    if sender:
+        sender.close(topo.drafter_ranks)
+    job_barrier("channel-closed")  # every drafter rank has received its END: nothing is left in flight
+    return False
+
+
+def group_agrees_to_stop(stop: bool, group) -> bool:
+    """Whether any rank of this tensor-parallel group saw the stop flag (each rank alone without one)."""
+    if group is None:
+        return stop
+    flag = torch.tensor([int(stop)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

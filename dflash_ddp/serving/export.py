@@ -1,0 +1,239 @@
+"""Serving export in the z-lab layout (what SGLang, vLLM and speculators load), and its inverse.
+
+`python -m dflash_ddp.export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16|float32] [--target_model DIR]` writes
+OUT_DIR/config.json and OUT_DIR/model.safetensors with exactly the drafter's trainable tensors (no
+embedding, no LM head), in bf16 unless told otherwise, with a `dflash_ddp` stamp saying how it was trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_ddp.checkpoint.layout import resolve_checkpoint
+from dflash_ddp.data.chat_template import load_target_tokenizer
+from dflash_ddp.data.sources import data_files
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel, trainable_state_dict
+from dflash_ddp.drafter.zlab import from_zlab_config, rope_scaling, to_zlab_config
+from dflash_ddp.files import fingerprint_files
+from dflash_ddp.regeneration.parts import settings_path
+
+# Serving engines run the drafter in the target's dtype (vLLM) or resolve `dtype auto` from the drafter's
+# own config (SGLang: an fp32 config becomes float16 there, against a bf16 target); bf16 is what they expect.
+SERVING_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def serving_config(
+    config: DFlashDraftConfig, dtype: str, stamp: dict | None = None, mask_token: str | None = None
+) -> dict:
+    """The exported config.json: the z-lab fields plus what the serving engines' loaders read besides."""
+    out = to_zlab_config(config)
+    out["torch_dtype"] = out["dtype"] = dtype  # older transformers read the first, newer the second
+    out["rope_scaling"] = rope_scaling(config.rope_parameters)
+    # vLLM (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py, get_eagle3_aux_layers_from_config) takes
+    # `eagle_aux_hidden_state_layer_ids` as given, and only without it derives them from
+    # dflash_config.target_layer_ids + 1; older builds (gpu_model_runner.py's
+    # _get_eagle3_aux_layers_from_config) took target_layer_ids without the +1. Its models capture aux id j
+    # as the input of decoder layer j (the output of layer j-1; see the layer loop of
+    # vllm/model_executor/models/llama.py), so tap L is id L + 1. Written explicitly, every build reads it.
+    out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.target_layer_ids]
+    if mask_token is not None:  # older SGLang builds resolve the mask by its token string
+        out["dflash_config"]["mask_token"] = mask_token
+    if stamp is not None:
+        out["dflash_ddp"] = stamp
+    return out
+
+
+def save_drafter(
+    model: DFlashDraftModel,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    stamp: dict | None = None,
+    mask_token: str | None = None,
+) -> None:
+    """Write a drafter in the z-lab layout, weights in `dtype` (a key of SERVING_DTYPES), files mode 0644
+    (a server often runs as another user than the trainer)."""
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"--dtype {dtype}: choose one of {', '.join(SERVING_DTYPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cast = SERVING_DTYPES[dtype]
+    tensors = {k: v.to(cast).contiguous().cpu() for k, v in trainable_state_dict(model).items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = serving_config(model.config, dtype, stamp, mask_token)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("model.safetensors", "config.json"):
+        os.chmod(out / name, 0o644)
+
+
+def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
+    """Load a drafter from an exported directory or a training checkpoint; keys must match exactly."""
+    directory = Path(directory)
+    for name in ("config.json", "model.safetensors"):
+        if not (directory / name).is_file():
+            raise ValueError(
+                f"{directory}: no {name} (expected an exported drafter or a checkpoint directory)"
+            )
+    config = json.loads((directory / "config.json").read_text())
+    return drafter_from_state(config, load_file(directory / "model.safetensors"), directory, device)
+
+
+def drafter_from_state(
+    config: dict, state: dict[str, torch.Tensor], directory: str | Path, device: str | torch.device = "cpu"
+) -> DFlashDraftModel:
+    """A drafter from a parsed config.json and model.safetensors tensors (read from `directory`, named in
+    errors); keys and shapes must match exactly."""
+    model = DFlashDraftModel(from_zlab_config(config, f"{directory}/config.json"))
+    expected = set(trainable_state_dict(model))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}/model.safetensors: missing keys {missing}, unexpected keys {unexpected}"
+        )
+    own = trainable_state_dict(model)
+    bad = [
+        f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if state[k].shape != own[k].shape
+    ]
+    if bad:
+        raise ValueError(f"{directory}/model.safetensors: shapes do not match its config.json: {bad}")
+    model.load_state_dict(
+        state, strict=False
+    )  # buffers (rope tables) are not stored; every weight was checked
+    return model.to(device).eval()
+
+
+def package_version() -> str:
+    """This package's installed version (what the stamp records)."""
+    try:
+        return importlib.metadata.version("dflash_ddp")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without `pip install -e .`
+        return "unknown (not installed)"
+
+
+def regeneration_settings(data: list[str]) -> tuple[dict, list[str]]:
+    """{data file: the settings the regenerate tool wrote beside it} for the training data files that came
+    from it, and notes for what could not be read."""
+
+    try:
+        files = data_files(data)
+    except ValueError as e:
+        return {}, [f"note: {e}; the stamp has no regeneration settings"]
+    found = {}
+    for file in files:
+        path = settings_path(file)
+        if path.is_file():
+            try:
+                found[str(file)] = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}: unreadable ({e}); delete it or regenerate {file}") from None
+    return found, []
+
+
+def training_stamp(ckpt: Path, target_model: str | None, mask_id: int) -> tuple[dict, str | None, list[str]]:
+    """The `dflash_ddp` stamp of a checkpoint, the mask id's token string (None when the id has no token,
+    e.g. an unused padded row) and notes to print.
+
+    A server compares the stamp with how it serves: the target (fingerprint of config and weights), the chat
+    template (sha256 of its text) and its arguments (thinking on or off), and how the data was generated."""
+
+    where = ckpt / "trainer_state.json"
+    try:
+        state = json.loads(where.read_text())
+        cfg, fingerprints = state["config"], state["fingerprints"]
+        recorded_target, template_file = cfg["target_model"], cfg["chat_template"]
+        stamp = {
+            "version": package_version(),
+            "global_step": state["global_step"],
+            "target_fingerprint": fingerprints["target"],
+            "tokenizer_fingerprint": fingerprints["tokenizer"],
+            "data_fingerprint": fingerprints["data"],
+            "chat_template_kwargs": cfg["chat_template_kwargs"],
+        }
+        data = cfg["data"]
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: unreadable ({e})") from None
+    except KeyError as e:
+        raise ValueError(f"{where}: missing field {e}") from None
+    target = Path(target_model or recorded_target)
+    if not target.is_dir():
+        raise ValueError(
+            f"the target {target} (recorded in {where}) is not there; the stamp needs its tokenizer: "
+            "pass --target_model DIR"
+        )
+    now = fingerprint_files(sorted(target.glob("tokenizer*")))
+    if now != fingerprints["tokenizer"]:
+        raise ValueError(
+            f"the tokenizer of {target} is not the one the drafter was trained with (fingerprint {now}, "
+            f"trained with {fingerprints['tokenizer']}); pass --target_model with the training target"
+        )
+    tokenizer = load_target_tokenizer(target, template_file)
+    stamp["chat_template_sha256"] = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
+    stamp["regeneration"], notes = regeneration_settings(data)
+    mask_token = tokenizer.convert_ids_to_tokens(mask_id) if mask_id < len(tokenizer) else None
+    return stamp, mask_token, notes
+
+
+def export_checkpoint(
+    checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16", target_model: str | None = None
+) -> tuple[Path, list[str]]:
+    """Checkpoint directory (or an output directory: the checkpoint `latest` names) -> serving directory.
+
+    A checkpoint gets the stamp from its trainer_state.json; an exported drafter keeps the stamp and mask
+    token it has. Returns the source directory and notes to print."""
+
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"--dtype {dtype}: choose one of {', '.join(SERVING_DTYPES)}")
+    ckpt = resolve_checkpoint(Path(checkpoint_dir))
+    model = load_drafter(ckpt)
+    if (ckpt / "trainer_state.json").is_file():
+        stamp, mask_token, notes = training_stamp(ckpt, target_model, model.config.mask_token_id)
+    else:
+        exported = json.loads((ckpt / "config.json").read_text())
+        stamp, mask_token = exported.get("dflash_ddp"), exported.get("dflash_config", {}).get("mask_token")
+        notes = (
+            [] if stamp else [f"note: {ckpt} has no trainer_state.json: exported without a dflash_ddp stamp"]
+        )
+    save_drafter(model, out_dir, dtype, stamp, mask_token)
+    return ckpt, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: 0 on success, 1 when the source cannot be exported, 2 on bad arguments."""
+    parser = argparse.ArgumentParser(prog="python -m dflash_ddp.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint_dir", help="a checkpoint, an output directory (its latest) or an export")
+    parser.add_argument("out_dir", help="where config.json and model.safetensors are written")
+    parser.add_argument(
+        "--dtype",
+        choices=list(SERVING_DTYPES),
+        default="bfloat16",
+        help="weight dtype, stated in config.json (default bfloat16, what serving engines run)",
+    )
+    parser.add_argument(
+        "--target_model",
+        default=None,
+        help="the target's directory when it moved since training (default: the one the run recorded)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        source, notes = export_checkpoint(args.checkpoint_dir, args.out_dir, args.dtype, args.target_model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for note in notes:
+        print(note, file=sys.stderr)
+    print(f"exported {source} -> {args.out_dir} (config.json, model.safetensors in {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The run's predicted memory per rank (the drafter's model in setup/memory.py, the target's, this node's
+processes) and the refusal at start of a run that would not fit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dflash_ddp.config import TrainConfig
+from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
+from dflash_ddp.setup.drafter_config import resolve_attention
+from dflash_ddp.setup.memory import (
+    GIB,
+    FitCheck,
+    MemoryPlan,
+    check_fit,
+    device_capacity,
+    drafter_memory,
+    target_memory,
+)
+from dflash_ddp.target_model.info import TargetInfo, truncated_parameter_count
+
+
+def run_device(cfg: TrainConfig) -> torch.device:
+    """The device this rank will train on (before any process group exists)."""
+    return select_device(cfg.device, env_world()[2])
+
+
+def drafter_parameter_count(config: DFlashDraftConfig) -> int:
+    """Trainable parameters of a drafter of this shape, counted on the meta device."""
+    with torch.device("meta"):  # shapes only, no memory
+        return sum(p.numel() for p in DFlashDraftModel(config).parameters())
+
+
+def node_roles(topology: Topology) -> list[str]:
+    """The roles of the ranks on this rank's node (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE)."""
+    if topology.colocated:
+        return ["colocated"]
+    first = topology.rank - env_world()[2]
+    count = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
+    drafters = set(topology.drafter_ranks)
+    return ["drafter" if r in drafters else "target" for r in range(first, first + count)]
+
+
+@dataclass
+class RunMemory:
+    """The predicted peaks of a drafter rank and a target rank, whether this node holds them, and whether
+    the drafter checkpoints its layers (--gradient_checkpointing; unset: only if that alone makes it fit)."""
+
+    drafter: MemoryPlan
+    target: MemoryPlan
+    fit: FitCheck
+    checkpointing: bool
+    drafter_params: int
+    evaluation: int  # with --eval_data: the whole target's weights, which evaluation loads on the leader
+
+
+def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topology: Topology) -> RunMemory:
+    """Predict this run's memory (see memory.py) for the device and node of this rank."""
+    device, roles = run_device(cfg), node_roles(topology)
+    dtype_bytes = compute_dtype(device).itemsize
+    params = drafter_parameter_count(c)
+    # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
+    # sequences (at least 2 x block_size tokens each) can hold
+    rows = max(1, cfg.tokens_per_batch // (2 * c.block_size))
+    positions = min(
+        cfg.drafter_chunk_tokens, c.block_size * min(cfg.tokens_per_batch, cfg.num_anchors * rows)
+    )
+
+    def drafter(checkpointing: bool) -> MemoryPlan:
+        return drafter_memory(
+            c,
+            params,
+            positions,
+            cfg.tokens_per_batch,
+            cfg.max_seq_len,
+            cfg.loss_chunk_size,
+            resolve_attention(cfg.attention, device),
+            dtype_bytes,
+            received_batches=1 if topology.colocated else 2,  # split: the next batch arrives meanwhile
+            checkpointing=checkpointing,
+        )
+
+    target = target_memory(
+        info,
+        truncated_parameter_count(info, max(c.target_layer_ids) + 1),
+        c.target_layer_ids,
+        cfg.tokens_per_batch,
+        dtype_bytes,
+        0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
+        topology.tp_size,
+    )
+    checkpointing = bool(cfg.gradient_checkpointing)
+    plan = drafter(checkpointing)
+    fit = check_fit(plan, target, roles, device)
+    if cfg.gradient_checkpointing is None and not fit.fits:
+        checkpointing, plan = True, drafter(True)
+        fit = check_fit(plan, target, roles, device)
+    # speculative decoding verifies with the whole target: every layer and the LM head, on one device
+    whole = (
+        truncated_parameter_count(info, info.num_layers)
+        + (0 if info.tie_word_embeddings else info.vocab_size * info.hidden_size)
+        if cfg.eval_data
+        else 0
+    )
+    return RunMemory(plan, target, fit, checkpointing, params, whole * dtype_bytes)
+
+
+def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
+    """Refuse, before anything loads, a run whose predicted peak exceeds what this node has."""
+    if cfg.memory_check and not memory.fit.fits:
+        parts = (*memory.drafter.parts.items(), *memory.target.parts.items())
+        biggest = max(parts, key=lambda kv: kv[1])[0]
+        advice = {
+            "activations": "--drafter_chunk_tokens",
+            "backward or loss": "--drafter_chunk_tokens (or --loss_chunk_size)",
+            "attention workspace": "--drafter_chunk_tokens (or use --attention sparse)",
+            "received features": "--tokens_per_batch",
+            "tapped features": "--tokens_per_batch",
+            "sends in flight": "--max_inflight or --tokens_per_batch",
+        }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
+        raise ValueError(
+            f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "
+            f"part is the {biggest}: lower {advice} (--plan shows every part; --memory_check false skips "
+            "this check)"
+        )
+    if cfg.memory_check and cfg.eval_data:
+        check_evaluation_memory(cfg, memory)
+
+
+def check_evaluation_memory(cfg: TrainConfig, memory: RunMemory) -> None:
+    """Refuse at start an --eval_data whose evaluation cannot fit: it loads the whole target on the drafter
+    leader's device (beside the training drafter when --eval_steps evaluates during training), which a
+    target sharded across a group does not fit."""
+    available, where = device_capacity(run_device(cfg))
+    beside = memory.drafter.total if cfg.eval_steps else 0
+    if memory.evaluation + beside > available:
+        during = f" beside the drafter's {beside / GIB:.1f} GiB (--eval_steps)" if beside else ""
+        raise ValueError(
+            f"--eval_data: real-tau evaluation loads the whole target ({memory.evaluation / GIB:.1f} GiB of "
+            f"weights) on the drafter leader's device{during}, and {where} cannot hold it; train without "
+            "--eval_data and --eval_steps, then evaluate the export with `python -m dflash_ddp.evaluate` on "
+            "a device that holds the target (--memory_check false skips this check)"
+        )

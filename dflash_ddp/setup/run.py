@@ -1,0 +1,161 @@
+"""A training run before its first step: settings, target and tokenizer, tokenized data, the batch
+schedule and the identity stored in checkpoints. `train.py` builds a `Run` from these and hands it to the
+rank's role loop; `--plan` prints the set-up without loading weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_ddp.config import TrainConfig, config_to_dict
+from dflash_ddp.data.chat_template import ChatTokenizer, load_target_tokenizer
+from dflash_ddp.data.dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
+from dflash_ddp.data.schedule import BatchSchedule
+from dflash_ddp.data.sources import DataStats
+from dflash_ddp.drafter.model import DFlashDraftConfig
+from dflash_ddp.drafter.zlab import to_zlab_config
+from dflash_ddp.files import fingerprint_files
+from dflash_ddp.observe.trackers import Trackers
+from dflash_ddp.parallel.topology import Topology, compute_dtype
+from dflash_ddp.setup.drafter_config import (
+    drafter_config_for,
+    resolve_mask_token_id,
+    resolve_target_layer_ids,
+)
+from dflash_ddp.setup.memory import GIB
+from dflash_ddp.setup.plan import RunMemory, plan_memory, run_device
+from dflash_ddp.target_model.info import TargetInfo, inspect_target, target_fingerprint
+from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, check_tensor_parallel
+
+
+@dataclass
+class RunSetup:
+    """Everything derived from the config before any weights load."""
+
+    info: TargetInfo
+    tokenizer: object
+    drafter_config: DFlashDraftConfig
+    memory: RunMemory  # predicted peaks, whether they fit, and whether the drafter checkpoints its layers
+
+
+def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
+    """Read the target's config and tokenizer, size the drafter and predict the memory of this rank's node;
+    no weights are loaded."""
+    check_tensor_parallel(cfg.target_model, topology.tp_size)
+    check_groups_within_nodes(topology)
+    info = inspect_target(cfg.target_model)
+    if topology.tp_size > 1 and cfg.channel_backend == "gloo" and run_device(cfg).type == "cuda":
+        raise ValueError(
+            f"--target_tp_size {topology.tp_size} with --channel_backend gloo: a tensor-parallel group "
+            "all-reduces every layer's output and needs NCCL on GPUs; pass --channel_backend auto"
+        )
+    tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
+    taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
+    mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
+    drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
+    return RunSetup(info, tokenizer, drafter_config, plan_memory(cfg, info, drafter_config, topology))
+
+
+def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedDataset, DataStats]:
+    """The tokenized --data, from the cache when files, tokenizer, template and settings are unchanged."""
+    chat = ChatTokenizer(setup.tokenizer, cfg.chat_template_kwargs, cfg.train_last_turn_only)
+    settings = TokenizeSettings(
+        max_seq_len=cfg.max_seq_len,
+        block_size=cfg.block_size,
+        overlength=cfg.overlength,
+        skip_bad_rows=cfg.skip_bad_rows,
+    )
+    cache_dir = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
+    data, stats, _ = load_or_tokenize(
+        chat, setup.info.path, cfg.data, settings, cache_dir, cfg.num_proc, log=lambda m: print(m + where)
+    )
+    return data, stats
+
+
+def build_schedule(cfg: TrainConfig, data: TokenizedDataset, topology: Topology) -> BatchSchedule:
+    """The global batch sequence for --max_steps, or for --num_epochs when max_steps is -1."""
+    lengths = data.lengths
+    per_step = topology.num_drafters * cfg.gradient_accumulation_steps
+    if cfg.max_steps > 0:
+        return BatchSchedule(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.max_steps)
+    return BatchSchedule.for_epochs(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.num_epochs)
+
+
+@dataclass
+class Run:
+    """What every role loop reads: settings, data, the batch sequence and where training starts."""
+
+    cfg: TrainConfig
+    setup: RunSetup
+    data: TokenizedDataset
+    schedule: BatchSchedule
+    identity: dict  # fingerprints, drafter config and settings: stored in, and checked against, checkpoints
+    start_step: int = 0
+    first_batch: int = 0  # the checkpoint's data cursor: global batches already consumed
+    resume_from: Path | None = None
+    trackers: Trackers | None = None  # on the drafter leader when --report_to names any
+
+    @property
+    def end_batch(self) -> int:
+        """One past the last global batch this run consumes: the remaining steps' worth after the cursor."""
+        return (
+            self.first_batch + (self.schedule.total_steps - self.start_step) * self.schedule.batches_per_step
+        )
+
+    def set_accumulation(self, steps: int, topology: Topology) -> None:
+        """Change gradient accumulation (to keep a resumed run's global batch); schedule and identity follow."""
+        self.cfg = dataclasses.replace(self.cfg, gradient_accumulation_steps=steps)
+        self.schedule = build_schedule(self.cfg, self.data, topology)
+        self.identity = self.identity | {"config": identity_config(self.cfg, topology)}  # fingerprints stay
+
+
+def identity_config(cfg: TrainConfig, topology: Topology) -> dict:
+    """The settings part of the identity, with the global batch (drafter ranks x accumulation)."""
+    return config_to_dict(cfg) | {"global_batch": topology.num_drafters * cfg.gradient_accumulation_steps}
+
+
+def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topology: Topology) -> dict:
+    """The parts of trainer_state.json that decide whether a checkpoint belongs to this run."""
+    return {
+        "config": identity_config(cfg, topology),
+        "fingerprints": {
+            "target": target_fingerprint(setup.info.path),
+            "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
+            "data": data.fingerprint(),
+        },
+        "drafter": to_zlab_config(setup.drafter_config),
+    }
+
+
+def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
+    """Topology, sizes and predicted memory per rank; loads no weights."""
+    c, info, memory = setup.drafter_config, setup.info, setup.memory
+    drafter, target, fit = memory.drafter, memory.target, memory.fit
+    width_bytes = len(c.target_layer_ids) * info.hidden_size * compute_dtype(run_device(cfg)).itemsize
+    for line in topology.describe():
+        print(f"{'topology':>26}: {line}")
+    plan = {
+        "target": f"{info.path} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size})",
+        "target_layers_run": f"0..{max(c.target_layer_ids)} of {info.num_layers} ("
+        + (
+            "all layers, the last one's output final-normed as transformers' hidden_states[N]; the LM head skipped"
+            if max(c.target_layer_ids) == info.num_layers - 1
+            else "later layers, the final norm and the LM head skipped"
+        )
+        + ")",
+        "target_layer_ids": c.target_layer_ids,
+        "mask_token_id": c.mask_token_id,
+        "block_size": c.block_size,
+        "drafter": f"{c.num_hidden_layers} layers, {memory.drafter_params / 1e6:.1f}M trainable parameters",
+        "message_size": f"up to {cfg.tokens_per_batch * width_bytes / 2**20:.1f} MiB of features per batch "
+        f"(--tokens_per_batch {cfg.tokens_per_batch})",
+        "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})"
+        + (f"; weights are 1/{topology.tp_size} of the truncated target's" if topology.tp_size > 1 else ""),
+        "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
+        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}, gradient checkpointing {'on' if memory.checkpointing else 'off'}",
+        "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
+    }
+    for key, value in plan.items():
+        print(f"{key:>26}: {value}")

@@ -1,0 +1,175 @@
+"""Where training starts, agreed by every rank: fresh or resumed (and whether the checkpoint belongs to this
+run: target, tokenizer, data, drafter shape and DFlash settings must match, optimisation settings only
+change when named in --resume_override), and the run's records pruned back to that step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_ddp.checkpoint.layout import checkpoint_name
+from dflash_ddp.checkpoint.resume import find_checkpoint, load_trainer_state
+from dflash_ddp.checkpoint.writer import set_aside_later
+from dflash_ddp.config import RESUME_OVERRIDABLE
+from dflash_ddp.files import atomic_write_text
+from dflash_ddp.parallel.topology import DistributedContext, Topology
+from dflash_ddp.setup.run import Run
+
+
+def decide_start(run: Run, topology: Topology) -> list[str]:
+    """On the leader: find the checkpoint to resume from and check it belongs to this run.
+
+    Sets run.start_step / run.resume_from; returns lines to print (skipped checkpoints, overrides).
+    """
+    notes: list[str] = []
+    path = find_checkpoint(run.cfg.output_dir, run.cfg.resume, notes.append)
+    if path is None:
+        return notes
+    saved = load_trainer_state(path)
+    saved_batch, drafters = saved["config"].get("global_batch"), topology.num_drafters
+    if (
+        isinstance(saved_batch, int)
+        and saved_batch != run.identity["config"]["global_batch"]
+        and "global_batch" not in run.cfg.resume_override
+        and saved_batch % drafters == 0
+    ):  # another number of drafter ranks: keep the global batch by changing the accumulation
+        run.set_accumulation(saved_batch // drafters, topology)
+        notes.append(
+            f"keeping the checkpoint's global batch of {saved_batch} batches: {drafters} drafter rank(s) x "
+            f"--gradient_accumulation_steps {run.cfg.gradient_accumulation_steps}"
+        )
+    accepted = check_same_run(saved, run.identity, run.cfg.resume_override, path)
+    notes += [f"resume override accepted: {change}" for change in accepted]
+    if saved["global_step"] > run.schedule.total_steps:
+        raise ValueError(
+            f"{path} is at step {saved['global_step']}, past this run's {run.schedule.total_steps} steps"
+        )
+    run.start_step, run.first_batch, run.resume_from = (
+        int(saved["global_step"]),
+        int(saved["batches_consumed"]),
+        path,
+    )
+    notes += set_aside_later(run.cfg.output_dir, path, run.start_step)
+    notes.append(
+        f"resuming from {path} (step {run.start_step}, batch {run.first_batch}; saved as "
+        f"{saved['topology']['target_ranks']}+{saved['topology']['drafter_ranks']}, now "
+        f"{topology.num_targets}+{topology.num_drafters})"
+    )
+    return notes
+
+
+def check_same_data(ctx: DistributedContext, run: Run) -> None:
+    """Every rank must train on the same tokenized data: compare the data fingerprints of all ranks."""
+    if ctx.topology.colocated:
+        return
+    mine = torch.tensor([int(run.identity["fingerprints"]["data"][:15], 16)], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(ctx.topology.world_size)]
+    dist.all_gather(everyone, mine)
+    values = [int(t) for t in everyone]
+    if len(set(values)) > 1:
+        groups = {value: [r for r, v in enumerate(values) if v == value] for value in dict.fromkeys(values)}
+        described = "; ".join(f"ranks {ranks} have data {value:015x}" for value, ranks in groups.items())
+        raise ValueError(
+            f"the ranks tokenized different data ({described}): every rank must see the same --data files, "
+            "tokenizer, template and settings"
+        )
+
+
+def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
+    """Every rank learns the leader's decision (start step and accumulation, or that the run must stop)."""
+    topo = ctx.topology
+    if topo.colocated:
+        if error:
+            raise ValueError(error)
+        return
+    decision = torch.tensor(
+        [run.start_step, 1 if error else 0, run.cfg.gradient_accumulation_steps, run.first_batch],
+        dtype=torch.int64,
+    )
+    dist.broadcast(decision, src=topo.drafter_ranks[0])
+    if int(decision[1]):
+        raise ValueError(error or f"rank {topo.drafter_ranks[0]} refused to start (see its message)")
+    if int(decision[2]) != run.cfg.gradient_accumulation_steps:
+        run.set_accumulation(int(decision[2]), topo)
+    run.start_step, run.first_batch = int(decision[0]), int(decision[3])
+    if run.start_step and not topo.is_leader:  # other drafter ranks read the same checkpoint
+        resume = run.cfg.resume
+        root = Path(resume) if resume not in ("auto", "never") else Path(run.cfg.output_dir) / "checkpoints"
+        run.resume_from = root if resume not in ("auto", "never") else root / checkpoint_name(run.start_step)
+
+
+def prune_metrics(output_dir: str, start_step: int) -> list[str]:
+    """Drop metrics.jsonl lines after the resume point (a killed run may have logged past its checkpoint)
+    and lines that do not parse (a power loss or full disk during an append leaves a partial last line);
+    the kept lines are rewritten atomically (only when that changes the file). Returns lines to print."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    raw = path.read_bytes()
+    kept, dropped = [], []
+    for number, line in enumerate(raw.decode(errors="replace").splitlines(), 1):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            dropped.append(number)
+            continue
+        if isinstance(step, int) and step <= start_step:
+            kept.append(line)
+    text = "".join(line + "\n" for line in kept)
+    if text.encode() != raw:
+        atomic_write_text(path, text)
+    if not dropped:
+        return []
+    return [
+        f"{path}: dropped {len(dropped)} unreadable line(s) (line {', '.join(map(str, dropped[:5]))}), "
+        "left by an interrupted append"
+    ]
+
+
+# Settings whose change makes the checkpoint belong to a different run: never overridable.
+IDENTITY = ("fingerprints.target", "fingerprints.tokenizer", "fingerprints.data", "drafter")
+
+
+def _lookup(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path) -> list[str]:
+    """Compare a checkpoint's state with this run's; returns the overridden changes, raises on the rest.
+
+    Both dicts have the trainer_state layout; `current["config"]` also carries `global_batch`.
+    """
+    identity = [
+        f"{key}: checkpoint {_lookup(saved, key)!r}, now {_lookup(current, key)!r}"
+        for key in IDENTITY
+        if _lookup(saved, key) != _lookup(current, key)
+    ]
+    if identity:
+        raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity))
+    # optimisation settings: a change is refused unless the user names it in --resume_override
+    missing = [k for k in RESUME_OVERRIDABLE if k not in saved["config"]]
+    if missing:
+        raise ValueError(f"{where}/trainer_state.json: config lacks {missing}")
+    changed = {
+        k: (saved["config"][k], current["config"][k])
+        for k in RESUME_OVERRIDABLE
+        if saved["config"][k] != current["config"][k]
+    }
+    refused = [
+        f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items() if k not in overrides
+    ]
+    if refused:
+        raise ValueError(
+            f"{where}: optimisation settings changed: "
+            + "; ".join(refused)
+            + " (restore them, or accept the change with --resume_override "
+            + ",".join(k for k in changed if k not in overrides)
+            + ")"
+        )
+    return [f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()]

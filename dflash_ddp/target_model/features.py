@@ -1,0 +1,145 @@
+"""Running the target only as far as the drafter needs: the tapped layers' outputs (`hidden_states[L + 1]` of
+transformers' tuple), the later layers, the final norm and the LM head skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from transformers import AutoModel
+from transformers import logging as hf_logging
+
+from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.tensor_parallel import load_sharded
+
+
+class _StopForward(Exception):
+    """Raised after the last tapped layer so that later layers, the final norm and the head never run."""
+
+
+def _layer_output(output) -> torch.Tensor:
+    """A decoder layer's hidden states as a whole local tensor. Under tensor parallelism transformers'
+    plans leave them replicated (plain tensors); a plan that leaves them sharded returns a DTensor, gathered
+    here once, on the device."""
+    out = output[0] if isinstance(output, tuple) else output
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> nn.Module | None:
+    """The target's final norm when `layer_ids` include its last decoder layer N-1, else None.
+
+    A tap on layer L reads transformers' `hidden_states[L + 1]`, and for L = N-1 transformers puts the
+    final-normed output there, not the layer's raw output. transformers' own DFlash generate and the z-lab
+    reference read exactly that entry when serving, so training must see the same features (on the tiny
+    target the raw and normed outputs differ by up to 3.4)."""
+    if num_layers - 1 not in layer_ids:
+        return None
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(
+            f"--target_layer_ids {list(layer_ids)} include the target's last layer {num_layers - 1}, whose "
+            f"features are its final-normed output, but {type(model).__name__} has no final norm at `.norm` "
+            f"or `.model.norm`; tap layers below {num_layers - 1}"
+        )
+    return norm
+
+
+@contextlib.contextmanager
+def capture_layer_outputs(
+    layers: nn.ModuleList, layer_ids: list[int], stop_after_last: bool, final_norm: nn.Module | None = None
+):
+    """Record the outputs of `layers[i]` for i in layer_ids (the OUTPUT of decoder layer L is the
+    `hidden_states[L + 1]` of transformers). Yields the dict that fills during the forward.
+
+    `final_norm` (from `last_layer_norm`, given when `layers` is the whole decoder and its last layer is
+    tapped) is applied to that layer's output, as transformers does for `hidden_states[N]`."""
+    captured: dict[int, torch.Tensor] = {}
+    last = max(layer_ids)
+    normed = len(layers) - 1 if final_norm is not None else None
+
+    def make_hook(idx):
+        def hook(_module, _inputs, output):
+            out = _layer_output(output)
+            captured[idx] = final_norm(out) if idx == normed else out
+            if stop_after_last and idx == last:
+                raise _StopForward
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(make_hook(i)) for i in layer_ids]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__} (expected `.model.layers`)"
+        )
+    return layers
+
+
+class TargetFeatureExtractor:
+    """A frozen target truncated after its last tapped layer; returns the concatenated tapped features.
+
+    With `meshes` (tensor_parallel.group_meshes) this rank holds its shard of the group's copy, and every
+    rank of the group must call it on the same batches: each layer ends in an all-reduce among them."""
+
+    def __init__(
+        self,
+        info: TargetInfo,
+        target_layer_ids: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        meshes=None,
+    ):
+        self.target_layer_ids = list(target_layer_ids)
+        keep = max(self.target_layer_ids) + 1
+        # Load only the layers up to the last tap: later layers, the norm's use and the LM head are skipped.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # the dropped layers are reported as unused weights; that is intended
+        try:
+            if meshes is None:
+                self.model = AutoModel.from_pretrained(
+                    info.path, num_hidden_layers=keep, dtype=dtype, local_files_only=True
+                )
+            else:
+                self.model = load_sharded(info, keep, dtype, device, meshes)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self.model.to(device).eval().requires_grad_(False)
+        self.layers = decoder_layers(self.model)
+        self.final_norm = last_layer_norm(self.model, self.target_layer_ids, info.num_layers)
+        self.device = device
+
+    @torch.no_grad()  # not inference_mode: the drafter's autograd graph reads these features
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, S] ids and padding mask -> [B, S, K*H] features of the tapped layers, in tap order.
+
+        Padding positions are zeroed so that a batch's features are the same whether they were computed
+        here or packed, sent and re-padded by the channel."""
+        features = tapped_features(
+            self.model, self.layers, self.target_layer_ids, input_ids, attention_mask, self.final_norm
+        )
+        return features * attention_mask[..., None].to(features.dtype)
+
+
+def tapped_features(
+    model, layers, layer_ids, input_ids, attention_mask, final_norm=None, **kwargs
+) -> torch.Tensor:
+    """Run `model` until the last tapped layer and concatenate the tapped layers' outputs (the last
+    layer's through `final_norm`, see `capture_layer_outputs`)."""
+    with (
+        capture_layer_outputs(layers, layer_ids, stop_after_last=True, final_norm=final_norm) as captured,
+        contextlib.suppress(_StopForward),
+    ):
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    return torch.cat([captured[i] for i in layer_ids], dim=-1)

@@ -1,0 +1,24 @@
+"""Loading the whole target for generation (evaluation, regeneration) and the end-of-sequence ids it stops on."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from dflash_ddp.target_model.info import TargetInfo
+
+
+def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The whole target with its LM head, for generation and speculative verification."""
+    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, local_files_only=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def eos_token_ids(tokenizer, target: nn.Module) -> list[int]:
+    """EOS ids of the tokenizer and of the target's generation config (either may be a list or missing)."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, target.generation_config.eos_token_id):
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+    return sorted(ids)

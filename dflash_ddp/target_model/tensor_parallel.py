@@ -1,0 +1,86 @@
+"""Tensor-parallel target groups: refusing targets that N ranks cannot shard, and loading a group's shards
+with transformers' own tensor-parallel plans on the group's device mesh (built in parallel/topology.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel
+from transformers import __version__ as transformers_version
+from transformers.distributed import DistributedConfig
+
+from dflash_ddp.parallel.topology import Topology, group_mesh
+from dflash_ddp.target_model.info import TargetInfo
+
+
+def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
+    """Refuse a target that `tp_size` ranks cannot shard: a model family without a tensor-parallel plan in
+    transformers, or attention heads, KV heads, MLP widths or a vocabulary that `tp_size` does not divide.
+
+    Reads the config only; runs before the target's shape is read, since families without a plan are also
+    those whose configs name their sizes differently."""
+    if tp_size == 1 or not (Path(path) / "config.json").is_file():  # inspect_target says what is missing
+        return
+    from transformers.distributed import mixin
+
+    if not hasattr(mixin, "initialize_distributed_mesh"):  # the one function group_mesh replaces
+        raise ValueError(
+            f"--target_tp_size {tp_size}: this transformers ({transformers_version}) loads sharded models "
+            "differently from the 5.24 this trainer was built against; install transformers 5.24 or pass "
+            "--target_tp_size 1"
+        )
+    config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True)
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(
+            f"--target_tp_size {tp_size}: transformers has no tensor-parallel plan for the model family "
+            f"'{config.model_type}' of {path}; pass --target_tp_size 1 (each target rank holds a whole copy)"
+        )
+    sizes = {
+        "attention heads (num_attention_heads)": config.num_attention_heads,
+        "KV heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None),
+        "MLP width (intermediate_size)": getattr(config, "intermediate_size", None),
+        "expert MLP width (moe_intermediate_size)": getattr(config, "moe_intermediate_size", None),
+        "vocabulary (vocab_size; the embedding is split by rows)": config.vocab_size,
+    }
+    for what, size in sizes.items():
+        if size is not None and size % tp_size:
+            raise ValueError(
+                f"--target_tp_size {tp_size} does not divide the target's {size} {what} in {path}/config.json; "
+                "pass a --target_tp_size that divides it"
+            )
+
+
+def check_groups_within_nodes(topology: Topology) -> None:
+    """A group's all-reduces run after every layer: its ranks must share a node. torchrun numbers the
+    ranks of a node consecutively, LOCAL_WORLD_SIZE per node."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if topology.tp_size == 1 or not per_node:
+        return
+    for k in range(topology.num_groups):
+        ranks = topology.group_ranks(k)
+        if ranks[0] // per_node != ranks[-1] // per_node:
+            raise ValueError(
+                f"--target_tp_size {topology.tp_size}: target group {k} (ranks {ranks[0]}-{ranks[-1]}) would span "
+                f"two nodes of {per_node} processes each; make the target ranks per node a multiple of "
+                f"{topology.tp_size} (e.g. --nproc-per-node or --drafter_ranks)"
+            )
+
+
+def load_sharded(
+    info: TargetInfo, layers: int, dtype: torch.dtype, device: torch.device, meshes
+) -> nn.Module:
+    """The target's first `layers` decoder layers, sharded across this rank's group by transformers'
+    tensor-parallel plan; each rank reads only its shard of every weight."""
+    tp_size = meshes.get_mesh("tp").size()
+    with group_mesh(meshes, device):
+        return AutoModel.from_pretrained(
+            info.path,
+            num_hidden_layers=layers,
+            dtype=dtype,
+            local_files_only=True,
+            distributed_config=DistributedConfig(tp_size=tp_size),
+        )

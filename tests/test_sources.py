@@ -1,0 +1,138 @@
+"""Reading conversations: every kind of bad input names its file, line and reason, or is skipped and
+counted with --skip_bad_rows; globs; jsonl, json, parquet and save_to_disk inputs."""
+
+import json
+
+import pytest
+
+from dflash_ddp.data.sources import BadRow, DataStats, read_conversations
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+
+BAD_ROWS = {
+    "malformed JSON": (b'{"messages": [', "malformed JSON"),
+    "missing field": (json.dumps({"text": "hi"}).encode(), "neither 'messages' nor 'conversations'"),
+    "wrongly typed field": (
+        json.dumps({"messages": [{"role": "user", "content": 3}, GOOD["messages"][1]]}).encode(),
+        "turn 0 'content' must be a string",
+    ),
+    "unknown role": (
+        json.dumps({"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}).encode(),
+        "turn 0 has unknown role 'robot'",
+    ),
+    "empty conversation": (json.dumps({"messages": []}).encode(), "the conversation is empty"),
+    "empty assistant turn": (
+        json.dumps({"messages": [GOOD["messages"][0], {"role": "assistant", "content": "  "}]}).encode(),
+        "turn 1 is an empty assistant turn",
+    ),
+    "non-UTF-8 bytes": (b'{"messages": "\xff\xfe"}', "not valid UTF-8"),
+}
+
+
+def write(path, lines: list[bytes]):
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("kind", BAD_ROWS)
+def test_a_bad_row_names_file_line_and_reason(tmp_path, kind):
+    raw, reason = BAD_ROWS[kind]
+    path = write(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), raw, json.dumps(GOOD).encode()])
+    with pytest.raises(BadRow, match=f"{path}:2: .*{reason}"):
+        read_conversations([str(path)])
+
+
+@pytest.mark.parametrize("kind", BAD_ROWS)
+def test_skip_bad_rows_skips_and_counts(tmp_path, kind):
+    path = write(
+        tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), BAD_ROWS[kind][0], json.dumps(GOOD).encode()]
+    )
+    stats = DataStats()
+    rows = read_conversations([str(path)], skip_bad_rows=True, stats=stats)
+    assert [where for where, _ in rows] == [f"{path}:1", f"{path}:3"]
+    assert (
+        stats.rows == 3 and stats.bad_rows == 1 and BAD_ROWS[kind][1].split()[0] in stats.bad_row_examples[0]
+    )
+
+
+def test_missing_file_empty_dataset_and_globs(tmp_path):
+    with pytest.raises(ValueError, match="nowhere.jsonl: file not found"):
+        read_conversations([str(tmp_path / "nowhere.jsonl")])
+    with pytest.raises(ValueError, match="no usable rows"):
+        read_conversations([str(write(tmp_path / "empty.jsonl", [b""]))])
+    with pytest.raises(ValueError, match="matches no file"):
+        read_conversations([str(tmp_path / "shard-*.jsonl")])
+    for i in range(3):
+        write(tmp_path / f"shard-{i}.jsonl", [json.dumps(GOOD).encode()])
+    rows = read_conversations([str(tmp_path / "shard-*.jsonl")])
+    assert [w.split("/")[-1] for w, _ in rows] == ["shard-0.jsonl:1", "shard-1.jsonl:1", "shard-2.jsonl:1"]
+
+
+def test_sharegpt_rows_are_accepted(tmp_path):
+    row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    rows = read_conversations([str(write(tmp_path / "s.jsonl", [json.dumps(row).encode()]))])
+    assert rows[0][1] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_parquet_and_save_to_disk_inputs_give_the_same_rows_as_jsonl(tmp_path):
+    import datasets
+
+    rows = [GOOD, {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}]
+    jsonl = write(tmp_path / "d.jsonl", [json.dumps(r).encode() for r in rows])
+    # one schema per file, as datasets requires: messages rows in one, ShareGPT rows in the other
+    datasets.Dataset.from_list(rows[:1]).to_parquet(tmp_path / "a.parquet")
+    datasets.Dataset.from_list(rows[1:]).save_to_disk(tmp_path / "b_disk")
+    expected = [messages for _, messages in read_conversations([str(jsonl)])]
+    got = read_conversations([str(tmp_path / "a.parquet"), str(tmp_path / "b_disk")])
+    assert [messages for _, messages in got] == expected
+    assert [where.split("/")[-1] for where, _ in got] == ["a.parquet:row 0", "b_disk:row 0"]
+
+
+def test_bad_rows_in_parquet_name_the_row(tmp_path):
+    import datasets
+
+    bad = {"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}
+    datasets.Dataset.from_list([GOOD, bad]).to_parquet(tmp_path / "d.parquet")
+    with pytest.raises(BadRow, match=r"d.parquet:row 1: turn 0 has unknown role 'robot'"):
+        read_conversations([str(tmp_path / "d.parquet")])
+
+
+def test_unreadable_or_unsupported_inputs_are_clear_errors(tmp_path):
+    import datasets
+
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="broken.parquet: cannot be read as a data set"):
+        read_conversations([str(tmp_path / "broken.parquet")])
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt: unsupported file type '.txt'"):
+        read_conversations([str(tmp_path / "notes.txt")])
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD])}).save_to_disk(tmp_path / "dd")
+    with pytest.raises(ValueError, match="a DatasetDict: pass one split's directory, e.g. DIR/train"):
+        read_conversations([str(tmp_path / "dd")])
+    assert len(read_conversations([str(tmp_path / "dd" / "train")])) == 1
+
+
+def test_tool_turns_and_extra_keys_reach_the_template(tmp_path):
+    row = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"name": "weather", "arguments": "{}"}]},
+            {"role": "tool", "content": "sunny", "name": "weather"},
+            {"role": "assistant", "content": "It is sunny.", "reasoning_content": "the tool said so"},
+        ]
+    }
+    rows = read_conversations([str(write(tmp_path / "t.jsonl", [json.dumps(row).encode()]))])
+    assert rows[0][1][1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "weather", "arguments": "{}"}],
+    }
+    assert rows[0][1][2] == {"role": "tool", "content": "sunny", "name": "weather"}
+    assert rows[0][1][3]["reasoning_content"] == "the tool said so"
+
+
+def test_a_json_file_holding_json_lines_is_read_line_by_line(tmp_path):
+    path = write(tmp_path / "d.json", [json.dumps(GOOD).encode(), b'{"messages": ['])
+    with pytest.raises(BadRow, match="d.json:2: malformed JSON"):
+        read_conversations([str(path)])
+    assert len(read_conversations([str(path)], skip_bad_rows=True)) == 1

@@ -1,0 +1,101 @@
+"""The target side: which hidden states are tapped, what is loaded, and bad target directories."""
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_ddp.target_model.features import (
+    TargetFeatureExtractor,
+    capture_layer_outputs,
+    decoder_layers,
+    last_layer_norm,
+)
+from dflash_ddp.target_model.head import SharedTargetHead
+from dflash_ddp.target_model.info import default_target_layer_ids, inspect_target
+
+
+@pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])
+def test_layer_id_l_taps_hidden_states_l_plus_one(family, request):
+    """Also for a mixture-of-experts target (Qwen3-MoE: experts and router in every layer)."""
+    target = request.getfixturevalue(family)
+    info = inspect_target(target)
+    full = AutoModelForCausalLM.from_pretrained(target).eval()
+    ids = torch.randint(5, 200, (2, 17))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        reference = full(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    taps = [0, 2, 3]
+    extractor = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)
+    features = extractor(ids, attn)
+    expected = torch.cat([reference[i + 1] for i in taps], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+    # later layers are not even loaded
+    assert len(extractor.layers) == max(taps) + 1
+
+
+def test_a_tap_on_the_last_layer_reads_the_final_normed_output_as_transformers_does(tiny_target):
+    """transformers' hidden_states[N] (what its DFlash generate and the z-lab reference feed the drafter for a
+    tap on layer N-1) is the final-normed output; training and our decode loop must read the same."""
+    info = inspect_target(tiny_target)
+    last = info.num_layers - 1
+    full = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    ids = torch.randint(5, 200, (2, 17))
+    attn = torch.ones_like(ids)
+    taps = [1, last]
+    with torch.no_grad():
+        reference = full(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+        raw = capture_layer_outputs(decoder_layers(full), taps, stop_after_last=False)
+        normed = capture_layer_outputs(
+            decoder_layers(full), taps, False, last_layer_norm(full, taps, info.num_layers)
+        )
+        with raw as unnormed, normed as decoded:
+            full(input_ids=ids, attention_mask=attn)
+    expected = torch.cat([reference[i + 1] for i in taps], dim=-1)
+    assert not torch.allclose(unnormed[last], reference[last + 1], atol=1e-2)  # the rule matters here
+    torch.testing.assert_close(torch.cat([decoded[i] for i in taps], dim=-1), expected, rtol=1e-5, atol=1e-5)
+    extractor = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(extractor(ids, attn), expected, rtol=1e-5, atol=1e-5)
+    assert last_layer_norm(full, [1, last - 1], info.num_layers) is None
+
+
+def test_shared_head_reads_only_embedding_and_lm_head(tiny_target):
+    info = inspect_target(tiny_target)
+    head = SharedTargetHead.from_target(info)
+    full = AutoModelForCausalLM.from_pretrained(tiny_target)
+    assert torch.equal(head.embed_tokens.weight, full.model.embed_tokens.weight)
+    assert torch.equal(head.lm_head_weight, full.lm_head.weight)
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+def test_default_taps_match_the_paper():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(8) == [1, 2, 3, 4, 5]
+
+
+def test_target_directory_without_safetensors_or_config(tiny_target, tmp_path):
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(tiny_target / "config.json", no_weights)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        inspect_target(no_weights)
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    shutil.copy(tiny_target / "model.safetensors", no_config)
+    with pytest.raises(ValueError, match="no config.json"):
+        inspect_target(no_config)
+    with pytest.raises(ValueError, match="not a directory"):
+        inspect_target(tmp_path / "missing")
+
+
+def test_plan_says_which_target_layers_run_and_whether_the_last_is_final_normed(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    from dflash_ddp.train import main
+
+    flags = ["--target_model", str(tiny_target), "--data", str(chat_data), "--output_dir", str(tmp_path)]
+    assert main([*flags, "--plan", "--target_layer_ids", "1,3"]) == 0
+    assert "0..3 of 6 (later layers, the final norm and the LM head skipped)" in capsys.readouterr().out
+    assert main([*flags, "--plan", "--target_layer_ids", "1,5"]) == 0
+    assert "0..5 of 6 (all layers, the last one's output final-normed" in capsys.readouterr().out
