@@ -27,7 +27,7 @@ __all__ = [
 def small_draft_config(**overrides):
     """A drafter config small enough for exact CPU checks: 2 layers of width 32 (4 heads x 8, 2 KV heads),
     a 50-token vocabulary with mask id 49, taps [0, 2] of a 4-layer target, block size 4."""
-    from dflash_ddp.drafter.model import DFlashDraftConfig
+    from dflash_ddp.drafter.config import DFlashDraftConfig
 
     settings = dict(
         vocab_size=50,

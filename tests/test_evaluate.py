@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluate import main
 from dflash_ddp.evaluation.decoding import (
     as_transformers_assistant,

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.zlab import to_zlab_config, zlab_keys
 from dflash_ddp.evaluation.decoding import as_transformers_assistant
 from dflash_ddp.export import main

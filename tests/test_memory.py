@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dflash_ddp.drafter.attention import block_layout
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.objective import build_block_inputs
 from dflash_ddp.setup.memory import saved_per_context_token, saved_per_position
 from dflash_ddp.train import main

@@ -19,9 +19,8 @@ import torch
 from dflash_ddp.config import EMBEDDED_TARGET
 from dflash_ddp.data.batch import Batch
 from dflash_ddp.data.chat_template import load_target_tokenizer
-from dflash_ddp.drafter.model import DFlashDraftConfig
+from dflash_ddp.drafter.config import DFlashDraftConfig, drafter_config_for
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
-from dflash_ddp.setup.drafter_config import drafter_config_for
 from dflash_ddp.setup.memory import GIB, drafter_memory, peak_resident_bytes, process_baseline
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import default_target_layer_ids, inspect_target

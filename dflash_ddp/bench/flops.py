@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dflash_ddp.data.batch import Batch
-from dflash_ddp.drafter.model import DFlashDraftConfig
+from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.objective import plan_draft_chunks
 from dflash_ddp.drafter.trainer import StepSettings, batch_anchors
 

@@ -35,11 +35,10 @@ from transformers import AutoConfig, AutoModel
 
 from dflash_ddp.config import EMBEDDED_TARGET, TrainConfig
 from dflash_ddp.data.batch import Batch
-from dflash_ddp.drafter.model import DFlashDraftConfig
+from dflash_ddp.drafter.config import DFlashDraftConfig, drafter_config_for, resolve_attention
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
 from dflash_ddp.parallel.topology import Topology, compute_dtype, select_device
 from dflash_ddp.setup.calibrate import Measurement, Rates, recommend, report, warmup_steps
-from dflash_ddp.setup.drafter_config import drafter_config_for, resolve_attention
 from dflash_ddp.setup.memory import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.setup.plan import plan_memory
 from dflash_ddp.target_model.features import tapped_features

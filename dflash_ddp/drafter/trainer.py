@@ -14,8 +14,9 @@ from transformers import get_cosine_schedule_with_warmup
 
 from dflash_ddp.data.batch import Batch
 from dflash_ddp.drafter.attention import block_layout
+from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.flex import flex_block_mask, min_anchor_slots
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.objective import (
     BlockInputs,
     LossTerms,

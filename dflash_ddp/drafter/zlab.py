@@ -4,7 +4,7 @@ and exact tensor names, to and from DFlashDraftConfig. A pure adapter, used by c
 
 from __future__ import annotations
 
-from dflash_ddp.drafter.model import DFlashDraftConfig
+from dflash_ddp.drafter.config import DFlashDraftConfig
 
 _QWEN3_FIELDS = (
     "vocab_size",

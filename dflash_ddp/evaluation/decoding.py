@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
 
 

@@ -30,7 +30,8 @@ from torch import nn
 
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer
 from dflash_ddp.data.sources import read_conversations
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.decoding import (
     DecodeResult,
     as_transformers_assistant,

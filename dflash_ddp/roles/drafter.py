@@ -20,13 +20,13 @@ from dflash_ddp.checkpoint.resume import (
 from dflash_ddp.checkpoint.writer import CheckpointWriter, drafter_rng_states
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.data.schedule import ScheduledBatch
+from dflash_ddp.drafter.config import resolve_attention
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
 from dflash_ddp.files import describe_error
 from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.parallel.channel import ChannelError, ChannelReceiver, Message, StopFlag
 from dflash_ddp.parallel.signals import GracefulStop
 from dflash_ddp.parallel.topology import DistributedContext, compute_dtype, job_barrier
-from dflash_ddp.setup.drafter_config import resolve_attention
 from dflash_ddp.setup.memory import peak_resident_bytes
 from dflash_ddp.setup.run import Run, RunSetup
 from dflash_ddp.target_model.head import SharedTargetHead

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
 from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.data.sources import data_files
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel, trainable_state_dict
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
 from dflash_ddp.drafter.zlab import from_zlab_config, rope_scaling, to_zlab_config
 from dflash_ddp.files import fingerprint_files
 from dflash_ddp.regeneration.parts import settings_path

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash_ddp.drafter.attention import WORKSPACE_BYTES
-from dflash_ddp.drafter.model import MLP_ROWS, DFlashDraftConfig
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import MLP_ROWS
 from dflash_ddp.target_model.info import TargetInfo
 
 GIB = 1 << 30

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from dflash_ddp.config import TrainConfig
-from dflash_ddp.drafter.model import DFlashDraftConfig, DFlashDraftModel
+from dflash_ddp.drafter.config import DFlashDraftConfig, resolve_attention
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
-from dflash_ddp.setup.drafter_config import resolve_attention
 from dflash_ddp.setup.memory import (
     GIB,
     FitCheck,

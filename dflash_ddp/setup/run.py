@@ -14,16 +14,16 @@ from dflash_ddp.data.chat_template import ChatTokenizer, load_target_tokenizer
 from dflash_ddp.data.dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
 from dflash_ddp.data.schedule import BatchSchedule
 from dflash_ddp.data.sources import DataStats
-from dflash_ddp.drafter.model import DFlashDraftConfig
-from dflash_ddp.drafter.zlab import to_zlab_config
-from dflash_ddp.files import fingerprint_files
-from dflash_ddp.observe.trackers import Trackers
-from dflash_ddp.parallel.topology import Topology, compute_dtype
-from dflash_ddp.setup.drafter_config import (
+from dflash_ddp.drafter.config import (
+    DFlashDraftConfig,
     drafter_config_for,
     resolve_mask_token_id,
     resolve_target_layer_ids,
 )
+from dflash_ddp.drafter.zlab import to_zlab_config
+from dflash_ddp.files import fingerprint_files
+from dflash_ddp.observe.trackers import Trackers
+from dflash_ddp.parallel.topology import Topology, compute_dtype
 from dflash_ddp.setup.memory import GIB
 from dflash_ddp.setup.plan import RunMemory, plan_memory, run_device
 from dflash_ddp.target_model.info import TargetInfo, inspect_target, target_fingerprint
@@ -43,8 +43,8 @@ class RunSetup:
 def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     """Read the target's config and tokenizer, size the drafter and predict the memory of this rank's node;
     no weights are loaded."""
-    check_tensor_parallel(cfg.target_model, topology.tp_size)
     check_groups_within_nodes(topology)
+    check_tensor_parallel(cfg.target_model, topology.tp_size)
     info = inspect_target(cfg.target_model)
     if topology.tp_size > 1 and cfg.channel_backend == "gloo" and run_device(cfg).type == "cuda":
         raise ValueError(

@@ -1,13 +1,60 @@
-"""The drafter's settings decided from the target before anything trains: tapped layers, mask token,
-the drafter's shape, and the attention path for the device.
+"""The drafter's configuration: its shape (as wide as the target, DFlash's own depth, taps, mask token and
+block size) and the decisions that derive it from the target before anything trains.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
-from dflash_ddp.drafter.model import DFlashDraftConfig
+import torch
+from transformers import PretrainedConfig
+
 from dflash_ddp.target_model.info import TargetInfo, default_target_layer_ids
+
+
+class DFlashDraftConfig(PretrainedConfig):
+    """Shape of a DFlash drafter. Width follows the target; depth, taps, mask and block are DFlash's own."""
+
+    model_type = "dflash_draft"
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 5,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        head_dim: int = 128,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        max_position_embeddings: int = 40960,
+        rope_parameters: dict | None = None,
+        initializer_range: float = 0.02,
+        num_target_layers: int = 36,
+        target_layer_ids: Sequence[int] = (1, 9, 17, 25, 33),
+        mask_token_id: int = 151669,
+        block_size: int = 16,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 1000000.0})
+        self.initializer_range = initializer_range
+        self.num_target_layers = num_target_layers
+        self.target_layer_ids = list(target_layer_ids)
+        self.mask_token_id = mask_token_id
+        self.block_size = block_size
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
 
 
 def resolve_attention(requested: str, device: torch.device) -> str:
