@@ -11,9 +11,10 @@ import torch
 
 from dflash_ddp.drafter.attention import block_layout
 from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.memory import saved_per_context_token, saved_per_position
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.objective import build_block_inputs
-from dflash_ddp.setup.memory import saved_per_context_token, saved_per_position
+from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.train import main
 
 from helpers import small_draft_config
@@ -69,7 +70,7 @@ def test_peak_resident_memory_is_the_process_own(tmp_path):
     carries the parent's high-water mark through fork and exec: the measured-peak run read 1.11 GiB instead
     of 0.73 inside the test suite)."""
     held = torch.ones(512 << 18)  # 512 MiB resident in this process
-    code = "from dflash_ddp.setup.memory import peak_resident_bytes as p; print(p())"
+    code = "from dflash_ddp.parallel.machine import peak_resident_bytes as p; print(p())"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     del held
     assert int(child.stdout) < 400 << 20  # importing torch: about 0.3 GiB
@@ -145,7 +146,6 @@ def test_an_evaluation_whose_target_cannot_fit_the_leaders_device_is_refused_at_
     target sharded across a group; here a device of 1 MiB) is refused before training, not after it."""
     from dflash_ddp.config import EMBEDDED_PRESET, TrainConfig
     from dflash_ddp.setup import plan
-    from dflash_ddp.setup.memory import MemoryPlan
 
     monkeypatch.setattr(plan, "device_capacity", lambda device: (2**20, "one test device (1.0 MiB)"))
     out = tmp_path / "run"

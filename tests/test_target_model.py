@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_ddp.drafter.config import default_target_layer_ids
 from dflash_ddp.target_model.features import (
     TargetFeatureExtractor,
     capture_layer_outputs,
@@ -13,7 +14,7 @@ from dflash_ddp.target_model.features import (
     last_layer_norm,
 )
 from dflash_ddp.target_model.head import SharedTargetHead
-from dflash_ddp.target_model.info import default_target_layer_ids, inspect_target
+from dflash_ddp.target_model.info import inspect_target
 
 
 @pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])

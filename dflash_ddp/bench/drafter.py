@@ -2,7 +2,7 @@
 
 Every point runs in a fresh process (`python -m dflash_ddp.bench.drafter POINT_JSON`) so that its peak
 resident memory is its own: the peak is measured as the resident size's high-water mark minus the
-resident size just before the first step, and set against setup/memory.py's prediction of the same parts.
+resident size just before the first step, and set against drafter/memory.py's prediction of the same parts.
 Width: the embedded tiny target's (hidden 256, 4 heads, MLP 512, vocabulary 2048), one CPU thread.
 """
 
@@ -19,11 +19,12 @@ import torch
 from dflash_ddp.config import EMBEDDED_TARGET
 from dflash_ddp.data.batch import Batch
 from dflash_ddp.data.chat_template import load_target_tokenizer
-from dflash_ddp.drafter.config import DFlashDraftConfig, drafter_config_for
+from dflash_ddp.drafter.config import DFlashDraftConfig, default_target_layer_ids, drafter_config_for
+from dflash_ddp.drafter.memory import drafter_memory
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
-from dflash_ddp.setup.memory import GIB, drafter_memory, peak_resident_bytes, process_baseline
+from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.target_model.head import SharedTargetHead
-from dflash_ddp.target_model.info import default_target_layer_ids, inspect_target
+from dflash_ddp.target_model.info import inspect_target
 
 
 def _config(layers: int) -> DFlashDraftConfig:

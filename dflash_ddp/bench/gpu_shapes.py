@@ -1,5 +1,5 @@
 """Qwen3-8B-shaped performance with random weights (no download): the target rank's forward, the drafter
-rank's training step, their FLOPs and model FLOP utilisation (MFU), peak memory against setup/memory.py, and the
+rank's training step, their FLOPs and model FLOP utilisation (MFU), peak memory against drafter/memory.py, and the
 split of 8 devices that setup/calibrate.py recommends from the two measured rates.
 
 `python -m dflash_ddp.bench --gpu [--scale qwen3-8b|tiny] [--out DIR] [--peak_tflops X]`
@@ -35,15 +35,20 @@ from transformers import AutoConfig, AutoModel
 
 from dflash_ddp.config import EMBEDDED_TARGET, TrainConfig
 from dflash_ddp.data.batch import Batch
-from dflash_ddp.drafter.config import DFlashDraftConfig, drafter_config_for, resolve_attention
+from dflash_ddp.drafter.config import (
+    DFlashDraftConfig,
+    default_target_layer_ids,
+    drafter_config_for,
+    resolve_attention,
+)
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.parallel.topology import Topology, compute_dtype, select_device
 from dflash_ddp.setup.calibrate import Measurement, Rates, recommend, report, warmup_steps
-from dflash_ddp.setup.memory import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.setup.plan import plan_memory
 from dflash_ddp.target_model.features import tapped_features
 from dflash_ddp.target_model.head import SharedTargetHead
-from dflash_ddp.target_model.info import TargetInfo, default_target_layer_ids, target_info_from_config
+from dflash_ddp.target_model.info import TargetInfo, target_info_from_config
 
 from .flops import DraftWork, device_peak, draft_work, drafter_flops, target_forward_flops
 
@@ -355,7 +360,7 @@ def run(args: argparse.Namespace) -> dict:
         tokens_per_batch=scale.tokens_per_batch,
     )
     # what --plan predicts for a drafter rank and a target rank of the recipe's 7 + 1 launch
-    memory = plan_memory(cfg, info, c, Topology(WORLD, WORLD - 1, 1))
+    memory = plan_memory(cfg, info, c, Topology(WORLD, WORLD - 1, 1), device)
     sequences = scale.tokens_per_batch // scale.max_seq_len
     print(
         f"gpu_shapes {args.scale} on {name} ({figures['dtype']}; peak "

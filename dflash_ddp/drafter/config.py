@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PretrainedConfig
 
-from dflash_ddp.target_model.info import TargetInfo, default_target_layer_ids
+from dflash_ddp.target_model.info import TargetInfo
 
 
 class DFlashDraftConfig(PretrainedConfig):
@@ -77,6 +77,17 @@ def resolve_mask_token_id(tokenizer, info: TargetInfo, requested: int | None) ->
             f"--mask_token_id {mask_id} is outside the target's embedding (vocab size {info.vocab_size})"
         )
     return mask_id
+
+
+def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
+    """K layers evenly spaced from 1 to N-3 (the paper's choice: [1, 9, 17, 25, 33] for 36 layers)."""
+    if num_layers < 4:
+        raise ValueError(f"the target has {num_layers} layers; pass --target_layer_ids explicitly")
+    last = num_layers - 3
+    num_taps = min(num_taps, last)
+    if num_taps == 1:
+        return [last]
+    return [round(1 + i * (last - 1) / (num_taps - 1)) for i in range(num_taps)]
 
 
 def resolve_target_layer_ids(info: TargetInfo, requested: list[int] | None) -> list[int]:

@@ -1,5 +1,6 @@
-"""The run's predicted memory per rank (the drafter's model in setup/memory.py, the target's, this node's
-processes) and the refusal at start of a run that would not fit.
+"""The run's predicted memory per rank (the drafter's model in drafter/memory.py, the target's in
+target_model/memory.py, what the node holds in parallel/machine.py) and the refusal at start of a run that
+would not fit.
 """
 
 from __future__ import annotations
@@ -11,18 +12,12 @@ import torch
 
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig, resolve_attention
+from dflash_ddp.drafter.memory import drafter_memory
 from dflash_ddp.drafter.model import DFlashDraftModel
+from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
-from dflash_ddp.setup.memory import (
-    GIB,
-    FitCheck,
-    MemoryPlan,
-    check_fit,
-    device_capacity,
-    drafter_memory,
-    target_memory,
-)
 from dflash_ddp.target_model.info import TargetInfo, truncated_parameter_count
+from dflash_ddp.target_model.memory import target_memory
 
 
 def run_device(cfg: TrainConfig) -> torch.device:
@@ -59,9 +54,11 @@ class RunMemory:
     evaluation: int  # with --eval_data: the whole target's weights, which evaluation loads on the leader
 
 
-def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topology: Topology) -> RunMemory:
+def plan_memory(
+    cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topology: Topology, device: torch.device
+) -> RunMemory:
     """Predict this run's memory (see memory.py) for the device and node of this rank."""
-    device, roles = run_device(cfg), node_roles(topology)
+    roles = node_roles(topology)
     dtype_bytes = compute_dtype(device).itemsize
     params = drafter_parameter_count(c)
     # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
@@ -94,12 +91,6 @@ def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topolo
         0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
         topology.tp_size,
     )
-    checkpointing = bool(cfg.gradient_checkpointing)
-    plan = drafter(checkpointing)
-    fit = check_fit(plan, target, roles, device)
-    if cfg.gradient_checkpointing is None and not fit.fits:
-        checkpointing, plan = True, drafter(True)
-        fit = check_fit(plan, target, roles, device)
     # speculative decoding verifies with the whole target: every layer and the LM head, on one device
     whole = (
         truncated_parameter_count(info, info.num_layers)
@@ -107,6 +98,12 @@ def plan_memory(cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topolo
         if cfg.eval_data
         else 0
     )
+    checkpointing = bool(cfg.gradient_checkpointing)
+    plan = drafter(checkpointing)
+    fit = check_fit(plan, target, roles, device)
+    if cfg.gradient_checkpointing is None and not fit.fits:
+        checkpointing, plan = True, drafter(True)
+        fit = check_fit(plan, target, roles, device)
     return RunMemory(plan, target, fit, checkpointing, params, whole * dtype_bytes)
 
 

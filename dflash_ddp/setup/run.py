@@ -23,8 +23,8 @@ from dflash_ddp.drafter.config import (
 from dflash_ddp.drafter.zlab import to_zlab_config
 from dflash_ddp.files import fingerprint_files
 from dflash_ddp.observe.trackers import Trackers
+from dflash_ddp.parallel.machine import GIB
 from dflash_ddp.parallel.topology import Topology, compute_dtype
-from dflash_ddp.setup.memory import GIB
 from dflash_ddp.setup.plan import RunMemory, plan_memory, run_device
 from dflash_ddp.target_model.info import TargetInfo, inspect_target, target_fingerprint
 from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, check_tensor_parallel
@@ -43,19 +43,20 @@ class RunSetup:
 def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     """Read the target's config and tokenizer, size the drafter and predict the memory of this rank's node;
     no weights are loaded."""
-    check_groups_within_nodes(topology)
-    check_tensor_parallel(cfg.target_model, topology.tp_size)
-    info = inspect_target(cfg.target_model)
-    if topology.tp_size > 1 and cfg.channel_backend == "gloo" and run_device(cfg).type == "cuda":
+    device = run_device(cfg)
+    if topology.tp_size > 1 and cfg.channel_backend == "gloo" and device.type == "cuda":
         raise ValueError(
             f"--target_tp_size {topology.tp_size} with --channel_backend gloo: a tensor-parallel group "
             "all-reduces every layer's output and needs NCCL on GPUs; pass --channel_backend auto"
         )
+    check_groups_within_nodes(topology)
+    check_tensor_parallel(cfg.target_model, topology.tp_size)
+    info = inspect_target(cfg.target_model)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
     drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
-    return RunSetup(info, tokenizer, drafter_config, plan_memory(cfg, info, drafter_config, topology))
+    return RunSetup(info, tokenizer, drafter_config, plan_memory(cfg, info, drafter_config, topology, device))
 
 
 def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedDataset, DataStats]:

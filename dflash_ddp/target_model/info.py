@@ -96,17 +96,6 @@ def target_info_from_config(config, path: Path) -> TargetInfo:
     )
 
 
-def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
-    """K layers evenly spaced from 1 to N-3 (the paper's choice: [1, 9, 17, 25, 33] for 36 layers)."""
-    if num_layers < 4:
-        raise ValueError(f"the target has {num_layers} layers; pass --target_layer_ids explicitly")
-    last = num_layers - 3
-    num_taps = min(num_taps, last)
-    if num_taps == 1:
-        return [last]
-    return [round(1 + i * (last - 1) / (num_taps - 1)) for i in range(num_taps)]
-
-
 def truncated_parameter_count(info: TargetInfo, layers: int) -> int:
     """Parameters of the target cut after `layers` decoder layers (what a target rank loads), counted on the
     meta device from its own config: exact for any architecture transformers builds (biases, experts)."""

@@ -1,0 +1,94 @@
+"""Predicted peak memory of a drafter rank. The peak is set by one chunk of draft positions
+(`--drafter_chunk_tokens`), not by the batch: the tensors autograd keeps per draft position and layer are
+counted from the layer's code (see `saved_per_position`; a test measures them with saved-tensor hooks),
+plus the attention and loss workspaces, the received features, the weights with their gradients and AdamW
+moments, and the target's frozen embedding and LM head.
+"""
+
+from __future__ import annotations
+
+from dflash_ddp.drafter.attention import WORKSPACE_BYTES
+from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.model import MLP_ROWS
+from dflash_ddp.parallel.machine import MemoryPlan
+
+
+def saved_per_position(c: DFlashDraftConfig) -> int:
+    """Elements kept for backward per draft position per drafter layer.
+
+    The layer's input (H; the norm, projections, q/k norms and rope are recomputed from it in backward),
+    q, k and v after rope and the attention output, which o_proj reads as a view (2 q-width + 2 kv-width),
+    one log-sum-exp per head, and the MLP's input (H; the MLP recomputes itself in backward)."""
+    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return 2 * c.hidden_size + 2 * q_width + 2 * kv_width + c.num_attention_heads
+
+
+def saved_per_context_token(c: DFlashDraftConfig) -> int:
+    """Elements kept per context token per layer: its keys after rope and its values."""
+    return 2 * c.num_key_value_heads * c.head_dim
+
+
+def backward_per_position(c: DFlashDraftConfig) -> int:
+    """Elements that exist only during the backward of one layer, per draft position, beside the saved ones:
+    the recomputed normed input, q/k/v before and after their norms and rope, and the gradients of the
+    residual stream, the attention output, q, k and v (fp32)."""
+    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return 4 * c.hidden_size + 4 * q_width + 6 * kv_width
+
+
+def drafter_memory(
+    c: DFlashDraftConfig,
+    num_params: int,
+    chunk_tokens: int,
+    tokens_per_batch: int,
+    max_seq_len: int,
+    loss_chunk_size: int,
+    attention: str,
+    dtype_bytes: int,
+    received_batches: int,
+    checkpointing: bool = False,
+) -> MemoryPlan:
+    """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features.
+
+    A chunk's tensors peak in one of two moments, whichever holds more: at the loss (every layer's saved
+    tensors and the loss's logits chunks) or inside the backward of the last layer (the other layers'
+    saved tensors, the last layer's input, and that layer's backward temporaries; its other saved tensors
+    are freed by then: measured, the peak sits in the recomputation of its q/k/v). So "activations" counts
+    what both moments share and "backward or loss" the larger of the two remainders.
+
+    With per-layer gradient checkpointing the layers keep only their inputs, and one layer's activations
+    exist again while its backward recomputes them."""
+    width = len(c.target_layer_ids) * c.hidden_size
+    positions = chunk_tokens
+    context = min(chunk_tokens, tokens_per_batch)  # a chunk's padded context is bounded like its positions
+    per_layer = positions * saved_per_position(c) + context * saved_per_context_token(c)
+    # once per chunk: the features, fc's output, the block embeddings, the final norm and the loss's copy
+    once = context * (width + c.hidden_size) + positions * 3 * c.hidden_size
+    last_input = positions * c.hidden_size
+    if checkpointing:  # every layer's input, and the last one recomputed in full (not measured: generous)
+        shared, last_rest = c.num_hidden_layers * last_input + per_layer, 0
+    else:
+        shared, last_rest = (c.num_hidden_layers - 1) * per_layer + last_input, per_layer - last_input
+    activations = (shared + once) * dtype_bytes
+    # backward of one layer, next to the saved tensors; the MLP and the norms work in pieces of rows
+    backward = positions * backward_per_position(c) * 4 + 5 * MLP_ROWS * c.intermediate_size * 4
+    loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
+    if attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
+        # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
+        # scores and their softmax per head
+        per_entry = 8 * c.num_attention_heads if dtype_bytes == 2 else 10
+        attention_ws = per_entry * positions * (max_seq_len + positions)
+    elif attention == "sparse":
+        attention_ws = 3 * WORKSPACE_BYTES
+    else:  # flex: tiles in on-chip memory; the BlockMask is small
+        attention_ws = 0
+    return MemoryPlan(
+        {
+            "weights+grads+AdamW": num_params * 16,
+            "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
+            "received features": received_batches * tokens_per_batch * width * dtype_bytes,
+            "activations": activations,
+            "backward or loss": max(backward, last_rest * dtype_bytes + loss_ws),
+            "attention workspace": attention_ws,
+        }
+    )
