@@ -1,6 +1,6 @@
 # dflash_ddp on a CUDA base with a C compiler: Triton (flex attention, torch.compile) compiles its
 # launchers with gcc against Python.h at run time, which a runtime image lacks. torch is the CUDA 12.8
-# wheel of the tested version (README, "GPU"); the rest comes from PyPI.
+# wheel of the tested version (docs/gpu.md); the rest comes from PyPI.
 #   docker build -t dflash_ddp .
 #   launch/docker_run.sh --config configs/qwen3-8b.yaml   (= torchrun --nproc-per-node <GPUs> -m dflash_ddp.train ...)
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04

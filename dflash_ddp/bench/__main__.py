@@ -25,7 +25,7 @@ SECTIONS = {
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
 }
-DEFAULT = ["channel", "job", "plain", "attention", "recipe"]  # the CPU figures of the README
+DEFAULT = ["channel", "job", "plain", "attention", "recipe"]  # the CPU figures of docs/benchmarks.md
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """FLOP counts of the drafter's training step and of the truncated target's forward, and the dense bf16
 peaks of common GPUs: what model FLOP utilisation (MFU) is computed from. The formulas are in the docstrings
-of `drafter_flops` and `target_forward_flops` and in the README; tests/test_bench_gpu_shapes.py checks them
+of `drafter_flops` and `target_forward_flops` and in docs/benchmarks.md; tests/test_bench_gpu_shapes.py checks them
 against torch's FLOP counter.
 """
 

@@ -12,7 +12,7 @@ split of 8 devices that setup/calibrate.py recommends from the two measured rate
 - Drafter: 5 layers of the same width, `DrafterTrainer.step` (flex attention on CUDA, the chunked loss,
   the default `--drafter_chunk_tokens`), 512 anchors x block 16 on each sequence of the same batch; two
   batches of features stay resident as on a drafter rank of a split job (the current one and the next).
-- FLOPs: `drafter_flops` and `target_forward_flops` (formulas in their docstrings and in the README); MFU
+- FLOPs: `drafter_flops` and `target_forward_flops` (formulas in their docstrings and in docs/benchmarks.md); MFU
   is model FLOPs / time / the device's dense bf16 peak (`flops.PEAK_BF16_TFLOPS`, by device name, or
   `--peak_tflops`). Below `MFU_GOAL` on CUDA one more step runs under torch.profiler (top kernels).
 - `--scale tiny` runs the same code on the CPU in about a second (hidden 64, 2 drafter layers, 64 anchors).

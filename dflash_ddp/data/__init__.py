@@ -1,3 +1,3 @@
-"""Training data: conversation files and hub-free sources, chat templates and the assistant-only loss mask,
-the tokenized dataset cached on disk, and the seeded schedule of global batches.
+"""Training data: conversation files and `save_to_disk` directories, chat templates and the assistant-only
+loss mask, the tokenized dataset cached on disk, and the seeded schedule of global batches.
 """

@@ -27,7 +27,7 @@ from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.parallel.channel import ChannelError, ChannelReceiver, Message, StopFlag
 from dflash_ddp.parallel.machine import peak_resident_bytes
 from dflash_ddp.parallel.signals import GracefulStop
-from dflash_ddp.parallel.topology import DistributedContext, compute_dtype, job_barrier
+from dflash_ddp.parallel.topology import DistributedContext, Topology, compute_dtype, job_barrier
 from dflash_ddp.setup.run import Run, RunSetup
 from dflash_ddp.target_model.head import SharedTargetHead
 
@@ -121,6 +121,63 @@ def check_batch(message: Message, item: ScheduledBatch, rank: int) -> Message:
     return message
 
 
+class LoggingWindow:
+    """What happened since the last logged step: tokens trained, time spent waiting for batches and inside
+    trainer.step, bytes received, and each target's last send wait and queue depth."""
+
+    def __init__(self, source, num_drafters: int, device: torch.device):
+        self.source, self.num_drafters, self.device = source, num_drafters, device
+        self.compute_s, self.senders = 0.0, {}
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0.0
+        self.wait_s, self.bytes, self.compute_at_start = (
+            self.source.wait_s,
+            self.source.bytes_received,
+            self.compute_s,
+        )
+
+    def metrics(self, trainer: DrafterTrainer, result, epoch: int, tokens_seen: int) -> dict:
+        """The logged record of this window (every drafter rank takes part in the sums)."""
+        elapsed = time.perf_counter() - self.start
+        waited, received = trainer.sum_over_drafters(
+            torch.tensor([self.source.wait_s - self.wait_s, self.source.bytes_received - self.bytes])
+        ).tolist()
+        trainer.check_finite()
+        metrics = result.metrics()
+        metrics.update(
+            epoch=epoch,
+            tokens_seen=tokens_seen,
+            tokens_per_s=self.tokens / elapsed,
+            wait_fraction=waited / self.num_drafters / elapsed,
+            hidden_state_bytes_per_s=received / elapsed,
+            outside_compute_fraction=1.0 - (self.compute_s - self.compute_at_start) / elapsed,
+            peak_memory_gib=peak_memory_bytes(self.device) / 2**30,
+            target_send_wait_s={str(k): round(v[0], 3) for k, v in sorted(self.senders.items())},
+            target_inflight={str(k): v[1] for k, v in sorted(self.senders.items())},
+        )
+        return metrics
+
+
+def trainer_state(run: Run, topo: Topology, step: int, epoch: int, tokens_seen: int) -> dict:
+    """trainer_state.json of the checkpoint of `step`: the run's identity, the data cursor and the topology."""
+    return run.identity | {
+        "global_step": step,
+        "total_steps": run.schedule.total_steps,  # how an evaluation watcher knows the run's end
+        "epoch": epoch,
+        "batches_consumed": run.first_batch + (step - run.start_step) * run.schedule.batches_per_step,
+        "tokens_seen": tokens_seen,
+        "topology": {
+            "world_size": topo.world_size,
+            "target_ranks": topo.num_targets,
+            "target_tp_size": topo.tp_size,
+            "drafter_ranks": topo.num_drafters,
+            "colocated": topo.colocated,
+        },
+    }
+
+
 def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
     """The drafter's loop: take A micro-batches, one optimizer step, log and save on the leader.
 
@@ -133,9 +190,7 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
     out = Path(cfg.output_dir)
     group = ctx.drafter_group if topo.num_drafters > 1 else None
     trainer = build_trainer(cfg, run.setup, device, schedule.total_steps, group)
-    drafter = trainer.drafter
-    drafter_index = topo.drafter_ranks.index(topo.rank)
-    tokens_seen = restore(run, trainer, drafter_index) if run.resume_from else 0
+    tokens_seen = restore(run, trainer, topo.drafter_ranks.index(topo.rank)) if run.resume_from else 0
     if not topo.colocated:
         trainer.warm_up()
     source = open_source()
@@ -144,21 +199,10 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
     )
     protect = {run.resume_from.name} if run.resume_from else set()
     writer = CheckpointWriter(out, cfg.save_total_limit, protect, monitor.print) if monitor else None
-    compute_s, senders = 0.0, {}  # compute_s: time inside trainer.step
+    window = LoggingWindow(source, topo.num_drafters, device)
     stop, stopping = GracefulStop().install(), False
     # signals delivered to other ranks (a target node's preemption) reach the leader through the store
     requests = StopFlag() if topo.is_leader and not topo.colocated else None
-
-    def mark() -> dict:  # counters at the start of a logging window
-        return {
-            "start": time.perf_counter(),
-            "tokens": 0.0,
-            "wait": source.wait_s,
-            "bytes": source.bytes_received,
-            "compute": compute_s,
-        }
-
-    window = mark()
     expected = (
         item
         for item in schedule.batches(run.first_batch, run.end_batch)
@@ -173,10 +217,10 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
                 for _ in range(cfg.gradient_accumulation_steps)
             ]
             if not topo.colocated:
-                senders.update({m.source: (m.sender_wait_s, m.sender_inflight) for m in messages})
+                window.senders.update({m.source: (m.sender_wait_s, m.sender_inflight) for m in messages})
             step_start = time.perf_counter()
             result = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
-            compute_s += time.perf_counter() - step_start
+            window.compute_s += time.perf_counter() - step_start
             # One all-reduce carries the step's tokens and whether any drafter rank was asked to stop,
             # so that every drafter rank stops after the same step.
             requested_by = stop.signal_name or (requests.requested() if requests else "")
@@ -185,55 +229,19 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
             ).tolist()
             stopping = stop_votes > 0
             tokens_seen += int(step_tokens)
-            window["tokens"] += step_tokens
+            window.tokens += step_tokens
             if step % cfg.logging_steps == 0 or step == schedule.total_steps:
-                elapsed = time.perf_counter() - window["start"]
-                stats = trainer.sum_over_drafters(
-                    torch.tensor([source.wait_s - window["wait"], source.bytes_received - window["bytes"]])
-                )
-                trainer.check_finite()
-                metrics = result.metrics()
-                metrics.update(
-                    epoch=messages[-1].epoch,
-                    tokens_seen=tokens_seen,
-                    tokens_per_s=window["tokens"] / elapsed,
-                    wait_fraction=float(stats[0]) / topo.num_drafters / elapsed,
-                    hidden_state_bytes_per_s=float(stats[1]) / elapsed,
-                    outside_compute_fraction=1.0 - (compute_s - window["compute"]) / elapsed,
-                    peak_memory_gib=peak_memory_bytes(device) / 2**30,
-                    target_send_wait_s={str(k): round(v[0], 3) for k, v in sorted(senders.items())},
-                    target_inflight={str(k): v[1] for k, v in sorted(senders.items())},
-                )
+                metrics = window.metrics(trainer, result, messages[-1].epoch, tokens_seen)
                 if monitor:
                     monitor.log(metrics)
-                window = mark()
+                window.restart()
             saving = step % cfg.save_steps == 0 or step == schedule.total_steps or stopping
             rng_states = drafter_rng_states(group) if saving else {}  # every drafter rank takes part
             if saving:
                 trainer.check_finite()  # never a checkpoint of weights a non-finite step touched
-            if topo.is_leader and saving:
-                trainer_state = run.identity | {
-                    "global_step": step,
-                    "total_steps": schedule.total_steps,  # how an evaluation watcher knows the run's end
-                    "epoch": messages[-1].epoch,
-                    "batches_consumed": run.first_batch + (step - run.start_step) * schedule.batches_per_step,
-                    "tokens_seen": tokens_seen,
-                    "topology": {
-                        "world_size": topo.world_size,
-                        "target_ranks": topo.num_targets,
-                        "target_tp_size": topo.tp_size,
-                        "drafter_ranks": topo.num_drafters,
-                        "colocated": topo.colocated,
-                    },
-                }
-                writer.save(
-                    step,
-                    drafter,
-                    trainer.optimizer,
-                    trainer.scheduler,
-                    trainer_state,
-                    rng_states,
-                )
+            if writer and saving:
+                state = trainer_state(run, topo, step, messages[-1].epoch, tokens_seen)
+                writer.save(step, trainer.drafter, trainer.optimizer, trainer.scheduler, state, rng_states)
             if stopping:
                 if monitor:
                     monitor.print(

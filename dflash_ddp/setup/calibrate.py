@@ -16,7 +16,7 @@ hold a target that needs a group).
 
 Drafter ranks are counted as scaling linearly: the per-step gradient all-reduce among them is not
 modelled (its size is printed), so with M > 1 the prediction is an upper bound. The hidden-state channel
-is not modelled either (it runs at the speed of raw sends, see README). Among the splits within 2% of the
+is not modelled either (it runs at the speed of raw sends, see docs/benchmarks.md). Among the splits within 2% of the
 best, the one with the fewest processes wins; the processes it leaves out sit idle.
 """
 
