@@ -23,6 +23,8 @@ COPY launch ./launch
 # torch is already installed; pip keeps it because it satisfies the requirement.
 RUN pip install --no-cache-dir -e .
 
-ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# Hub names resolve through the cache at HF_HOME (a volume: launch/docker_run.sh mounts the host's); set
+# HF_HUB_OFFLINE=1 at run time to read that cache only.
+ENV PYTHONUNBUFFERED=1 HF_HOME=/root/.cache/huggingface
 # One process per visible GPU; the last --drafter_ranks ranks train the drafter (default 7+1 on 8 GPUs).
 ENTRYPOINT ["bash", "launch/single_node.sh"]

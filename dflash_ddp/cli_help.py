@@ -29,8 +29,9 @@ REQUIRED = ("target_model", "data")  # required once the embedded default is not
 FLAGS: dict[str, dict[str, tuple[str, str]]] = {
     "model": {
         "target_model": (
-            "the frozen target: a local Hugging Face model directory",
-            "a directory, or embedded (the tiny target shipped in the package, with its preset)",
+            "the frozen target: a local Hugging Face model directory or a hub name (through the hub cache; "
+            "HF_HUB_OFFLINE=1 reads the cache only)",
+            "a directory, org/name[@revision], or embedded (the tiny target shipped in the package, with its preset)",
         ),
         "num_draft_layers": ("decoder layers of the drafter", ""),
         "target_layer_ids": (
@@ -46,7 +47,7 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
     "data": {
         "data": (
             "training conversations (messages or ShareGPT conversations); needs --target_model",
-            "jsonl/json/parquet files, globs, or a save_to_disk directory",
+            "jsonl/json/parquet files, globs, a save_to_disk directory, or a hub dataset org/name[:split]",
         ),
         "chat_template": ("a jinja file replacing the tokenizer's chat template", "a file"),
         "chat_template_kwargs": (
@@ -122,7 +123,7 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
     "evaluation": {
         "eval_data": (
             "held-out conversations for real speculative decoding at the end; empty: no evaluation",
-            "a jsonl file or empty",
+            "a jsonl file, a hub dataset org/name[:split], or empty",
         ),
         "eval_prompts": ("prompts taken from --eval_data", ""),
         "eval_max_new_tokens": ("tokens generated per prompt", ""),

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from dflash_ddp.data.chat_template import check_template_kwargs
+from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import resolve_report_to
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -125,7 +126,9 @@ class TrainConfig:
     def validate(self) -> None:
         """Reject impossible settings with the flag name, the value and what to pass instead."""
         if not self.target_model:
-            raise ValueError("--target_model is required (a local Hugging Face model directory)")
+            raise ValueError(
+                "--target_model is required (a local Hugging Face model directory or a hub name)"
+            )
         if not self.data:
             raise ValueError("--data is required (one or more jsonl/json/parquet files)")
         for name, low in INT_MINIMUM.items():
@@ -192,8 +195,10 @@ class TrainConfig:
 
     def _check_paths(self) -> None:
         """Paths read only after training (--eval_data) or written later (--output_dir), checked now."""
-        if self.eval_data and not Path(self.eval_data).is_file():
-            raise ValueError(f"--eval_data {self.eval_data}: no such file")
+        if self.eval_data and not Path(self.eval_data).is_file() and hub_dataset_name(self.eval_data) is None:
+            raise ValueError(
+                f"--eval_data {self.eval_data}: no such file (nor a hub dataset name org/name[:split])"
+            )
         for flag, path in (("--output_dir", self.output_dir), ("--cache_dir", self.cache_dir)):
             existing = (
                 next((p for p in (Path(path), *Path(path).parents) if p.exists()), None) if path else None

@@ -6,9 +6,15 @@ Everything is built on the fly from fixed text and seeds: no download, a second 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# No test reaches a model hub: the hub tests build a cache and read it offline; anything else that named a
+# hub repository by mistake fails at once instead of waiting on the network. Set before transformers is imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (

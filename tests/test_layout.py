@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflash_ddp"
 # Entry modules at the top (train.py and the thin `python -m dflash_ddp.X` modules) may import anything.
 FLOORS = [
     "files",
+    "hub",
     "data",
     "parallel",
     "target_model",

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import dflash_ddp.evaluation.watch as watch_module
+from dflash_ddp.checkpoint.evaluations import best_record, prune_evaluations, read_evaluations
 from dflash_ddp.checkpoint.layout import read_best, resolve_checkpoint, write_best
 from dflash_ddp.checkpoint.writer import save_checkpoint
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.evaluation.records import best_record, prune_evaluations, read_evaluations
 from dflash_ddp.evaluation.watch import Evaluator, WatchSettings, watch
 from dflash_ddp.train import main
 

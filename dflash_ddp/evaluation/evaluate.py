@@ -40,10 +40,11 @@ from dflash_ddp.evaluation.decoding import (
     transformers_generate,
     untrained_drafter,
 )
+from dflash_ddp.hub import resolve_data
 from dflash_ddp.parallel.topology import resolve_device
 from dflash_ddp.serving.export import load_drafter
-from dflash_ddp.target_model.info import TargetInfo, inspect_target
-from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm
+from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 
 METHODS = ("dflash", "dflash_untrained", "prompt_lookup", "transformers_dflash")
 
@@ -83,7 +84,7 @@ def load_prompts(
     """The first `num_prompts` rows of a conversation file as (where, prompt ids): each conversation up to its
     last assistant turn, rendered with the tokenizer's chat template and the generation prompt."""
     prompts = []
-    for where, messages in read_conversations([str(data_path)])[:num_prompts]:
+    for where, messages in read_conversations(resolve_data(str(data_path))[0])[:num_prompts]:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if last == 0:
             raise ValueError(f"{where}: nothing precedes the assistant turn, so there is no prompt")
@@ -124,7 +125,7 @@ def prepare_evaluation(
     if num_prompts < 1:
         raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
     torch_device = resolve_device(device)
-    info = inspect_target(target_dir)
+    info = whole_target(target_dir)
     if not isinstance(drafter, DFlashDraftModel):
         drafter = load_drafter(drafter)
     check_compatibility(drafter.config, info)

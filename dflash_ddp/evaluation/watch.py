@@ -33,17 +33,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
+from dflash_ddp.checkpoint.evaluations import EVAL_FILE, best_record, read_evaluations
 from dflash_ddp.checkpoint.layout import write_best
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, read_verified
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer
 from dflash_ddp.evaluation.decoding import as_transformers_assistant, greedy_generate, speculative_generate
 from dflash_ddp.evaluation.evaluate import check_compatibility, load_prompts
-from dflash_ddp.evaluation.records import EVAL_FILE, best_record, read_evaluations
 from dflash_ddp.files import atomic_write_text, describe_error
 from dflash_ddp.parallel.topology import resolve_device
 from dflash_ddp.serving.export import drafter_from_state
-from dflash_ddp.target_model.info import inspect_target
-from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm
+from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 
 LOG_FILE = "eval_watch.log"  # where a training job's own watcher writes its lines
 
@@ -78,7 +77,7 @@ class Evaluator:
 
     def __init__(self, settings: WatchSettings, report=print):
         device = resolve_device(settings.device)
-        self.info = inspect_target(settings.target_model)
+        self.info = whole_target(settings.target_model)
         tokenizer = load_target_tokenizer(self.info.path, settings.chat_template)
         self.prompts = load_prompts(tokenizer, settings.data, settings.num_prompts, settings.template_kwargs)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as evaluate.py

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from unittest import mock
 
@@ -230,6 +232,32 @@ def _store_for_this_attempt(rank: int, world: int, timeout: datetime.timedelta) 
         "rank": rank,
         "world_size": world,
     }
+
+
+def once_per_node(key: str, work: Callable[[str | None], str | None]) -> str | None:
+    """Run `work(None)` on the first process of this node and `work(result)` on the others once it has
+    finished: the hub downloads of a torchrun job happen once per node while the other ranks wait, then
+    read the same snapshot (its commit is `result`). Before any process group exists, through torchrun's
+    store; a process started without torchrun just runs `work(None)`. The first process's refusal is
+    every process's."""
+    rank, world, local_rank = env_world()
+    store_args = _store_for_this_attempt(rank, world, datetime.timedelta(seconds=BARRIER_TIMEOUT_S))
+    if not store_args:
+        return work(None)
+    store, key = store_args["store"], f"dflash_ddp/once/{os.environ.get('GROUP_RANK', '0')}/{key}"
+    if local_rank == 0:
+        try:
+            result = work(None)
+        except ValueError as e:
+            store.set(key, json.dumps({"error": str(e)}))
+            raise
+        store.set(key, json.dumps({"result": result}))
+        return result
+    store.wait([key])
+    published = json.loads(store.get(key))
+    if "error" in published:
+        raise ValueError(published["error"])
+    return work(published["result"])
 
 
 def shutdown() -> None:

@@ -40,6 +40,7 @@ settings.json describes the output completely.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import sys
 import time
@@ -54,6 +55,8 @@ from transformers import logging as hf_logging
 from dflash_ddp.data.chat_template import check_template_kwargs, json_object, load_target_tokenizer
 from dflash_ddp.data.sources import BadRow, DataStats, data_file_contents, data_files, read_conversations
 from dflash_ddp.files import file_sha256
+from dflash_ddp.hub import ModelSource, hub_dataset_name
+from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.topology import env_world, resolve_device
 from dflash_ddp.regeneration.parts import PartWriter, Summary, index_parts, locked, merge, start_parts
 from dflash_ddp.target_model.info import inspect_target
@@ -98,7 +101,7 @@ class RegenerateConfig:
             raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
         check_template_kwargs(self.chat_template_kwargs)
         out = Path(self.out).resolve()
-        if out in {p.resolve() for p in data_files(self.data)}:
+        if out in {p.resolve() for p in data_files([d for d in self.data if hub_dataset_name(d) is None])}:
             raise ValueError(f"--out {self.out} is one of the --data files: pick another output path")
         if out.is_dir():
             raise ValueError(f"--out {self.out} is a directory: give a file path such as OUT.jsonl")
@@ -298,7 +301,9 @@ def regenerate_batch(
     ]
 
 
-def run_settings(cfg: RegenerateConfig, tokenizer, dtype: torch.dtype, num_rows: int) -> dict:
+def run_settings(
+    cfg: RegenerateConfig, source: ModelSource, tokenizer, dtype: torch.dtype, num_rows: int
+) -> dict:
     """What decides the output: a parts directory started with other values must not be continued."""
     data = [
         {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
@@ -307,7 +312,7 @@ def run_settings(cfg: RegenerateConfig, tokenizer, dtype: torch.dtype, num_rows:
     return {
         "data": data,
         "num_rows": num_rows,
-        "target_model": str(Path(cfg.target_model).resolve()),
+        "target_model": f"{source.repo_id}@{source.commit}" if source.repo_id else str(source.path.resolve()),
         "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
         "chat_template_kwargs": cfg.chat_template_kwargs,
         "dtype": str(dtype).removeprefix("torch."),
@@ -343,11 +348,14 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
     if out.exists() and not parts.is_dir():  # a finished run: say so before reading data or weights
         say_finished(out, parts, rank)
         return None
+    cfg = dataclasses.replace(cfg, data=resolve_data_files(cfg.data))  # hub datasets: their split's files
     rows, stats = load_rows(cfg)
-    info = inspect_target(cfg.target_model)
+    source = resolve_target(cfg.target_model)
+    fetch_target_weights(source, None)
+    info = inspect_target(source.path)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     device, dtype = pick_device(cfg.device, local_rank)
-    settings = run_settings(cfg, tokenizer, dtype, len(rows))
+    settings = run_settings(cfg, source, tokenizer, dtype, len(rows))
     out.parent.mkdir(parents=True, exist_ok=True)
     with locked(lock):
         if not start_parts(out, parts, settings):  # another rank merged since the check above

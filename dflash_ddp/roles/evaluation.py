@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.evaluation.evaluate import evaluate, print_report
-from dflash_ddp.evaluation.records import best_record, read_evaluations
 from dflash_ddp.evaluation.watch import LOG_FILE, start_in_job
 from dflash_ddp.observe.trackers import Trackers
 

@@ -1,8 +1,9 @@
 """Serving export in the z-lab layout (what SGLang, vLLM and speculators load), and its inverse.
 
-`python -m dflash_ddp.export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16|float32] [--target_model DIR]` writes
-OUT_DIR/config.json and OUT_DIR/model.safetensors with exactly the drafter's trainable tensors (no
-embedding, no LM head), in bf16 unless told otherwise, with a `dflash_ddp` stamp saying how it was trained.
+`python -m dflash_ddp.export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16|float32] [--target_model DIR|org/name]`
+writes OUT_DIR/config.json and OUT_DIR/model.safetensors with exactly the drafter's trainable tensors (no
+embedding, no LM head), in bf16 unless told otherwise, with a `dflash_ddp` stamp saying how it was trained,
+and OUT_DIR/README.md, a model card with the hub's metadata header (serving/card.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
 from dflash_ddp.drafter.zlab import from_zlab_config, rope_scaling, to_zlab_config
 from dflash_ddp.files import fingerprint_files
+from dflash_ddp.hub import ModelSource, hub_model_name, locate_model
 from dflash_ddp.regeneration.parts import settings_path
+from dflash_ddp.serving.card import model_card
 
 # Serving engines run the drafter in the target's dtype (vLLM) or resolve `dtype auto` from the drafter's
 # own config (SGLang: an fp32 config becomes float16 there, against a bf16 target); bf16 is what they expect.
@@ -140,9 +143,12 @@ def regeneration_settings(data: list[str]) -> tuple[dict, list[str]]:
     return found, []
 
 
-def training_stamp(ckpt: Path, target_model: str | None, mask_id: int) -> tuple[dict, str | None, list[str]]:
+def training_stamp(
+    ckpt: Path, target_model: str | None, mask_id: int
+) -> tuple[dict, str | None, list[str], ModelSource]:
     """The `dflash_ddp` stamp of a checkpoint, the mask id's token string (None when the id has no token,
-    e.g. an unused padded row) and notes to print.
+    e.g. an unused padded row), notes to print, and where the target's files are (a hub name's config and
+    tokenizer are read from the hub cache, or downloaded into it).
 
     A server compares the stamp with how it serves: the target (fingerprint of config and weights), the chat
     template (sha256 of its text) and its arguments (thinking on or off), and how the data was generated."""
@@ -159,18 +165,22 @@ def training_stamp(ckpt: Path, target_model: str | None, mask_id: int) -> tuple[
             "tokenizer_fingerprint": fingerprints["tokenizer"],
             "data_fingerprint": fingerprints["data"],
             "chat_template_kwargs": cfg["chat_template_kwargs"],
+            "target_model": target_model or cfg["target_model"],
+            "target_commit": fingerprints.get("target_commit"),  # absent before hub names: a local target
         }
         data = cfg["data"]
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{where}: unreadable ({e})") from None
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
-    target = Path(target_model or recorded_target)
-    if not target.is_dir():
+    name = target_model or recorded_target
+    if hub_model_name(name) is None and not Path(name).is_dir():
         raise ValueError(
-            f"the target {target} (recorded in {where}) is not there; the stamp needs its tokenizer: "
-            "pass --target_model DIR"
+            f"the target {name} (recorded in {where}) is not there; the stamp needs its tokenizer: "
+            "pass --target_model DIR (or its hub name)"
         )
+    source = locate_model(name)
+    target = source.path
     now = fingerprint_files(sorted(target.glob("tokenizer*")))
     if now != fingerprints["tokenizer"]:
         raise ValueError(
@@ -181,7 +191,7 @@ def training_stamp(ckpt: Path, target_model: str | None, mask_id: int) -> tuple[
     stamp["chat_template_sha256"] = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
     stamp["regeneration"], notes = regeneration_settings(data)
     mask_token = tokenizer.convert_ids_to_tokens(mask_id) if mask_id < len(tokenizer) else None
-    return stamp, mask_token, notes
+    return stamp, mask_token, notes, source
 
 
 def export_checkpoint(
@@ -197,14 +207,20 @@ def export_checkpoint(
     ckpt = resolve_checkpoint(Path(checkpoint_dir))
     model = load_drafter(ckpt)
     if (ckpt / "trainer_state.json").is_file():
-        stamp, mask_token, notes = training_stamp(ckpt, target_model, model.config.mask_token_id)
+        stamp, mask_token, notes, source = training_stamp(ckpt, target_model, model.config.mask_token_id)
+        target_name, target_dir = stamp["target_model"], source.path
     else:
         exported = json.loads((ckpt / "config.json").read_text())
         stamp, mask_token = exported.get("dflash_ddp"), exported.get("dflash_config", {}).get("mask_token")
         notes = (
             [] if stamp else [f"note: {ckpt} has no trainer_state.json: exported without a dflash_ddp stamp"]
         )
+        target_name, target_dir = target_model or (stamp or {}).get("target_model"), None
     save_drafter(model, out_dir, dtype, stamp, mask_token)
+    config = json.loads((Path(out_dir) / "config.json").read_text())
+    card = Path(out_dir) / "README.md"
+    card.write_text(model_card(config, ckpt, Path(out_dir), target_name, target_dir))
+    os.chmod(card, 0o644)
     return ckpt, notes
 
 
@@ -222,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target_model",
         default=None,
-        help="the target's directory when it moved since training (default: the one the run recorded)",
+        help="the target's directory or hub name when it moved since training (default: the one the run recorded)",
     )
     args = parser.parse_args(argv)
     try:
@@ -232,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for note in notes:
         print(note, file=sys.stderr)
-    print(f"exported {source} -> {args.out_dir} (config.json, model.safetensors in {args.dtype})")
+    print(f"exported {source} -> {args.out_dir} (config.json, model.safetensors in {args.dtype}, README.md)")
     return 0
 
 

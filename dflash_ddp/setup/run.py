@@ -22,7 +22,9 @@ from dflash_ddp.drafter.config import (
 )
 from dflash_ddp.drafter.zlab import to_zlab_config
 from dflash_ddp.files import fingerprint_files
+from dflash_ddp.hub import ModelSource, weights_summary
 from dflash_ddp.observe.trackers import Trackers
+from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.machine import GIB
 from dflash_ddp.parallel.topology import Topology, compute_dtype
 from dflash_ddp.setup.plan import RunMemory, plan_memory, run_device
@@ -34,15 +36,19 @@ from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, c
 class RunSetup:
     """Everything derived from the config before any weights load."""
 
-    info: TargetInfo
+    source: ModelSource  # where the target's files are: a local directory or a hub snapshot
+    info: TargetInfo  # its path: the directory the target ranks load (for a hub name, a view of the shards)
     tokenizer: object
     drafter_config: DFlashDraftConfig
     memory: RunMemory  # predicted peaks, whether they fit, and whether the drafter checkpoints its layers
 
 
 def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
-    """Read the target's config and tokenizer, size the drafter and predict the memory of this rank's node;
-    no weights are loaded."""
+    """Read the target's config and tokenizer, size the drafter and predict the memory of this rank's node.
+
+    A hub name's files are downloaded (once per node) into the hub cache: config and tokenizer first, then,
+    unless this is a --plan without --calibrate, the weight files of the layers the target ranks run (all
+    of them with --eval_data, whose evaluation runs the whole target). No weights are loaded."""
     device = run_device(cfg)
     if topology.tp_size > 1 and cfg.channel_backend == "gloo" and device.type == "cuda":
         raise ValueError(
@@ -50,13 +56,20 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
             "all-reduces every layer's output and needs NCCL on GPUs; pass --channel_backend auto"
         )
     check_groups_within_nodes(topology)
-    check_tensor_parallel(cfg.target_model, topology.tp_size)
-    info = inspect_target(cfg.target_model)
+    source = resolve_target(cfg.target_model)
+    check_tensor_parallel(source.path, topology.tp_size)
+    info = inspect_target(source.path)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
     drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
-    return RunSetup(info, tokenizer, drafter_config, plan_memory(cfg, info, drafter_config, topology, device))
+    if not cfg.plan or cfg.calibrate:
+        view_root = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
+        if cfg.eval_data:
+            fetch_target_weights(source, None)
+        info = dataclasses.replace(info, path=fetch_target_weights(source, max(taps) + 1, view_root))
+    memory = plan_memory(cfg, info, drafter_config, topology, device)
+    return RunSetup(source, info, tokenizer, drafter_config, memory)
 
 
 def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedDataset, DataStats]:
@@ -70,7 +83,13 @@ def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedD
     )
     cache_dir = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
     data, stats, _ = load_or_tokenize(
-        chat, setup.info.path, cfg.data, settings, cache_dir, cfg.num_proc, log=lambda m: print(m + where)
+        chat,
+        setup.info.path,
+        resolve_data_files(cfg.data),
+        settings,
+        cache_dir,
+        cfg.num_proc,
+        log=lambda m: print(m + where),
     )
     return data, stats
 
@@ -123,6 +142,7 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topo
         "config": identity_config(cfg, topology),
         "fingerprints": {
             "target": target_fingerprint(setup.info.path),
+            "target_commit": setup.source.commit,  # a hub name's snapshot; None for a local directory
             "tokenizer": fingerprint_files(sorted(setup.info.path.glob("tokenizer*"))),
             "data": data.fingerprint(),
         },
@@ -146,6 +166,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             else "later layers, the final norm and the LM head skipped"
         )
         + ")",
+        "target_weights": weights_summary(setup.source, max(c.target_layer_ids) + 1)
+        + (f"; {setup.source.repo_id} at commit {setup.source.commit}" if setup.source.repo_id else ""),
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,

@@ -131,10 +131,21 @@ def prune_metrics(output_dir: str, start_step: int) -> list[str]:
 
 
 # Settings whose change makes the checkpoint belong to a different run: never overridable.
-IDENTITY = ("fingerprints.target", "fingerprints.tokenizer", "fingerprints.data", "drafter")
+IDENTITY = (
+    "fingerprints.target",
+    "fingerprints.target_commit",
+    "fingerprints.tokenizer",
+    "fingerprints.data",
+    "drafter",
+)
+# Identity fields that checkpoints written before them lack, and the value they stand for there: those
+# checkpoints were trained from a local directory.
+ADDED_LATER = {"fingerprints.target_commit": None}
 
 
 def _lookup(data: dict, dotted: str):
+    if dotted in ADDED_LATER and dotted.split(".")[-1] not in data.get(dotted.split(".")[0], {}):
+        return ADDED_LATER[dotted]
     for part in dotted.split("."):
         data = data[part]
     return data
@@ -151,7 +162,14 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
         if _lookup(saved, key) != _lookup(current, key)
     ]
     if identity:
-        raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity))
+        moved = _lookup(saved, "fingerprints.target_commit")
+        hint = (
+            f" (the target's hub revision now resolves to another commit; to go on with the one trained on, "
+            f"pass --target_model {current['config']['target_model'].partition('@')[0]}@{moved})"
+            if moved and moved != _lookup(current, "fingerprints.target_commit")
+            else ""
+        )
+        raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity) + hint)
     # optimisation settings: a change is refused unless the user names it in --resume_override
     missing = [k for k in RESUME_OVERRIDABLE if k not in saved["config"]]
     if missing:

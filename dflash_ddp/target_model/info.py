@@ -60,11 +60,12 @@ def inspect_target(path: str | Path) -> TargetInfo:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(
-            f"--target_model {path}: not a directory (pass a local Hugging Face model directory)"
+            f"--target_model {path}: not a directory (pass a local Hugging Face model directory or a hub name "
+            "such as Qwen/Qwen3-8B)"
         )
     if not (path / "config.json").is_file():
         raise ValueError(f"--target_model {path}: no config.json in the directory")
-    if not list(path.glob("*.safetensors")):
+    if not list(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
         raise ValueError(
             f"--target_model {path}: no *.safetensors weights (pickled .bin weights are not loaded; "
             "convert them with `save_pretrained(..., safe_serialization=True)`)"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.hub import fetch_weights, locate_model
+from dflash_ddp.target_model.info import TargetInfo, inspect_target
 
 
 def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -22,3 +25,11 @@ def eos_token_ids(tokenizer, target: nn.Module) -> list[int]:
         if value is not None:
             ids.update(value if isinstance(value, list) else [value])
     return sorted(ids)
+
+
+def whole_target(name: str | Path) -> TargetInfo:
+    """A target for decoding, by directory or hub name, with every weight file on disk (a hub name's are
+    downloaded into the hub cache by this process) and checked intact."""
+    source = locate_model(str(name))
+    fetch_weights(source, None)
+    return inspect_target(source.path)

@@ -1,5 +1,6 @@
-"""The records of real tau a run keeps: RUN_DIR/eval.jsonl (one line per evaluated checkpoint), read by the
-progress display, the plots and the trackers, and pruned when a run resumes before an evaluated step.
+"""The records of real tau a run keeps beside its checkpoints: RUN_DIR/eval.jsonl (one line per evaluated
+checkpoint), read by the progress display, the plots, the trackers and the export's model card, and
+pruned when a run resumes before an evaluated step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,319 @@
+"""Hugging Face hub names for targets (`org/name[@revision]`) and datasets (`org/name[:split]`), resolved
+through the user's hub cache with huggingface_hub as transformers does; a local path always wins.
+
+Only what a run needs is downloaded: the config, tokenizer and chat-template files first, then the
+safetensors shards holding the layers the run executes (the index file says which). With HF_HUB_OFFLINE=1
+the cache alone is read. Every failure is one ValueError line saying what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+# A repository id: one owner and one name, each of letters, digits, '-', '_' and '.'.
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# Everything of a model repository a run reads besides its weights.
+MODEL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges.txt",
+    "*.tiktoken",
+    "*.jinja",
+    "chat_template*",
+    "model.safetensors.index.json",
+    "README.md",
+]
+WEIGHTS_INDEX = "model.safetensors.index.json"
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+LAYER_OF_WEIGHT = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a target's files are: a local directory, or a snapshot of a hub repository at one commit."""
+
+    name: str  # as the user gave it
+    path: Path
+    repo_id: str | None = None  # None: a local directory
+    revision: str | None = None
+    commit: str | None = None
+
+
+def hub_model_name(name: str) -> tuple[str, str | None] | None:
+    """(repo id, revision) when `name` is a hub name (`org/name[@revision]`) and no local path, else None."""
+    if not name or Path(name).exists():
+        return None
+    repo_id, _, revision = name.partition("@")
+    if not REPO_ID.fullmatch(repo_id) or (revision == "" and "@" in name):
+        return None
+    return repo_id, revision or None
+
+
+def hub_dataset_name(spec: str) -> tuple[str, str] | None:
+    """(repo id, split) when `spec` is a hub dataset (`org/name[:split]`) and no local path, else None."""
+    if not spec or Path(spec).exists() or any(c in spec for c in "*?["):
+        return None
+    repo_id, _, split = spec.partition(":")
+    if not REPO_ID.fullmatch(repo_id) or Path(repo_id).suffix in DATA_SUFFIXES:
+        return None
+    return repo_id, split or "train"
+
+
+def cache_dir() -> Path:
+    """The hub cache this process reads (HF_HUB_CACHE, or HF_HOME/hub, or ~/.cache/huggingface/hub)."""
+    return Path(constants.HF_HUB_CACHE)
+
+
+def offline() -> bool:
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def download(
+    repo_id: str,
+    revision: str | None,
+    patterns: list[str],
+    repo_type: str = "model",
+    flag: str = "--target_model",
+    local_only: bool = False,
+) -> Path:
+    """The snapshot folder of `repo_id` at `revision` holding the files matching `patterns`, downloaded into
+    the hub cache unless they are there (or offline: read from the cache only). Errors are one line."""
+    what = f"{flag} {repo_id}" + (f"@{revision}" if revision and repo_type == "model" else "")
+    kind = "dataset" if repo_type == "dataset" else "model"
+    try:
+        folder = snapshot_download(
+            repo_id,
+            repo_type=repo_type,
+            revision=revision,
+            allow_patterns=patterns,
+            local_files_only=local_only or offline(),
+        )
+    except GatedRepoError:
+        raise ValueError(
+            f"{what}: a gated {kind} repository: accept its terms on huggingface.co, then log in "
+            "(`huggingface-cli login`) or set HF_TOKEN"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ValueError(
+            f"{what}: no such {kind} repository on the hub, or a private one and no token was sent "
+            "(log in with `huggingface-cli login` or set HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ValueError(
+            f"{what}: the repository has no revision {revision!r} (a branch, tag or commit)"
+        ) from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        reason = "HF_HUB_OFFLINE=1 is set" if offline() else "the hub cannot be reached"
+        raise ValueError(
+            f"{what}: not in the hub cache {cache_dir()} and {reason}; download it where the hub is reachable "
+            "(unset HF_HUB_OFFLINE) or point HF_HUB_CACHE / HF_HOME at a cache that holds it"
+        ) from None
+    except HfHubHTTPError as e:
+        raise ValueError(f"{what}: the hub answered {' '.join(str(e).split())[:300]}") from None
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write the hub cache {cache_dir()}: {e}") from None
+    return Path(folder)
+
+
+def locate_model(name: str, commit: str | None = None) -> ModelSource:
+    """A local directory as it is, or a hub name's config, tokenizer and chat template (no weights yet).
+
+    `commit`: read exactly this snapshot from the cache (the ranks of a node that did not download)."""
+    hub = hub_model_name(name)
+    if hub is None:
+        return ModelSource(name, Path(name))
+    repo_id, revision = hub
+    folder = download(repo_id, commit or revision, MODEL_FILES, local_only=commit is not None)
+    source = ModelSource(name, folder, repo_id, revision or "main", folder.name)
+    if not (folder / WEIGHTS_INDEX).is_file():  # one weights file: every run needs all of it
+        fetch_weights(source, None, local_only=commit is not None)
+    return source
+
+
+def weight_files(path: Path, num_layers: int | None) -> list[str]:
+    """The safetensors files holding every weight outside the decoder layers and those of layers below
+    `num_layers` (None: all files), by the index file when the weights are sharded."""
+    index = path / WEIGHTS_INDEX
+    if not index.is_file():
+        return sorted(p.name for p in path.glob("*.safetensors")) or ["model.safetensors"]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: unreadable index of the weights ({e})") from None
+    needed = set()
+    for weight, file in weight_map.items():
+        layer = LAYER_OF_WEIGHT.search(weight)
+        if num_layers is None or layer is None or int(layer.group(1)) < num_layers:
+            needed.add(file)
+    return sorted(needed)
+
+
+def fetch_weights(source: ModelSource, num_layers: int | None, local_only: bool = False) -> list[Path]:
+    """Make sure the weight files for `num_layers` layers are on disk (downloading those of a hub name, after
+    checking that the disk holds them) and intact; returns their paths."""
+    files = weight_files(source.path, num_layers)
+    if source.repo_id is not None and not (local_only or offline()):
+        missing = [f for f in files if not (source.path / f).is_file()]
+        check_disk_space(source, missing)
+        download(source.repo_id, source.commit, files)
+    for name in files:
+        check_safetensors(source.path / name, source.name)
+    return [source.path / f for f in files]
+
+
+def remote_sizes(source: ModelSource, files: list[str]) -> int | None:
+    """Bytes of `files` in the hub repository (None offline or when the hub cannot tell)."""
+    if not files:
+        return 0
+    if offline():
+        return None
+    try:
+        infos = HfApi().get_paths_info(source.repo_id, files, revision=source.commit)
+    except (HfHubHTTPError, OSError):
+        return None  # the download itself reports what is wrong with the hub
+    return sum(getattr(i, "size", 0) or 0 for i in infos)
+
+
+def weights_summary(source: ModelSource, num_layers: int | None) -> str:
+    """What --plan says of the weight files a run reads: how many, how large, how much is still to download."""
+    files = weight_files(source.path, num_layers)
+    present = [source.path / f for f in files if (source.path / f).is_file()]
+    missing = [f for f in files if not (source.path / f).is_file()]
+    to_download = remote_sizes(source, missing) if source.repo_id else 0
+    held = sum(p.stat().st_size for p in present)
+    total = "unknown (offline)" if to_download is None else size_text(held + to_download)
+    line = f"{len(files)} safetensors file(s), {total}"
+    if source.repo_id:
+        line += f" ({len(missing)} to download into {cache_dir()})" if missing else f" (in {cache_dir()})"
+    return line
+
+
+def size_text(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.1f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+
+
+def check_disk_space(source: ModelSource, files: list[str]) -> None:
+    """Refuse a download the cache's disk cannot hold, before any byte of it is written."""
+    needed = remote_sizes(source, files)
+    if not needed:
+        return
+    root = next(p for p in (cache_dir(), *cache_dir().parents) if p.exists())
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise ValueError(
+            f"--target_model {source.name}: the {len(files)} weight file(s) this run needs take "
+            f"{needed / 1e9:.1f} GB and {root} has {free / 1e9:.1f} GB free; free space or point HF_HUB_CACHE "
+            "at a larger disk"
+        )
+
+
+def check_safetensors(path: Path, name: str) -> None:
+    """One line naming a weight file that is missing, cut short or damaged (as an interrupted download
+    leaves it) and how to fetch it again, instead of a loader's traceback."""
+    again = (
+        f"delete it and run again to download it (or `huggingface-cli download {name.partition('@')[0]} "
+        f"{path.name}`)"
+        if hub_model_name(name)
+        else "copy or download the model again"
+    )
+    if not path.is_file():
+        raise ValueError(f"--target_model {name}: weight file {path} is missing; {again}")
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError("its header is longer than the file")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        raise ValueError(f"--target_model {name}: weight file {path} is damaged ({e}); {again}") from None
+    if 8 + header_len + end > size:
+        raise ValueError(
+            f"--target_model {name}: weight file {path} is cut short ({size} bytes, its header describes "
+            f"{8 + header_len + end}); {again}"
+        )
+
+
+def split_files(files: list[str], split: str) -> list[str]:
+    """The data files of one split by the hub's naming conventions: a folder named after the split, or a
+    file name starting with it (`train.jsonl`, `train-00000-of-00002.parquet`, `data/train_x.json`); a
+    repository whose files name no split at all is one train split."""
+    data = [f for f in files if f.endswith(DATA_SUFFIXES)]
+    words = ("train", "test", "validation", "valid", "dev", "eval")
+
+    def names_split(f: str, s: str) -> bool:
+        parts = f.split("/")
+        return s in parts[:-1] or re.match(rf"{re.escape(s)}([-._ 0-9]|$)", parts[-1]) is not None
+
+    chosen = [f for f in data if names_split(f, split)]
+    if not chosen and split == "train" and not any(names_split(f, w) for f in data for w in words):
+        chosen = data
+    return sorted(chosen)
+
+
+def resolve_data(spec: str, flag: str = "--data", commit: str | None = None) -> tuple[list[str], str | None]:
+    """A hub dataset's split as local files (downloaded into the hub cache), and the snapshot's commit; any
+    other spec as it is (a file, directory or glob) with None."""
+    hub = hub_dataset_name(spec)
+    if hub is None:
+        return [spec], None
+    repo_id, split = hub
+    patterns = [f"*{suffix}" for suffix in DATA_SUFFIXES]
+    folder = download(repo_id, commit, patterns, "dataset", flag, local_only=commit is not None)
+    listed = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+    files = split_files(listed, split)
+    if not files:
+        found = ", ".join(sorted(f for f in listed if f.endswith(DATA_SUFFIXES))[:8]) or "none"
+        raise ValueError(
+            f"{flag} {spec}: no jsonl/json/parquet file of split {split!r} in the dataset repository "
+            f"(its data files: {found}); name a split with {flag} {repo_id}:SPLIT"
+        )
+    return [str(folder / f) for f in files], folder.name
+
+
+def truncated_view(source: ModelSource, num_layers: int | None, root: Path) -> Path:
+    """A hub snapshot as transformers should load it for `num_layers` layers: a directory under `root` of
+    links to its config, tokenizer and the weight files those layers need, with an index of only their
+    weights, so that no other shard is opened (or needs to be on disk). A local directory is used as is."""
+    if source.repo_id is None or not (source.path / WEIGHTS_INDEX).is_file():
+        return source.path
+    files = weight_files(source.path, num_layers)
+    layers = "all" if num_layers is None else f"{num_layers}layers"
+    view = root / f"{source.repo_id.replace('/', '--')}-{source.commit[:12]}-{layers}"
+    if (view / WEIGHTS_INDEX).is_file():
+        return view
+    index = json.loads((source.path / WEIGHTS_INDEX).read_text())
+    index["weight_map"] = {w: f for w, f in index["weight_map"].items() if f in files}
+    tmp = root / f".{view.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for item in source.path.iterdir():
+        if item.name != WEIGHTS_INDEX and (not item.name.endswith(".safetensors") or item.name in files):
+            (tmp / item.name).symlink_to(item.resolve())
+    (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    try:
+        tmp.rename(view)
+    except OSError:  # another process of this node made the same view meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return view

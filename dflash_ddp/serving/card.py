@@ -1,0 +1,204 @@
+"""The model card (README.md) written beside every export: the hub's metadata header, what the drafter is,
+how it was trained, its real tau when the run measured it, and the commands that serve it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
+from dflash_ddp.drafter.objective import loss_gamma
+from dflash_ddp.hub import hub_model_name
+
+OBJECTIVE_SETTINGS = ("num_anchors", "loss_gamma", "learning_rate", "warmup_ratio", "max_grad_norm", "seed")
+
+
+def target_license(target_dir: Path | None) -> str | None:
+    """The `license` of the target's own model card (its README.md metadata header), when there is one."""
+    card = target_dir / "README.md" if target_dir else None
+    if not card or not card.is_file():
+        return None
+    text = card.read_text(errors="replace")
+    if not text.startswith("---"):
+        return None
+    try:
+        header = yaml.safe_load(text.split("---", 2)[1])
+    except (yaml.YAMLError, IndexError):
+        return None
+    value = header.get("license") if isinstance(header, dict) else None
+    return str(value) if value else None
+
+
+def run_evaluation(checkpoint: Path, state: dict | None) -> tuple[dict | None, str]:
+    """The real-tau evaluation of this checkpoint the run kept, and where it comes from: its line of the
+    run's eval.jsonl, else the final evaluation (eval.json) when this is the run's last checkpoint."""
+    if state is None or checkpoint.parent.name != "checkpoints":
+        return None, ""
+    run_dir = checkpoint.parent.parent
+    step = state.get("global_step")
+    records, _ = read_evaluations(run_dir)
+    mine = [r for r in records if r["step"] == step]
+    if mine:
+        return mine[-1], f"eval.jsonl of the run, step {step}"
+    final = run_dir / "eval.json"
+    if final.is_file() and step == state.get("total_steps"):
+        try:
+            return json.loads(final.read_text()), f"the run's final evaluation (eval.json, step {step})"
+        except (OSError, json.JSONDecodeError):
+            return None, ""
+    best = best_record(records)
+    if best:
+        return (
+            None,
+            f"not evaluated; the run's best checkpoint is {best['checkpoint']} (tau {best['tau']:.2f})",
+        )
+    return None, ""
+
+
+def tau_table(report: dict) -> list[str]:
+    """Markdown rows of an evaluation: the full table of eval.json, or the one line of an eval.jsonl record."""
+    if "dflash" not in report:  # an eval.jsonl record
+        return [
+            "| method | tau | output equals greedy |",
+            "| --- | --- | --- |",
+            f"| DFlash, this drafter | {report['tau']:.2f} | {'yes' if report.get('lossless') else 'NO'} |",
+        ]
+    labels = {
+        "dflash": "DFlash, this drafter",
+        "transformers_dflash": "the same drafter in transformers' generate",
+        "dflash_untrained": "an untrained drafter of the same shape",
+        "prompt_lookup": "prompt lookup (transformers)",
+    }
+    rows = ["| method | tau | tokens/s vs greedy | mismatches |", "| --- | --- | --- | --- |"]
+    for key, label in labels.items():
+        entry = report.get(key)
+        if entry and entry.get("tau") is not None:
+            rows.append(f"| {label} | {entry['tau']:.2f} | {entry['speedup']:.2f}x | {entry['mismatches']} |")
+    return rows
+
+
+def model_card(
+    config: dict,
+    checkpoint: Path,
+    export_dir: Path,
+    target_name: str | None,
+    target_dir: Path | None,
+) -> str:
+    """README.md for the export in `export_dir` whose z-lab config.json is `config`, made from `checkpoint`
+    (a training checkpoint, or an earlier export). `target_name` is the target as the run named it."""
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else None
+    dflash = config["dflash_config"]
+    block = config["block_size"]
+    hub = hub_model_name(target_name) if target_name else None
+    base_model = hub[0] if hub else None
+    header = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["dflash", "speculative-decoding", "draft-model", "dflash_ddp"],
+    }
+    if base_model:
+        header["base_model"] = base_model
+    license_name = target_license(target_dir)
+    if license_name:
+        header["license"] = license_name
+    target_ref = base_model or target_name or "TARGET_MODEL"
+    title = f"DFlash drafter for {base_model or Path(target_name).name}" if target_name else "DFlash drafter"
+    lines = ["---", yaml.safe_dump(header, sort_keys=False).rstrip(), "---", "", f"# {title}", ""]
+    lines += [
+        "A [DFlash](https://arxiv.org/abs/2602.06036) block-diffusion drafter for speculative decoding: it reads "
+        "hidden states of the frozen target and proposes a block of tokens in one forward pass, which the target "
+        "verifies in one pass; greedy output is exactly the target's own. Trained with dflash_ddp (one torchrun "
+        "job: target ranks stream hidden states to drafter ranks).",
+        "",
+        "## The drafter",
+        "",
+        f"- block size {block} ({block - 1} drafted tokens per step, plus the target's bonus token)",
+        f"- {config['num_hidden_layers']} layers, hidden size {config['hidden_size']}, "
+        f"{config['num_attention_heads']} heads ({config['num_key_value_heads']} KV heads), "
+        f"MLP {config['intermediate_size']}; weights in {config.get('dtype', config.get('torch_dtype', '?'))}",
+        f"- tapped target layers {dflash['target_layer_ids']} (the outputs of those decoder layers, "
+        f"`hidden_states[L + 1]` in transformers), of {config['num_target_layers']}",
+        f"- mask token id {dflash['mask_token_id']}"
+        + (f" (`{dflash['mask_token']}`)" if dflash.get("mask_token") else ""),
+        "- the target's embedding and LM head are shared: this repository holds only the drafter's own weights",
+        "",
+    ]
+    if state:
+        cfg, fingerprints = state["config"], state["fingerprints"]
+        settings = {k: cfg[k] for k in OBJECTIVE_SETTINGS if k in cfg}
+        if settings.get("loss_gamma") is None:
+            settings["loss_gamma"] = f"{loss_gamma(block):g} (the paper's for block {block})"
+        objective = ", ".join(f"{k} {v}" for k, v in settings.items())
+        lines += [
+            "## Training",
+            "",
+            f"- target: `{cfg['target_model']}`"
+            + (f" at commit `{fingerprints['target_commit']}`" if fingerprints.get("target_commit") else "")
+            + f" (fingerprint `{fingerprints['target']}`)",
+            f"- data: {', '.join(f'`{d}`' for d in cfg['data'])} (fingerprint `{fingerprints['data']}`), "
+            f"chat template arguments {json.dumps(cfg.get('chat_template_kwargs', {}))}",
+            f"- {state['global_step']} optimizer steps (epoch {state['epoch']}), {state['tokens_seen']:,} tokens seen",
+            "- objective: cross-entropy at each block position after randomly drawn anchors on response "
+            f"tokens, weighted by exp(-(k-1)/gamma); {objective}",
+            "",
+        ]
+    report, source = run_evaluation(checkpoint, state)
+    lines += ["## Acceptance (real speculative decoding)", ""]
+    if report:
+        lines += [
+            f"tau = tokens committed per target verify step, bonus included; greedy decoding, from {source}:",
+            "",
+            *tau_table(report),
+            "",
+        ]
+    else:
+        lines += [
+            (source + "; m" if source else "M")
+            + "easure it with `python -m dflash_ddp.evaluate --target_model "
+            + f"{target_ref} --drafter {export_dir.resolve()} --data HELDOUT.jsonl`.",
+            "",
+        ]
+    export = str(export_dir.resolve())
+    lines += [
+        "## Serving",
+        "",
+        f"With this export at `{export}` (once uploaded, its hub name works in its place):",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target_ref} --speculative-algorithm DFLASH \\",
+        f"    --speculative-draft-model-path {export} --speculative-num-draft-tokens {block} --dtype bfloat16",
+        "```",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        f"vllm serve {target_ref} --speculative-config "
+        f'\'{{"method": "dflash", "model": "{export}", "num_speculative_tokens": {block - 1}}}\'',
+        "```",
+        "",
+        'transformers (`generate(..., speculation_type="dflash")`, with dflash_ddp installed for the drafter class):',
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from dflash_ddp.evaluation.decoding import as_transformers_assistant",
+        "from dflash_ddp.serving.export import load_drafter",
+        "",
+        f'target = AutoModelForCausalLM.from_pretrained("{target_ref}", dtype=torch.bfloat16, device_map="cuda")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{target_ref}")',
+        f'drafter = as_transformers_assistant(load_drafter("{export}", device="cuda"), target)',
+        'messages = [{"role": "user", "content": "Explain speculative decoding in one paragraph."}]',
+        "ids = tokenizer.apply_chat_template(",
+        '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True',
+        ')["input_ids"].to("cuda")',
+        'out = target.generate(ids, assistant_model=drafter, speculation_type="dflash", max_new_tokens=256, do_sample=False)',
+        "print(tokenizer.decode(out[0, ids.shape[1]:]))",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

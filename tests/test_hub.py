@@ -1,0 +1,337 @@
+"""Hub names for targets and datasets, read the way a user's machine sees them: a hub cache laid out as
+huggingface_hub writes it (models--org--name/refs/main, snapshots/<commit>/...), HF_HUB_OFFLINE=1, and the
+real commands by name. No test reaches the network."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx2
+import pytest
+import torch
+import yaml
+from huggingface_hub import constants
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from dflash_ddp import hub
+from dflash_ddp.hub import (
+    ModelSource,
+    check_safetensors,
+    hub_dataset_name,
+    hub_model_name,
+    locate_model,
+    split_files,
+    weight_files,
+)
+
+from helpers import SMALL_JOB, as_flags, torchrun_cmd
+
+COMMIT_A, COMMIT_B, DATA_COMMIT = "a" * 40, "b" * 40, "d" * 40
+TIMEOUT_S = 900  # only catches a hang
+
+
+def snapshot(cache: Path, repo: str, commit: str, kind: str = "models") -> Path:
+    """An empty snapshot folder of `repo` at `commit`, named by refs/main."""
+    root = cache / f"{kind}--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    folder = root / "snapshots" / commit
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def hub_cache(tmp_path, tiny_target, chat_data) -> Path:
+    """A hub cache holding org/tiny (the tiny target in 1-layer shards with an index) and org/chat (a train
+    split of 48 conversations in data/train-00000-of-00001.jsonl and a test split of 6)."""
+    cache = tmp_path / "hub"
+    folder = snapshot(cache, "org/tiny", COMMIT_A)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    model.save_pretrained(folder, max_shard_size="150KB")
+    for item in tiny_target.iterdir():
+        if not item.name.endswith(".safetensors") and not (folder / item.name).exists():
+            shutil.copy(item, folder / item.name)
+    (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
+    data = snapshot(cache, "org/chat", DATA_COMMIT, "datasets") / "data"
+    data.mkdir()
+    shutil.copy(chat_data, data / "train-00000-of-00001.jsonl")
+    lines = chat_data.read_text().splitlines(keepends=True)
+    (data / "test-00000-of-00001.jsonl").write_text("".join(lines[:6]))
+    return cache
+
+
+def offline_env(cache: Path) -> dict:
+    return os.environ | {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(args: list[str], cache: Path, torchrun: int = 0) -> subprocess.CompletedProcess:
+    cmd = [*torchrun_cmd(torchrun), *args] if torchrun else [sys.executable, *args]
+    return subprocess.run(cmd, env=offline_env(cache), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def shards_of_late_layers(folder: Path, first_unneeded: int) -> list[Path]:
+    return [folder / f for f in set(_index(folder).values()) - set(weight_files(folder, first_unneeded))]
+
+
+def _index(folder: Path) -> dict:
+    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+# ----------------------------------------------------------------------------------------------- names
+
+
+def test_a_local_path_wins_over_a_hub_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert hub_model_name("Qwen/Qwen3-8B") == ("Qwen/Qwen3-8B", None)
+    assert hub_model_name("Qwen/Qwen3-8B@v1.0") == ("Qwen/Qwen3-8B", "v1.0")
+    (tmp_path / "Qwen" / "Qwen3-8B").mkdir(parents=True)
+    assert hub_model_name("Qwen/Qwen3-8B") is None  # a directory of that name is what the user meant
+    assert hub_model_name("a/b/c") is None and hub_model_name("model") is None
+    assert hub_dataset_name("org/chat") == ("org/chat", "train")
+    assert hub_dataset_name("org/chat:test") == ("org/chat", "test")
+    assert hub_dataset_name("data/*.jsonl") is None and hub_dataset_name("dir/file.jsonl") is None
+
+
+def test_a_split_is_chosen_by_the_hubs_file_naming():
+    files = [
+        "README.md",
+        "data/train-00000-of-00002.parquet",
+        "data/train-00001-of-00002.parquet",
+        "data/test.jsonl",
+    ]
+    assert split_files(files, "train") == files[1:3]
+    assert split_files(files, "test") == ["data/test.jsonl"]
+    assert split_files(["train/a.jsonl", "validation/b.jsonl"], "validation") == ["validation/b.jsonl"]
+    assert split_files(["chats.jsonl", "more.jsonl"], "train") == [
+        "chats.jsonl",
+        "more.jsonl",
+    ]  # no split named
+    assert split_files(["chats.jsonl"], "test") == []
+
+
+def test_only_the_shards_of_the_layers_a_run_needs_are_named(hub_cache):
+    folder = hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A
+    index = _index(folder)
+    needed = weight_files(folder, 2)
+    for weight, file in index.items():
+        layer = hub.LAYER_OF_WEIGHT.search(weight)
+        if layer is None or int(layer.group(1)) < 2:
+            assert file in needed, weight  # embedding, final norm, LM head and layers 0-1
+    assert set(needed) < set(index.values())  # the later layers' shards are left out
+    assert weight_files(folder, None) == sorted(set(index.values()))
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_a_name_missing_from_the_cache_offline_names_the_cache_and_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError) as e:
+        locate_model("org/absent")
+    message = str(e.value)
+    assert message.startswith("--target_model org/absent: not in the hub cache ")
+    assert str(tmp_path / "empty") in message and "HF_HUB_OFFLINE=1" in message and "HF_HUB_CACHE" in message
+
+
+def response(status: int) -> httpx2.Response:
+    return httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/models/org/x"))
+
+
+@pytest.mark.parametrize(
+    "error,expected",
+    [
+        (
+            RepositoryNotFoundError("404", response=response(404)),
+            "no such model repository on the hub, or a private",
+        ),
+        (GatedRepoError("403", response=response(403)), "a gated model repository"),
+        (RevisionNotFoundError("404", response=response(404)), "the repository has no revision 'v9'"),
+    ],
+)
+def test_each_hub_refusal_is_one_line_saying_what_to_do(monkeypatch, error, expected):
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(hub, "snapshot_download", refuse)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(ValueError) as e:
+        locate_model("org/x@v9")
+    assert str(e.value).startswith("--target_model org/x@v9: " + expected)
+    assert "\n" not in str(e.value)
+    if not isinstance(error, RevisionNotFoundError):
+        assert "huggingface-cli login" in str(e.value) and "HF_TOKEN" in str(e.value)
+
+
+def test_a_disk_too_small_for_the_shards_is_refused_before_the_download(hub_cache, monkeypatch):
+    folder = hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A
+    for shard in sorted(set(_index(folder).values()))[-2:]:
+        (folder / shard).unlink()
+    source = ModelSource("org/tiny", folder, "org/tiny", "main", COMMIT_A)
+
+    class Info:
+        size = 10**15
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setattr(
+        hub.HfApi, "get_paths_info", lambda self, repo, paths, revision: [Info()] * len(paths)
+    )
+    monkeypatch.setattr(hub, "snapshot_download", lambda *a, **k: pytest.fail("downloaded"))
+    with pytest.raises(
+        ValueError, match=r"the 2 weight file\(s\) this run needs take 2000000\.0 GB and .* free"
+    ):
+        hub.fetch_weights(source, None)
+
+
+def test_a_cut_short_weights_file_is_named_with_how_to_fetch_it_again(tiny_target, tmp_path, chat_data):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"weight file .*model\.safetensors is cut short \(\d+ bytes"):
+        check_safetensors(weights, str(target))
+    weights.write_bytes(b"\x01\x02")  # not even a header length
+    with pytest.raises(ValueError, match="is damaged"):
+        check_safetensors(weights, str(target))
+    # the real command: one line, no traceback (it was a 30-line SafetensorError from transformers)
+    flags = as_flags({"target_model": target, "data": chat_data, "output_dir": tmp_path / "run", **SMALL_JOB})
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.train", *flags, "--max_steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert f"weight file {weights} is damaged" in line and "copy or download the model again" in line
+
+
+# ----------------------------------------------------------------------------------------------- commands
+
+
+def test_training_by_hub_names_offline_reads_only_the_shards_it_needs(hub_cache, tmp_path):
+    """Colocated, then a 1 + 1 torchrun job, both by hub name from the cache alone, with the shards of the
+    layers after the last tap removed from the cache (so they cannot have been opened); the commit is in the
+    run identity; after refs/main moves to another commit, the resume is refused with one line."""
+    folder = hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A
+    late = shards_of_late_layers(folder, 4)  # default taps of a 6-layer target: [1, 2, 3]
+    assert late
+    for shard in late:
+        shard.unlink()
+    out = tmp_path / "run"
+    flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
+    done = run(["-m", "dflash_ddp.train", *flags, "--max_steps", "2"], hub_cache)
+    assert done.returncode == 0, done.stderr
+    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert state["fingerprints"]["target_commit"] == COMMIT_A
+    assert state["config"]["target_model"] == "org/tiny" and state["config"]["data"] == ["org/chat"]
+    assert json.loads((out / "data_stats.json").read_text())["rows"] == 48  # the train split only
+
+    split = tmp_path / "split"
+    flags = as_flags({"target_model": "org/tiny", "data": "org/chat:test", "output_dir": split, **SMALL_JOB})
+    done = run(["-m", "dflash_ddp.train", *flags, "--max_steps", "2"], hub_cache, torchrun=2)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((split / "data_stats.json").read_text())["rows"] == 6
+
+    moved = snapshot(hub_cache, "org/tiny", COMMIT_B)  # the branch moves to a new commit of the same files
+    for item in folder.iterdir():
+        shutil.copy(item, moved / item.name)
+    flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
+    done = run(["-m", "dflash_ddp.train", *flags, "--max_steps", "4"], hub_cache)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert (
+        "belongs to a different run" in line
+        and f"fingerprints.target_commit: checkpoint '{COMMIT_A}'" in line
+    )
+    assert f"pass --target_model org/tiny@{COMMIT_A}" in line
+    pinned = as_flags(
+        {"target_model": f"org/tiny@{COMMIT_A}", "data": "org/chat", "output_dir": out, **SMALL_JOB}
+    )
+    done = run(
+        ["-m", "dflash_ddp.train", *pinned, "--max_steps", "4", "--resume_override", "max_steps"], hub_cache
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_evaluate_regenerate_and_export_take_hub_names(hub_cache, tmp_path):
+    out = tmp_path / "run"
+    flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
+    done = run(
+        [
+            "-m",
+            "dflash_ddp.train",
+            *flags,
+            "--max_steps",
+            "2",
+            "--eval_data",
+            "org/chat:test",
+            "--eval_prompts",
+            "2",
+            "--eval_max_new_tokens",
+            "8",
+        ],
+        hub_cache,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "eval.json").read_text())["lossless"]
+
+    export = tmp_path / "export"
+    done = run(["-m", "dflash_ddp.export", str(out), str(export)], hub_cache)
+    assert done.returncode == 0, done.stderr
+    card = (export / "README.md").read_text()
+    header = yaml.safe_load(card.split("---")[1])
+    assert header["base_model"] == "org/tiny" and header["license"] == "apache-2.0"
+    assert {"dflash", "speculative-decoding"} <= set(header["tags"]) and header["library_name"]
+    assert "| DFlash, this drafter |" in card  # the final evaluation's table
+    assert "--speculative-algorithm DFLASH" in card and '"method": "dflash"' in card
+    assert 'speculation_type="dflash"' in card and str(export.resolve()) in card
+    assert f"at commit `{COMMIT_A}`" in card and "2 optimizer steps" in card
+    stamp = json.loads((export / "config.json").read_text())["dflash_ddp"]
+    assert stamp["target_model"] == "org/tiny" and stamp["target_commit"] == COMMIT_A
+    assert load_file(export / "model.safetensors")
+
+    done = run(
+        [
+            "-m",
+            "dflash_ddp.evaluate",
+            "--target_model",
+            "org/tiny",
+            "--drafter",
+            str(export),
+            "--data",
+            "org/chat:test",
+            "--num_prompts",
+            "2",
+            "--max_new_tokens",
+            "8",
+        ],
+        hub_cache,
+    )
+    assert done.returncode == 0, done.stderr
+
+    regenerated = tmp_path / "regenerated.jsonl"
+    done = run(
+        [
+            "-m",
+            "dflash_ddp.regenerate",
+            "--target_model",
+            "org/tiny",
+            "--data",
+            "org/chat:test",
+            "--out",
+            str(regenerated),
+            "--max_new_tokens",
+            "8",
+        ],
+        hub_cache,
+    )
+    assert done.returncode == 0, done.stderr
+    settings = json.loads(regenerated.with_name(regenerated.name + ".settings.json").read_text())
+    assert settings["target_model"] == f"org/tiny@{COMMIT_A}"
