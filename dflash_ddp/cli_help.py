@@ -68,6 +68,12 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
             "position decay of the loss, exp(-(k-1)/gamma); unset: 7 for blocks of 16, 5 for 10, 4 for 8",
             "",
         ),
+        "position_weighting": (
+            "how block positions weigh in the loss: the fixed decay, or D-PACE (weights from the drafter's "
+            "own confidence on the labels, normalised by the blocks with a label)",
+            "decay or dpace",
+        ),
+        "dpace_smoothing": ("D-PACE's a: q~ = (1 - a) q + a for the label probability q", ""),
         "num_epochs": ("passes over the data (when --max_steps is -1)", ""),
         "max_steps": ("optimizer steps; -1: --num_epochs passes", "-1 or an integer >= 1"),
         "learning_rate": ("peak learning rate of AdamW (linear warm-up, cosine decay)", ""),

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from dflash_ddp.data.chat_template import check_template_kwargs
+from dflash_ddp.drafter.objective import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import resolve_report_to
 
@@ -65,6 +66,10 @@ class TrainConfig:
     block_size: int = 16
     num_anchors: int = 512
     loss_gamma: float | None = None
+    # how block positions weigh in the loss: decay (the paper's exp(-(k-1)/gamma)) | dpace (D-PACE: from the
+    # drafter's own confidence, smoothed by dpace_smoothing; see drafter/objective.py)
+    position_weighting: str = "decay"
+    dpace_smoothing: float = 0.5
     # data
     chat_template: str = ""  # a jinja file replacing the tokenizer's chat template
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. '{"enable_thinking": false}'
@@ -156,6 +161,10 @@ class TrainConfig:
         resolve_report_to(self.report_to)  # unknown names, and packages not installed, refused now
         if self.overlength not in ("truncate", "drop"):
             raise ValueError(f"--overlength {self.overlength}: choose truncate or drop")
+        if self.position_weighting not in POSITION_WEIGHTINGS:
+            raise ValueError(
+                f"--position_weighting {self.position_weighting}: choose {' or '.join(POSITION_WEIGHTINGS)}"
+            )
         if self.attention not in ("auto", "sparse", "flex", "dense"):
             raise ValueError(
                 f"--attention {self.attention}: choose auto, sparse (block-sparse, CPU and GPU), flex (compiled, "
@@ -238,6 +247,7 @@ FLOAT_RANGES = {
     "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
     "max_grad_norm": (lambda v: v > 0, "a finite number > 0 (the clipping threshold)"),
     "loss_gamma": (lambda v: v > 0, "a finite number > 0 (the position-decay scale)"),
+    "dpace_smoothing": (lambda v: 0 <= v <= 1, "in [0, 1] (D-PACE's smoothing of the label probability)"),
     "dist_timeout": (lambda v: 0 < v <= 1e7, "a finite number of seconds in (0, 1e7]"),
 }
 
@@ -251,6 +261,8 @@ RESUME_OVERRIDABLE = (
     "max_grad_norm",
     "num_anchors",
     "loss_gamma",
+    "position_weighting",
+    "dpace_smoothing",
     "tokens_per_batch",
     "max_seq_len",
     "seed",

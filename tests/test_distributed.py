@@ -82,11 +82,16 @@ def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_pat
         assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{out.name} differs"
 
 
-def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path):
-    """2+2 (data-parallel drafter) trains the same function as 1+1 accumulating 2 batches per step."""
-    one = torchrun(2, train_args(tiny_target, chat_data, tmp_path / "1+1", gradient_accumulation_steps=2))
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, weighting):
+    """2+2 (data-parallel drafter) trains the same function as 1+1 accumulating 2 batches per step, with
+    either position weighting: both normalise the loss over every rank's blocks, not per rank."""
+    objective = {"position_weighting": weighting}
+    one = torchrun(
+        2, train_args(tiny_target, chat_data, tmp_path / "1+1", gradient_accumulation_steps=2, **objective)
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(4, train_args(tiny_target, chat_data, tmp_path / "2+2", drafter_ranks=2))
+    two = torchrun(4, train_args(tiny_target, chat_data, tmp_path / "2+2", drafter_ranks=2, **objective))
     assert two.returncode == 0, two.stderr[-3000:]
     assert losses(tmp_path / "2+2") == pytest.approx(losses(tmp_path / "1+1"), rel=1e-5)
     a, b = final_weights(tmp_path / "1+1"), final_weights(tmp_path / "2+2")

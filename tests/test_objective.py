@@ -9,6 +9,7 @@ from dflash_ddp.drafter.objective import (
     block_loss_terms,
     build_block_inputs,
     chunked_weighted_ce,
+    dpace_weights,
     loss_gamma,
     position_weights,
     sample_anchors,
@@ -99,3 +100,67 @@ def test_metrics_count_a_perfect_prediction_as_full_acceptance():
     assert metrics["tau_estimate"] == bs
     shifted = torch.roll(hidden, shifts=1, dims=-1)  # wrong everywhere: only the bonus token is accepted
     assert block_loss_terms(shifted, torch.eye(vocab), inputs, chunk=5).metrics()["tau_estimate"] == 1.0
+
+
+def test_dpace_weights_equal_the_closed_form():
+    """Block of 4 (positions 1-3 scored) and one cut short by the response's end (only positions 1-2)."""
+    ce = torch.tensor([0.1, 0.7, 1.5, 0.2, 2.0])
+    scored = torch.tensor([1, 2, 3, 5, 6])  # flat indices into [2 blocks, 4 positions]
+    a = 0.5
+    q = [(1 - a) * math.exp(-c) + a for c in ce.tolist()]
+    p1, p2, p3 = q[0], q[0] * q[1], q[0] * q[1] * q[2]  # prefix products of block 0
+    r1, r2 = q[3], q[3] * q[4]  # block 1: no label at position 3, so its chain ends after position 2
+    expected = torch.tensor([p1 + p2 + p3, p2 + p3, p3, r1 + r2, r2])
+    torch.testing.assert_close(dpace_weights(ce, scored, 2, 4, a), expected)
+    # a = 1: every probability counts as 1, so position j weighs the number of positions from j to the end
+    assert dpace_weights(ce, scored, 2, 4, 1.0).tolist() == [3.0, 2.0, 1.0, 2.0, 1.0]
+
+
+def test_dpace_weights_are_constants_of_the_gradient():
+    """The loss's gradient is sum_j w_j grad CE_j with w computed from the detached CE: no gradient flows
+    through the weights (they would otherwise push the drafter to be less confident)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 16, requires_grad=True)
+    head = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (10,))
+    scored = torch.tensor([1, 2, 3, 5, 6, 7, 9, 10, 11, 13])  # 4 blocks of 4: rows of positions 1-3
+
+    def reweight(nll):
+        return dpace_weights(nll, scored, 4, 4, 0.5)
+
+    loss, _ = chunked_weighted_ce(hidden, head, labels, torch.zeros(10), chunk=3, reweight=reweight)
+    loss.backward()
+    ce = F.cross_entropy(hidden @ head.T, labels, reduction="none")
+    reference = (reweight(ce.detach()) * ce).sum()
+    torch.testing.assert_close(loss, reference.detach())
+    grad = torch.autograd.grad(reference, hidden, retain_graph=True)[0]
+    torch.testing.assert_close(hidden.grad, grad)
+    through = torch.autograd.grad((reweight_live(ce, scored) * ce).sum(), hidden)[0]
+    assert not torch.allclose(through, grad)  # what a non-detached weight would have given
+
+
+def reweight_live(ce, scored):
+    """D-PACE's formula without detaching, for the comparison above."""
+    q = torch.zeros(16).index_put((scored,), 0.5 * torch.exp(-ce) + 0.5).view(4, 4)
+    prefix = torch.cumprod(q[:, 1:], dim=1)
+    w = torch.cat([torch.zeros(4, 1), prefix.flip(1).cumsum(1).flip(1)], dim=1)
+    return w.flatten()[scored]
+
+
+def test_dpace_normalises_by_the_blocks_with_a_label():
+    ids = torch.arange(3, 23).view(1, 20)
+    mask = torch.zeros_like(ids)
+    mask[0, 5:18] = 1
+    anchors = [torch.tensor([5, 9, 16])]  # the last block has labels at positions 1 only (17)
+    decay = build_block_inputs(ids, mask, anchors, 4, mask_token_id=1, min_slots=5)
+    dpace = build_block_inputs(ids, mask, anchors, 4, mask_token_id=1, min_slots=5, dpace_smoothing=0.5)
+    assert float(dpace.weight_sum) == 3.0  # 3 anchors with a label; the 2 padding slots have none
+    torch.testing.assert_close(decay.weight_sum, decay.weights.sum())
+    assert torch.equal(dpace.weights > 0, decay.weights > 0) and set(dpace.weights.unique().tolist()) == {
+        0.0,
+        1.0,
+    }
+    vocab = 30
+    hidden = torch.randn(1, 5 * 4, vocab)
+    terms = block_loss_terms(hidden, torch.eye(vocab), dpace, chunk=4)
+    assert float(terms.weight_sum) == 3.0 and torch.isfinite(terms.loss_sum)

@@ -2,5 +2,6 @@
 
 (a)-(c) the split job on CPU/gloo (channel.py); (d) the trainer against a plain loop around transformers'
 DFlash drafter (speed.py, plain_loop.py); (e)-(f) the drafter's step: dense vs block-sparse attention,
-and the paper's recipe in chunks with its predicted memory (drafter.py).
+and the paper's recipe in chunks with its predicted memory (drafter.py); (g) the objective variants by real
+tau on two targets (method.py, `--method`).
 """

@@ -1,21 +1,26 @@
 """`python -m dflash_ddp.bench [--only SECTIONS] [--steps N]`: see the package docstring.
 
 `python -m dflash_ddp.bench --gpu [--scale tiny] [--out DIR]`: Qwen3-8B-shaped target forward and drafter
-step on one GPU (gpu_shapes.py; not among the default sections: it needs a GPU, or `--scale tiny`)."""
+step on one GPU (gpu_shapes.py; not among the default sections: it needs a GPU, or `--scale tiny`).
+
+`python -m dflash_ddp.bench --method [--quick] [--jobs 2] [--method_out DIR]`: the objective variants at equal
+budget on two targets, by real tau over 3 seeds (method.py; about an hour on 2 cores, resumable)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 
-from . import __doc__ as summary
-from .channel import bench_channel, bench_job
-from .drafter import bench_attention_paths, bench_chunked_recipe
-from .gpu_shapes import add_arguments as add_gpu_shapes_arguments
-from .gpu_shapes import run as bench_gpu_shapes
-from .speed import bench_plain_loop
+from dflash_ddp.bench import __doc__ as summary
+from dflash_ddp.bench.channel import bench_channel, bench_job
+from dflash_ddp.bench.drafter import bench_attention_paths, bench_chunked_recipe
+from dflash_ddp.bench.gpu_shapes import add_arguments as add_gpu_shapes_arguments
+from dflash_ddp.bench.gpu_shapes import run as bench_gpu_shapes
+from dflash_ddp.bench.method import TARGETS, bench_method
+from dflash_ddp.bench.speed import bench_plain_loop
 
 SECTIONS = {
     "channel": lambda args: bench_channel(),
@@ -24,6 +29,9 @@ SECTIONS = {
     "attention": lambda args: bench_attention_paths(),
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
+    "method": lambda args: bench_method(
+        Path(args.method_out), args.quick, args.jobs, [t.strip() for t in args.targets.split(",")]
+    ),
 }
 DEFAULT = ["channel", "job", "plain", "attention", "recipe"]  # the CPU figures of docs/benchmarks.md
 
@@ -37,9 +45,23 @@ def main() -> None:
         "--plain_steps", type=int, default=200, help="steps of the trainer vs plain-loop runs"
     )
     add_gpu_shapes_arguments(parser)
+    method = parser.add_argument_group("--method (objective variants by real tau)")
+    method.add_argument("--method", action="store_true", help="= --only method")
+    method.add_argument(
+        "--quick", action="store_true", help="a few steps, 2 prompts, 1 seed: minutes, for tests"
+    )
+    method.add_argument("--jobs", type=int, default=2, help="training runs at a time (one thread each)")
+    method.add_argument(
+        "--method_out", default="runs/bench-method", help="results, runs and the second target"
+    )
+    method.add_argument(
+        "--targets", default=",".join(TARGETS), help=f"comma-separated of {', '.join(TARGETS)}"
+    )
     args = parser.parse_args()
     if args.gpu:
         args.only = "gpu_shapes"
+    if args.method:
+        args.only = "method"
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:

@@ -2,8 +2,10 @@
 
 For a sequence of length S with A sampled anchors, the drafter sees A blocks of `block_size` tokens
 `[token at anchor, MASK, ..., MASK]` at positions anchor+0..anchor+block_size-1. Block position k >= 1
-is scored against the token AT anchor+k (no extra shift), weighted by exp(-(k-1)/gamma) and by the
-response mask there. A block sees the context features strictly before its anchor and its own block
+is scored against the token AT anchor+k (no extra shift), weighted by the response mask there and by a
+position weight: the paper's fixed decay exp(-(k-1)/gamma) normalised by the weights' sum ("decay"), or
+D-PACE's weights from the drafter's own confidence ("dpace", `dpace_weights`) normalised by the number of
+blocks with a label. A block sees the context features strictly before its anchor and its own block
 (bidirectionally); blocks never see each other; padding blocks see nothing.
 """
 
@@ -13,6 +15,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+
+POSITION_WEIGHTINGS = ("decay", "dpace")
 
 # The paper's decay constants (appendix A.1); other block sizes interpolate (bs + 5) / 3, which hits all three.
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -30,6 +34,24 @@ def position_weights(block_size: int, gamma: float | None = None) -> torch.Tenso
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
+
+
+def dpace_weights(
+    nll: torch.Tensor, scored: torch.Tensor, num_blocks: int, block_size: int, smoothing: float
+):
+    """D-PACE position weights (Dynamic Position-Aware Cross-Entropy) of the scored rows, detached.
+
+    `nll` holds the cross-entropy of each scored row, `scored` their flat indices into [blocks, block_size].
+    With q_k = exp(-CE_k) the drafter's probability of the label at block position k and the smoothed
+    q~_k = (1 - a) q_k + a, position j weighs sum over m >= j of prod_{i <= m} q~_i: the derivative of the
+    expected accepted length with respect to log q_j. A position without a label (past the response) has
+    q~ = 0, so the chain of a block ends there, as acceptance would."""
+    q = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=nll.device)
+    q[scored] = (1.0 - smoothing) * torch.exp(-nll.detach().float()) + smoothing
+    prefix = torch.cumprod(q.view(num_blocks, block_size)[:, 1:], dim=1)  # P_m, m = 1..bs-1
+    weights = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=nll.device)
+    weights[:, 1:] = prefix.flip(1).cumsum(1).flip(1)  # sum over m >= j of P_m
+    return weights.flatten()[scored]
 
 
 def _anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
@@ -95,10 +117,15 @@ class BlockInputs:
     scored: torch.Tensor  # flat indices into [B*A*bs] of the positions with a positive weight
     context_len: int  # S
     block_size: int
+    dpace_smoothing: float | None = None  # D-PACE's a; None: the fixed decay of `weights`
 
     @property
     def weight_sum(self) -> torch.Tensor:
-        return self.weights.sum()
+        """What the loss sum is divided by (summed over every chunk, micro-batch and drafter rank first):
+        the position weights' sum for the decay, the number of blocks with a label for D-PACE."""
+        if self.dpace_smoothing is None:
+            return self.weights.sum()
+        return (self.weights.sum(-1) > 0).sum().float()
 
     def to(self, device: torch.device) -> BlockInputs:
         """A copy on `device`; built on the host, the copies do not wait for the device."""
@@ -118,9 +145,11 @@ def build_block_inputs(
     mask_token_id: int,
     gamma: float | None = None,
     min_slots: int = 1,
+    dpace_smoothing: float | None = None,
 ) -> BlockInputs:
     """Assemble block tokens, positions, labels and weights from per-sequence anchor lists, with at least
-    `min_slots` anchor slots (padding blocks, anchor -1, weight 0)."""
+    `min_slots` anchor slots (padding blocks, anchor -1, weight 0). With `dpace_smoothing` the weights mark
+    the labelled positions (1) and D-PACE sets their values in the loss."""
     batch, seq_len = input_ids.shape
     device = input_ids.device
     num_slots = max(min_slots, max(a.numel() for a in anchors))
@@ -136,7 +165,10 @@ def build_block_inputs(
     block_ids[:, :, 0] = torch.where(valid_anchor, gathered[:, :, 0], mask_token_id)
     labels = torch.where(in_seq, gathered, 0)
     response = torch.gather(loss_mask.float(), 1, pos.clamp(max=seq_len - 1).flatten(1)).view_as(pos)
-    weights = position_weights(block_size, gamma).to(device) * response * in_seq
+    per_position = (
+        position_weights(block_size, gamma) if dpace_smoothing is None else position_weights(block_size) > 0
+    )
+    weights = per_position.float().to(device) * response * in_seq
     context_pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
     return BlockInputs(
         block_ids=block_ids.flatten(1),
@@ -147,6 +179,7 @@ def build_block_inputs(
         scored=torch.nonzero(weights.flatten() > 0, as_tuple=False).flatten(),
         context_len=seq_len,
         block_size=block_size,
+        dpace_smoothing=dpace_smoothing,
     )
 
 
@@ -171,17 +204,21 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk):
-        loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    def forward(ctx, hidden, head_weight, labels, weights, chunk, reweight):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        nlls = []
         for start in range(0, hidden.shape[0], chunk):
             # In the head's dtype (bf16 on GPU): casting the chunk is cheap, casting the V x H head is not.
             h = hidden[start : start + chunk].to(head_weight.dtype)
             logits = (h @ head_weight.T).float()
             lab = labels[start : start + chunk]
-            nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, lab[:, None]).squeeze(1)
-            loss_sum += (nll * weights[start : start + chunk]).sum()
+            nlls.append(torch.logsumexp(logits, dim=-1) - logits.gather(1, lab[:, None]).squeeze(1))
             correct[start : start + chunk] = logits.argmax(dim=-1) == lab
+        if reweight is not None:  # weights from the rows' own losses (D-PACE): constants for backward
+            weights = reweight(torch.cat(nlls))
+        loss_sum = hidden.new_zeros((), dtype=torch.float32)
+        for i, nll in enumerate(nlls):
+            loss_sum += (nll * weights[i * chunk : (i + 1) * chunk]).sum()
         ctx.save_for_backward(hidden, head_weight, labels, weights)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(correct)
@@ -200,12 +237,13 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             grad_hidden[start : start + ctx.chunk] = ((probs * scale).to(h.dtype) @ head_weight).to(
                 hidden.dtype
             )
-        return grad_hidden, None, None, None, None
+        return grad_hidden, None, None, None, None, None
 
 
-def chunked_weighted_ce(hidden, head_weight, labels, weights, chunk: int = 1024):
-    """(weighted CE sum, argmax-correct flags) of `hidden @ head_weight.T` against `labels`."""
-    return _ChunkedLMHeadCE.apply(hidden, head_weight, labels, weights, chunk)
+def chunked_weighted_ce(hidden, head_weight, labels, weights, chunk: int = 1024, reweight=None):
+    """(weighted CE sum, argmax-correct flags) of `hidden @ head_weight.T` against `labels`. `reweight`, when
+    given, maps the rows' detached CE values to the weights used instead of `weights`."""
+    return _ChunkedLMHeadCE.apply(hidden, head_weight, labels, weights, chunk, reweight)
 
 
 @dataclass
@@ -244,8 +282,15 @@ def block_loss_terms(
     scored = weights > 0
     flat_idx = inputs.scored
     hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).index_select(0, flat_idx)
+    reweight = None
+    if inputs.dpace_smoothing is not None:
+        num_blocks = weights.shape[0] * weights.shape[1]
+
+        def reweight(nll: torch.Tensor) -> torch.Tensor:
+            return dpace_weights(nll, flat_idx, num_blocks, inputs.block_size, inputs.dpace_smoothing)
+
     loss_sum, correct_rows = chunked_weighted_ce(
-        hidden, head_weight, inputs.labels.flatten()[flat_idx], weights.flatten()[flat_idx], chunk
+        hidden, head_weight, inputs.labels.flatten()[flat_idx], weights.flatten()[flat_idx], chunk, reweight
     )
     correct = torch.zeros(scored.numel(), dtype=torch.bool, device=weights.device)
     correct[flat_idx] = correct_rows
@@ -255,7 +300,7 @@ def block_loss_terms(
     blocks = inputs.anchors >= 0
     return LossTerms(
         loss_sum=loss_sum,
-        weight_sum=weights.sum().detach(),
+        weight_sum=inputs.weight_sum.detach(),
         correct_per_pos=correct.sum(dim=(0, 1)).float(),
         count_per_pos=scored.sum(dim=(0, 1)).float(),
         accepted_sum=((1 + prefix) * blocks).sum().float(),

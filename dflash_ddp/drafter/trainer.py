@@ -41,6 +41,8 @@ class StepSettings:
     attention: str  # "sparse", "flex" or "dense" (see attention.py)
     chunk_tokens: int  # draft positions per drafter forward/backward (--drafter_chunk_tokens)
     loss_gamma: float | None = None
+    position_weighting: str = "decay"  # decay | dpace (see objective.py)
+    dpace_smoothing: float = 0.5
 
 
 @dataclass
@@ -145,6 +147,7 @@ class DrafterTrainer:
                 cfg.mask_token_id,
                 settings.loss_gamma,
                 min_slots,
+                settings.dpace_smoothing if settings.position_weighting == "dpace" else None,
             )
             rows_t = torch.tensor(rows, device=features.device)
             chunks.append(

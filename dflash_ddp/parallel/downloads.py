@@ -1,21 +1,41 @@
 """Hub names resolved once per node: the first process of each node downloads what the run needs into the
-hub cache while the node's other processes wait, then every process reads the same snapshot."""
+hub cache while the node's other processes wait, then every process reads the same snapshot.
+
+`together`: every process of the job makes the same call (a training run); False where one process works
+alone (the drafter leader's --plan), which then downloads by itself. Local paths need no coordination."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from dflash_ddp.hub import ModelSource, fetch_weights, locate_model, resolve_data, truncated_view
+from dflash_ddp.hub import (
+    ModelSource,
+    fetch_weights,
+    hub_dataset_name,
+    hub_model_name,
+    locate_model,
+    resolve_data,
+    truncated_view,
+)
 from dflash_ddp.parallel.topology import once_per_node
 
 
-def resolve_target(name: str) -> ModelSource:
+def once(key: str, work: Callable[[str | None], str | None], together: bool) -> str | None:
+    return once_per_node(key, work) if together else work(None)
+
+
+def resolve_target(name: str, together: bool = True) -> ModelSource:
     """`--target_model`: a local directory, or a hub name's snapshot with its config and tokenizer files."""
-    commit = once_per_node(f"target/{name}", lambda commit: locate_model(name, commit).commit)
+    if hub_model_name(name) is None:
+        return locate_model(name)
+    commit = once(f"target/{name}", lambda commit: locate_model(name, commit).commit, together)
     return locate_model(name, commit)
 
 
-def fetch_target_weights(source: ModelSource, num_layers: int | None, view_root: Path | None = None) -> Path:
+def fetch_target_weights(
+    source: ModelSource, num_layers: int | None, view_root: Path | None = None, together: bool = True
+) -> Path:
     """Download and check the weight files of the first `num_layers` layers (None: the whole target), and
     return the directory transformers should load them from (see hub.truncated_view)."""
 
@@ -23,24 +43,30 @@ def fetch_target_weights(source: ModelSource, num_layers: int | None, view_root:
         fetch_weights(source, num_layers, local_only=fetched is not None)
         return "fetched"
 
-    once_per_node(f"weights/{source.name}/{num_layers}", fetch)
+    if source.repo_id is None:
+        fetch(None)  # a local directory: only its files' integrity is checked
+        return source.path
+    once(f"weights/{source.name}/{num_layers}", fetch, together)
     if view_root is None:
         return source.path
-    return Path(
-        once_per_node(
-            f"view/{source.name}/{num_layers}",
-            lambda made: made or str(truncated_view(source, num_layers, view_root)),
-        )
+    view = once(
+        f"view/{source.name}/{num_layers}",
+        lambda made: made or str(truncated_view(source, num_layers, view_root)),
+        together,
     )
+    return Path(view)
 
 
-def resolve_data_files(specs: list[str], flag: str = "--data") -> list[str]:
+def resolve_data_files(specs: list[str], flag: str = "--data", together: bool = True) -> list[str]:
     """Files, directories and globs as they are; each hub dataset `org/name[:split]` as its split's files."""
     files = []
     for spec in specs:
+        if hub_dataset_name(spec) is None:
+            files.append(spec)
+            continue
 
         def resolve(commit: str | None, spec=spec) -> str | None:
             return resolve_data(spec, flag, commit)[1]
 
-        files += resolve_data(spec, flag, once_per_node(f"data/{spec}", resolve))[0]
+        files += resolve_data(spec, flag, once(f"data/{spec}", resolve, together))[0]
     return files

@@ -35,7 +35,7 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
     if topology.tp_size > 1:
         calibrate_group_split(cfg, setup, where)
         return
-    data, _ = load_data(cfg, setup, where)
+    data, _ = load_data(cfg, setup, where, together=False)
     device = run_device(cfg)
     taps = setup.drafter_config.target_layer_ids
     extractor = TargetFeatureExtractor(setup.info, taps, device, compute_dtype(device))
@@ -78,7 +78,7 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
     topo, device, store = ctx.topology, ctx.device, dist.distributed_c10d._get_default_store()
     try:
         measures_target = topo.role == "target" and topo.group == 0
-        data = load_data(cfg, setup, where)[0] if measures_target or topo.is_leader else None
+        data = load_data(cfg, setup, where, together=False)[0] if measures_target or topo.is_leader else None
         if measures_target:
             taps = setup.drafter_config.target_layer_ids
             extractor = TargetFeatureExtractor(

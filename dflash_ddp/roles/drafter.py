@@ -80,6 +80,8 @@ def build_trainer(
         attention,
         cfg.drafter_chunk_tokens,
         cfg.loss_gamma,
+        cfg.position_weighting,
+        cfg.dpace_smoothing,
     )
     optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps)
     return DrafterTrainer(drafter, head, settings, optim, group)

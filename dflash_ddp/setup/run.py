@@ -56,7 +56,10 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
             "all-reduces every layer's output and needs NCCL on GPUs; pass --channel_backend auto"
         )
     check_groups_within_nodes(topology)
-    source = resolve_target(cfg.target_model)
+    # every process prepares, except under --plan, where the drafter leader does alone (and, to time their
+    # sharded forward, a tensor-parallel group with it): hub downloads are coordinated only when all do
+    together = not cfg.plan or (cfg.calibrate and topology.tp_size > 1)
+    source = resolve_target(cfg.target_model, together)
     check_tensor_parallel(source.path, topology.tp_size)
     info = inspect_target(source.path)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
@@ -66,14 +69,19 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     if not cfg.plan or cfg.calibrate:
         view_root = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
         if cfg.eval_data:
-            fetch_target_weights(source, None)
-        info = dataclasses.replace(info, path=fetch_target_weights(source, max(taps) + 1, view_root))
+            fetch_target_weights(source, None, together=together)
+        info = dataclasses.replace(
+            info, path=fetch_target_weights(source, max(taps) + 1, view_root, together=together)
+        )
     memory = plan_memory(cfg, info, drafter_config, topology, device)
     return RunSetup(source, info, tokenizer, drafter_config, memory)
 
 
-def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedDataset, DataStats]:
-    """The tokenized --data, from the cache when files, tokenizer, template and settings are unchanged."""
+def load_data(
+    cfg: TrainConfig, setup: RunSetup, where: str, together: bool = True
+) -> tuple[TokenizedDataset, DataStats]:
+    """The tokenized --data, from the cache when files, tokenizer, template and settings are unchanged.
+    `together`: every process of the job loads it (hub datasets are then downloaded once per node)."""
     chat = ChatTokenizer(setup.tokenizer, cfg.chat_template_kwargs, cfg.train_last_turn_only)
     settings = TokenizeSettings(
         max_seq_len=cfg.max_seq_len,
@@ -85,7 +93,7 @@ def load_data(cfg: TrainConfig, setup: RunSetup, where: str) -> tuple[TokenizedD
     data, stats, _ = load_or_tokenize(
         chat,
         setup.info.path,
-        resolve_data_files(cfg.data),
+        resolve_data_files(cfg.data, together=together),
         settings,
         cache_dir,
         cfg.num_proc,

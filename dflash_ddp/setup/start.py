@@ -141,6 +141,8 @@ IDENTITY = (
 # Identity fields that checkpoints written before them lack, and the value they stand for there: those
 # checkpoints were trained from a local directory.
 ADDED_LATER = {"fingerprints.target_commit": None}
+# Settings that checkpoints written before them lack, and the value those runs trained with.
+SETTINGS_ADDED_LATER = {"position_weighting": "decay", "dpace_smoothing": 0.5}
 
 
 def _lookup(data: dict, dotted: str):
@@ -171,6 +173,7 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
         )
         raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity) + hint)
     # optimisation settings: a change is refused unless the user names it in --resume_override
+    saved = saved | {"config": SETTINGS_ADDED_LATER | saved["config"]}
     missing = [k for k in RESUME_OVERRIDABLE if k not in saved["config"]]
     if missing:
         raise ValueError(f"{where}/trainer_state.json: config lacks {missing}")

@@ -253,6 +253,8 @@ def collect_doc_entries(max_chars: int = 400, min_chars: int = 40) -> list[DocEn
 
 def entry_to_answer(e: DocEntry) -> str:
     """Render the assistant answer: a short templated lead-in followed by the docstring prose."""
+    if e.kind == "command":
+        return f"`{e.qualname}` is a command from {e.module} of the manual. {e.summary}"
     if e.kind == "module":
         return f"`{e.qualname}` is a module in the Python standard library. {e.summary}"
     article = "an" if e.kind[0] in "aeiou" else "a"
@@ -262,12 +264,87 @@ def entry_to_answer(e: DocEntry) -> str:
     return f"{lead} {e.summary}"
 
 
+_ROFF_FONT = re.compile(r"\\f(\[[^\]]*\]|\(..|.)")
+_ROFF_ESCAPE = re.compile(r"\\(\(..|\[[^\]]*\]|[^a-zA-Z])")
+# --corpus -> the prefix of the data files it writes
+CORPORA = {"docstrings": "docstring_qa", "manpages": "manpage_qa"}
+COMMAND_TEMPLATES = [
+    "What does the `{name}` command do?",
+    "Explain the `{name}` command.",
+    "What is `{name}` used for?",
+    "Describe the `{name}` command in one paragraph.",
+    "Can you tell me about the `{name}` command?",
+]
+
+
+def _roff_text(line: str) -> str:
+    """A man page line as plain text: font changes and escapes dropped, `\\-` a hyphen, macro names removed."""
+    line = line.replace("\\-", "-").replace("\\(em", "-").replace("\\(en", "-").replace("\\e", "\\")
+    line = _ROFF_ESCAPE.sub("", _ROFF_FONT.sub("", line))
+    if line.startswith((".", "'")):
+        parts = line.split(None, 1)
+        if parts[0] not in (".B", ".I", ".BR", ".BI", ".IR", ".RB", ".RI", ".IB", ".SM", ".SB"):
+            return ""
+        line = parts[1].replace('"', "") if len(parts) > 1 else ""
+        if parts[0] in (".BR", ".BI", ".IR", ".RB", ".RI", ".IB"):
+            line = "".join(line.split()) if len(line.split()) <= 2 and "(" in line else line
+    return " ".join(line.split())
+
+
+def collect_manpage_entries(
+    max_chars: int = 400, min_chars: int = 40, root: str = "/usr/share/man"
+) -> list[DocEntry]:
+    """Commands of manual sections 1 and 8: the NAME line's summary plus the DESCRIPTION's first sentences.
+
+    A second corpus for benchmarks on a machine without network: other words, other answers' shapes."""
+    import gzip
+
+    entries, seen = [], set()
+    for section in ("1", "8"):
+        for path in sorted(Path(root, f"man{section}").glob(f"*.{section}*")):
+            name = path.name.split(f".{section}")[0]
+            if name in seen or not re.fullmatch(r"[a-z][a-z0-9+.-]{1,30}", name):
+                continue
+            try:
+                if path.suffix == ".gz":
+                    with gzip.open(path, "rt", errors="replace") as f:
+                        raw = f.read()
+                else:
+                    raw = path.read_text(errors="replace")
+            except OSError:
+                continue
+            if raw.startswith(".so "):
+                continue  # a link to another page
+            whatis, description, current = "", [], None
+            for line in raw.splitlines():
+                if line.startswith(".SH") or line.startswith(".Sh"):
+                    current = line[3:].strip().strip('"').upper()
+                    continue
+                if current == "NAME" and not whatis:
+                    text = _roff_text(line)
+                    if " - " in text:
+                        whatis = text.split(" - ", 1)[1].strip()
+                elif current == "DESCRIPTION" and sum(len(t) for t in description) < 2 * max_chars:
+                    text = _roff_text(line)
+                    if text:
+                        description.append(text)
+            prose = " ".join(description)
+            summary = " ".join(_SENTENCE_END.split(prose)[:2])[:max_chars].strip()
+            if not whatis or len(summary) < min_chars or not summary[0].isalpha():
+                continue
+            seen.add(name)
+            whatis = whatis[0].upper() + whatis[1:].rstrip(".")
+            entries.append(DocEntry(name, f"section {section}", "command", None, f"{whatis}. {summary}"))
+    return entries
+
+
 def build_conversations(entries: list[DocEntry], seed: int, system_frac: float) -> list[dict]:
     """Turn entries into deduplicated OpenAI-style ``{"messages": [...]}`` rows (seeded)."""
     rng = random.Random(seed)
     rows, seen = [], set()
     for e in entries:
-        template = QUESTION_TEMPLATES[rng.randrange(len(QUESTION_TEMPLATES))]
+        templates = COMMAND_TEMPLATES if e.kind == "command" else QUESTION_TEMPLATES
+        template = templates[rng.randrange(len(templates))]
         if e.kind == "module" and "{module}" in template:
             template = QUESTION_TEMPLATES[0]  # "about `json` in the `json` module" reads badly
         question = template.format(name=e.qualname, kind=e.kind, module=e.module)
@@ -667,6 +744,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """CLI for the main knobs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dir", default="dflash_ddp/assets")
+    p.add_argument(
+        "--corpus",
+        choices=list(CORPORA),
+        default="docstrings",
+        help="docstrings: Python stdlib docstrings (the embedded default); manpages: sections 1 and 8 of the "
+        "manual (a second target for benchmarks)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n_heldout", type=int, default=200)
     p.add_argument("--max_chars", type=int, default=400, help="cap on docstring summary length")
@@ -706,16 +790,21 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- 1. corpus -------------------------------------------------------------------------
     t0 = time.time()
-    log("corpus: collecting stdlib docstrings")
-    # Importing some modules prints (e.g. deprecation notices); keep the log clean.
-    with contextlib.redirect_stdout(io.StringIO()):
-        entries = collect_doc_entries(max_chars=args.max_chars)
+    prefix = CORPORA[args.corpus]
+    if args.corpus == "manpages":
+        log("corpus: collecting manual pages of sections 1 and 8")
+        entries = collect_manpage_entries(max_chars=args.max_chars)
+    else:
+        log("corpus: collecting stdlib docstrings")
+        # Importing some modules prints (e.g. deprecation notices); keep the log clean.
+        with contextlib.redirect_stdout(io.StringIO()):
+            entries = collect_doc_entries(max_chars=args.max_chars)
     rows = build_conversations(entries, args.seed, args.system_frac)
     if args.max_conversations and len(rows) > args.max_conversations:
         keep = sorted(random.Random(args.seed + 3).sample(range(len(rows)), args.max_conversations))
         rows = [rows[i] for i in keep]
     train_rows, heldout_rows = split_rows(rows, args.n_heldout, args.seed)
-    write_jsonl(data_dir / "docstring_qa.jsonl", train_rows)
+    write_jsonl(data_dir / f"{prefix}.jsonl", train_rows)
     n_modules = len({e.module for e in entries})
     log(f"  {len(entries)} entries from {n_modules} modules -> {len(rows)} conversations")
     log(f"  train {len(train_rows)}, held-out {len(heldout_rows)}")
@@ -775,7 +864,7 @@ def main(argv: list[str] | None = None) -> None:
     train_regen, train_regen_stats = regenerate(model, tok, train_rows, args)
     log(f"  {train_regen_stats}")
     write_jsonl(data_dir / "heldout_regenerated.jsonl", held_regen)
-    write_jsonl(data_dir / "docstring_qa_regenerated.jsonl", train_regen)
+    write_jsonl(data_dir / f"{prefix}_regenerated.jsonl", train_regen)
     timings["regeneration"] = time.time() - t0
     timings["total"] = time.time() - t_start
 
@@ -819,7 +908,10 @@ def main(argv: list[str] | None = None) -> None:
         "max_len": args.max_len,
         "timings": timings,
     }
-    write_readme(data_dir / "README.md", info, sample)
+    if args.corpus == "docstrings":
+        write_readme(data_dir / "README.md", info, sample)
+    else:  # a benchmark's second target: the build's facts, not the embedded default's README
+        (data_dir / "build.json").write_text(json.dumps(info | {"sample": sample}, indent=1) + "\n")
     log(f"sample prompt: {sample['prompt']}")
     log(f"  original:    {sample['original']}")
     log(f"  regenerated: {sample['regenerated']}")

@@ -1,0 +1,181 @@
+"""(g) The method benchmark, `python -m dflash_ddp.bench --method`: each objective variant trained at equal
+budget (same steps, sequences, anchors and seeds) on two targets, measured by real tau: the project's own
+speculative decoding of held-out prompts, every output checked against the target's greedy output.
+
+Targets: the embedded tiny target on its docstring data, and a second one built on this machine by the
+tiny-target tool from other text (sections 1 and 8 of the manual pages), with another tokenizer size.
+Each run is the real CLI (`python -m dflash_ddp.train`, one process, one thread, so it trains the weights a
+split job would); each finished (target, variant, seed) is kept under OUT/results/, so a stopped benchmark
+resumes where it stopped. A variant beats the baseline only when its worst seed beats the baseline's best.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dflash_ddp.config import EMBEDDED_PRESET
+from dflash_ddp.files import atomic_write_text
+
+BASELINE = "decay"
+# name -> flags on top of the target's settings; the names are what the docs' table shows
+VARIANTS = {
+    "decay": {},  # the paper's exp(-(k-1)/gamma), gamma 4 for blocks of 8
+    "decay-gamma2": {"loss_gamma": 2.0},
+    "dpace": {"position_weighting": "dpace"},
+}
+# The embedded default's settings (the README's run) for both targets.
+TRAINING = {
+    key: EMBEDDED_PRESET[key]
+    for key in (
+        "num_draft_layers",
+        "block_size",
+        "num_anchors",
+        "max_seq_len",
+        "tokens_per_batch",
+        "learning_rate",
+    )
+}
+MANPAGES = ["--corpus", "manpages", "--vocab_size", "1024", "--system_frac", "0", "--threads", "1"]
+FULL = {
+    "max_steps": EMBEDDED_PRESET["max_steps"], "eval_prompts": 20, "eval_max_new_tokens": 96, "seeds": 3,
+    "target": [*MANPAGES, "--n_heldout", "100", "--train_steps", "0", "--train_minutes", "8"],
+}  # fmt: skip
+QUICK = {
+    "max_steps": 4, "eval_prompts": 2, "eval_max_new_tokens": 8, "seeds": 1,
+    "target": [*MANPAGES, "--n_heldout", "10", "--max_conversations", "80", "--train_steps", "3",
+               "--max_new_tokens", "48", "--min_answer_tokens", "8"],
+}  # fmt: skip
+
+
+def embedded_target(out: Path, budget: dict) -> dict:
+    return {"target_model": EMBEDDED_PRESET["target_model"], "data": EMBEDDED_PRESET["data"][0],
+            "eval_data": EMBEDDED_PRESET["eval_data"]}  # fmt: skip
+
+
+def manpage_target(out: Path, budget: dict) -> dict:
+    """The second target, built by the tiny-target tool into OUT/targets/manpages on first use (about 12 min
+    on 2 cores: 8 of training, the rest regenerating its data; seconds for --quick)."""
+    root = out / "targets" / "manpages"
+    data = root / "data"
+    if not (data / "heldout_regenerated.jsonl").is_file():
+        print(
+            f"building the second target in {root} (python -m dflash_ddp.tools.make_tiny_target)", flush=True
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "dflash_ddp.tools.make_tiny_target",
+            "--out_dir",
+            str(root),
+            *budget["target"],
+        ]
+        subprocess.run(cmd, check=True)
+    return {"target_model": str(root / "tiny_qwen3"), "data": str(data / "manpage_qa_regenerated.jsonl"),
+            "eval_data": str(data / "heldout_regenerated.jsonl")}  # fmt: skip
+
+
+TARGETS = {"embedded": embedded_target, "manpages": manpage_target}
+
+
+def run_one(out: Path, target: str, paths: dict, variant: str, seed: int, budget: dict) -> dict:
+    """Train and evaluate one (target, variant, seed), or read its kept result."""
+    result_file = out / "results" / target / variant / f"seed{seed}.json"
+    if result_file.is_file():
+        return json.loads(result_file.read_text())
+    run_dir = out / "runs" / target / variant / f"seed{seed}"
+    settings = {**paths, **TRAINING, **VARIANTS[variant], "seed": seed, "output_dir": run_dir,
+                "max_steps": budget["max_steps"], "save_steps": budget["max_steps"], "resume": "never",
+                "eval_prompts": budget["eval_prompts"], "eval_max_new_tokens": budget["eval_max_new_tokens"]}  # fmt: skip
+    if run_dir.exists():  # a run the benchmark's stop interrupted: start it again
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    flags = [x for k, v in settings.items() for x in (f"--{k}", str(v))]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.train", *flags], env=env, capture_output=True, text=True
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{target}/{variant}/seed{seed} failed:\n{done.stderr[-3000:]}")
+    report = json.loads((run_dir / "eval.json").read_text())
+    trained = re.search(r"training took (\d+) s", done.stdout)
+    result = {
+        "target": target,
+        "variant": variant,
+        "seed": seed,
+        "tau": report["dflash"]["tau"],
+        "lossless": report["lossless"],
+        "prompts": report["num_prompts"],
+        "train_s": int(trained.group(1)) if trained else None,
+        "s_per_step": int(trained.group(1)) / budget["max_steps"] if trained else None,
+        "wall_s": round(wall, 1),
+        "budget": {k: budget[k] for k in ("max_steps", "eval_prompts", "eval_max_new_tokens")},
+    }
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(result_file, json.dumps(result, indent=1) + "\n")
+    print(f"  {target}/{variant}/seed{seed}: tau {result['tau']:.3f} ({wall:.0f} s)", flush=True)
+    return result
+
+
+def summarise(results: list[dict], targets: list[str]) -> list[str]:
+    """The table: per target and variant, mean and spread of real tau over seeds, cost, and the verdict."""
+    lines = [
+        "| target | variant | real tau, mean (min-max) | per seed | lossless | s/step | vs decay |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for target in targets:
+        by_variant = {
+            v: sorted(
+                (r for r in results if r["target"] == target and r["variant"] == v), key=lambda r: r["seed"]
+            )
+            for v in VARIANTS
+        }
+        base = [r["tau"] for r in by_variant[BASELINE]]
+        for variant, runs in by_variant.items():
+            if not runs:
+                continue
+            taus = [r["tau"] for r in runs]
+            mean = statistics.mean(taus)
+            verdict = "-"
+            if variant != BASELINE and base:
+                change = f"{100 * (mean / statistics.mean(base) - 1):+.1f}%"
+                if min(taus) > max(base):
+                    verdict = f"{change}, wins (worst seed above decay's best)"
+                elif max(taus) < min(base):
+                    verdict = f"{change}, loses"
+                else:
+                    verdict = f"{change}, within the spread"
+            steps = [r["s_per_step"] for r in runs if r["s_per_step"]]
+            lines.append(
+                f"| {target} | {variant} | {mean:.3f} ({min(taus):.3f}-{max(taus):.3f}) | "
+                f"{' '.join(f'{t:.3f}' for t in taus)} | {sum(r['lossless'] for r in runs)}/{len(runs)} | "
+                f"{statistics.mean(steps):.2f} | {verdict} |"
+                if steps
+                else f"| {target} | {variant} | {mean:.3f} | - | - | - | {verdict} |"
+            )
+    return lines
+
+
+def bench_method(out: Path, quick: bool, jobs: int, targets: list[str]) -> list[str]:
+    """Run (or resume) every (target, variant, seed) and print the table; returns its lines."""
+    budget = QUICK if quick else FULL
+    out = out / ("quick" if quick else "full")
+    print(f"(g) method benchmark in {out}: {budget}, variants {', '.join(VARIANTS)}", flush=True)
+    work = []
+    for target in targets:
+        paths = TARGETS[target](out, budget)
+        work += [(target, paths, v, s) for v in VARIANTS for s in range(budget["seeds"])]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda w: run_one(out, *w, budget), work))
+    lines = summarise(results, targets)
+    print("\n".join(lines))
+    atomic_write_text(out / "table.md", "\n".join(lines) + "\n")
+    return lines
