@@ -199,6 +199,8 @@ def test_the_export_is_stamped_with_how_the_drafter_was_trained(tmp_path, tiny_t
         "tokenizer_fingerprint": fingerprint_files(sorted(tiny_target.glob("tokenizer*"))),
         "data_fingerprint": "0123456789abcdef",
         "chat_template_kwargs": {"enable_thinking": False},
+        "target_model": str(tiny_target),
+        "target_commit": None,  # a local directory (and a trainer_state.json from before hub names)
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "regeneration": {str(data): regeneration},
     }

@@ -139,6 +139,18 @@ def test_a_name_missing_from_the_cache_offline_names_the_cache_and_the_variable(
     assert str(tmp_path / "empty") in message and "HF_HUB_OFFLINE=1" in message and "HF_HUB_CACHE" in message
 
 
+def test_the_real_command_offline_without_the_name_in_the_cache_is_one_line(tmp_path, chat_data):
+    flags = as_flags(
+        {"target_model": "org/absent", "data": chat_data, "output_dir": tmp_path / "run", **SMALL_JOB}
+    )
+    done = run(["-m", "dflash_ddp.train", *flags], tmp_path / "empty-cache")
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: --target_model org/absent: not in the hub cache ")
+    assert "HF_HUB_OFFLINE=1 is set" in line and str(tmp_path / "empty-cache") in line
+    assert not (tmp_path / "run").exists()
+
+
 def response(status: int) -> httpx2.Response:
     return httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/models/org/x"))
 

@@ -127,22 +127,31 @@ def model_card(
         "",
     ]
     if state:
-        cfg, fingerprints = state["config"], state["fingerprints"]
+        cfg, fingerprints = state.get("config", {}), state.get("fingerprints", {})
         settings = {k: cfg[k] for k in OBJECTIVE_SETTINGS if k in cfg}
-        if settings.get("loss_gamma") is None:
+        if cfg.get("position_weighting") == "dpace":
+            settings.pop("loss_gamma", None)
+        elif settings.get("loss_gamma") is None:
             settings["loss_gamma"] = f"{loss_gamma(block):g} (the paper's for block {block})"
         objective = ", ".join(f"{k} {v}" for k, v in settings.items())
         lines += [
             "## Training",
             "",
-            f"- target: `{cfg['target_model']}`"
+            f"- target: `{cfg.get('target_model', '?')}`"
             + (f" at commit `{fingerprints['target_commit']}`" if fingerprints.get("target_commit") else "")
-            + f" (fingerprint `{fingerprints['target']}`)",
-            f"- data: {', '.join(f'`{d}`' for d in cfg['data'])} (fingerprint `{fingerprints['data']}`), "
+            + f" (fingerprint `{fingerprints.get('target')}`)",
+            f"- data: {', '.join(f'`{d}`' for d in cfg.get('data', []))} (fingerprint `{fingerprints.get('data')}`), "
             f"chat template arguments {json.dumps(cfg.get('chat_template_kwargs', {}))}",
-            f"- {state['global_step']} optimizer steps (epoch {state['epoch']}), {state['tokens_seen']:,} tokens seen",
+            f"- {state.get('global_step')} optimizer steps (epoch {state.get('epoch', '?')}), "
+            f"{state.get('tokens_seen', 0):,} tokens seen",
             "- objective: cross-entropy at each block position after randomly drawn anchors on response "
-            f"tokens, weighted by exp(-(k-1)/gamma); {objective}",
+            + (
+                "tokens, weighted by D-PACE (the drafter's own detached label probabilities, smoothed by "
+                f"{cfg.get('dpace_smoothing', 0.5)}); "
+                if cfg.get("position_weighting") == "dpace"
+                else "tokens, weighted by exp(-(k-1)/gamma); "
+            )
+            + objective,
             "",
         ]
     report, source = run_evaluation(checkpoint, state)
