@@ -89,7 +89,8 @@ def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data
         torch.load(ckpt / name, weights_only=True)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == 20 and state["tokens_seen"] > 0
-    assert set(state["fingerprints"]) == {"target", "tokenizer", "data"}
+    assert set(state["fingerprints"]) == {"target", "target_commit", "tokenizer", "data"}
+    assert state["fingerprints"]["target_commit"] is None  # a local directory, not a hub snapshot
     assert all(t.dtype == torch.float32 for t in load_file(ckpt / "model.safetensors").values())
     assert not list(root.glob(".tmp-*"))
 

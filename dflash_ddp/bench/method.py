@@ -169,10 +169,9 @@ def bench_method(out: Path, quick: bool, jobs: int, targets: list[str]) -> list[
     budget = QUICK if quick else FULL
     out = out / ("quick" if quick else "full")
     print(f"(g) method benchmark in {out}: {budget}, variants {', '.join(VARIANTS)}", flush=True)
-    work = []
-    for target in targets:
-        paths = TARGETS[target](out, budget)
-        work += [(target, paths, v, s) for v in VARIANTS for s in range(budget["seeds"])]
+    paths = {target: TARGETS[target](out, budget) for target in targets}
+    # seed by seed, so that a benchmark stopped early holds whole seeds of every variant on every target
+    work = [(t, paths[t], v, s) for s in range(budget["seeds"]) for t in targets for v in VARIANTS]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(lambda w: run_one(out, *w, budget), work))
     lines = summarise(results, targets)

@@ -351,8 +351,8 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
     cfg = dataclasses.replace(cfg, data=resolve_data_files(cfg.data))  # hub datasets: their split's files
     rows, stats = load_rows(cfg)
     source = resolve_target(cfg.target_model)
-    fetch_target_weights(source, None)
     info = inspect_target(source.path)
+    fetch_target_weights(source, None)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     device, dtype = pick_device(cfg.device, local_rank)
     settings = run_settings(cfg, source, tokenizer, dtype, len(rows))

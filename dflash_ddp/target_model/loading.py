@@ -31,5 +31,6 @@ def whole_target(name: str | Path) -> TargetInfo:
     """A target for decoding, by directory or hub name, with every weight file on disk (a hub name's are
     downloaded into the hub cache by this process) and checked intact."""
     source = locate_model(str(name))
+    info = inspect_target(source.path)  # a local directory's problems first: not one, no config, no weights
     fetch_weights(source, None)
-    return inspect_target(source.path)
+    return info
