@@ -27,8 +27,8 @@ from dflash_ddp.files import atomic_write_text
 BASELINE = "decay"
 # name -> flags on top of the target's settings; the names are what the docs' table shows
 VARIANTS = {
-    "decay": {},  # the paper's exp(-(k-1)/gamma), gamma 4 for blocks of 8
-    "decay-gamma2": {"loss_gamma": 2.0},
+    "decay": {"position_weighting": "decay"},  # the paper's exp(-(k-1)/gamma), gamma 4 for blocks of 8
+    "decay-gamma2": {"position_weighting": "decay", "loss_gamma": 2.0},
     "dpace": {"position_weighting": "dpace"},
 }
 # The embedded default's settings (the README's run) for both targets.
