@@ -74,6 +74,17 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
             "decay or dpace",
         ),
         "dpace_smoothing": ("D-PACE's a: q~ = (1 - a) q + a for the label probability q", ""),
+        "loss": (
+            "what a block position is scored against: the data's token (ce), or the target's top-k "
+            "next-token distribution by KL divergence or total variation (needs --target_topk)",
+            "ce, kl or tv",
+        ),
+        "target_topk": (
+            "soft targets: the target ranks run every layer and the LM head and send the top-k next-token "
+            "probabilities with the features (k x 6 bytes more a token); 0: none",
+            "0 or an integer >= 1",
+        ),
+        "ce_weight": ("share of the token's CE mixed into --loss kl or tv (DSpark trains 0.1 with tv)", ""),
         "num_epochs": ("passes over the data (when --max_steps is -1)", ""),
         "max_steps": ("optimizer steps; -1: --num_epochs passes", "-1 or an integer >= 1"),
         "learning_rate": ("peak learning rate of AdamW (linear warm-up, cosine decay)", ""),

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from dflash_ddp.data.chat_template import check_template_kwargs
+from dflash_ddp.drafter.distillation import LOSSES
 from dflash_ddp.drafter.objective import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import resolve_report_to
@@ -70,6 +71,12 @@ class TrainConfig:
     # drafter's own confidence, smoothed by dpace_smoothing; see drafter/objective.py)
     position_weighting: str = "decay"
     dpace_smoothing: float = 0.5
+    # what a block position is scored against: ce (the data's token) | kl | tv (the target's own top-k
+    # next-token distribution, which target_topk > 0 makes the target ranks compute and send; see
+    # drafter/distillation.py), with ce_weight of the token's CE mixed into kl or tv
+    loss: str = "ce"
+    target_topk: int = 0
+    ce_weight: float = 0.0
     # data
     chat_template: str = ""  # a jinja file replacing the tokenizer's chat template
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. '{"enable_thinking": false}'
@@ -165,6 +172,7 @@ class TrainConfig:
             raise ValueError(
                 f"--position_weighting {self.position_weighting}: choose {' or '.join(POSITION_WEIGHTINGS)}"
             )
+        self._check_loss()
         if self.attention not in ("auto", "sparse", "flex", "dense"):
             raise ValueError(
                 f"--attention {self.attention}: choose auto, sparse (block-sparse, CPU and GPU), flex (compiled, "
@@ -202,6 +210,25 @@ class TrainConfig:
             )
         self._check_paths()
 
+    def _check_loss(self) -> None:
+        """--loss, --target_topk and --ce_weight together: each soft-target setting needs the others."""
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss {self.loss}: choose {', '.join(LOSSES)}")
+        if self.loss != "ce" and not self.target_topk:
+            raise ValueError(
+                f"--loss {self.loss} trains against the target's top-k next-token distribution: pass "
+                "--target_topk K (e.g. 8), or --loss ce"
+            )
+        if self.loss == "ce" and self.target_topk:
+            raise ValueError(
+                f"--target_topk {self.target_topk} makes the target ranks run every layer and send soft targets "
+                "that --loss ce does not read: pass --loss kl or --loss tv, or drop --target_topk"
+            )
+        if self.loss == "ce" and self.ce_weight:
+            raise ValueError(
+                f"--ce_weight {self.ce_weight} mixes the token's CE into --loss kl or tv; --loss ce is that CE alone"
+            )
+
     def _check_paths(self) -> None:
         """Paths read only after training (--eval_data) or written later (--output_dir), checked now."""
         if self.eval_data and not Path(self.eval_data).is_file() and hub_dataset_name(self.eval_data) is None:
@@ -237,6 +264,7 @@ INT_MINIMUM = {
     "eval_prompts": 1,
     "eval_max_new_tokens": 1,
     "eval_steps": 0,
+    "target_topk": 0,  # 0: no soft targets
 }
 
 
@@ -248,6 +276,7 @@ FLOAT_RANGES = {
     "max_grad_norm": (lambda v: v > 0, "a finite number > 0 (the clipping threshold)"),
     "loss_gamma": (lambda v: v > 0, "a finite number > 0 (the position-decay scale)"),
     "dpace_smoothing": (lambda v: 0 <= v <= 1, "in [0, 1] (D-PACE's smoothing of the label probability)"),
+    "ce_weight": (lambda v: 0 <= v <= 1, "in [0, 1] (the share of the token's CE in the loss)"),
     "dist_timeout": (lambda v: 0 < v <= 1e7, "a finite number of seconds in (0, 1e7]"),
 }
 
@@ -263,6 +292,9 @@ RESUME_OVERRIDABLE = (
     "loss_gamma",
     "position_weighting",
     "dpace_smoothing",
+    "loss",
+    "target_topk",
+    "ce_weight",
     "tokens_per_batch",
     "max_seq_len",
     "seed",

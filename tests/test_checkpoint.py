@@ -113,6 +113,26 @@ def test_other_target_or_tokenizer_is_refused(finished_run):
             check_same_run(saved, current, [], _newest(finished_run))
 
 
+def test_a_checkpoint_from_before_an_objective_setting_resumes_with_the_setting_it_trained_with(finished_run):
+    """Checkpoints written before --position_weighting, --loss, --target_topk and --ce_weight lack them: they
+    trained with the decay and the token's CE, so a run that says so resumes and one that does not is told."""
+    saved = load_trainer_state(_newest(finished_run))
+    current = json.loads(json.dumps(saved))
+    for key in ("position_weighting", "dpace_smoothing", "loss", "target_topk", "ce_weight"):
+        del saved["config"][key]
+    current["config"].update(position_weighting="decay", loss="ce", target_topk=0, ce_weight=0.0)
+    assert check_same_run(saved, current, [], _newest(finished_run)) == []
+    current["config"].update(position_weighting="dpace", loss="tv", target_topk=8)
+    with pytest.raises(
+        ValueError, match="position_weighting: checkpoint 'decay', now 'dpace'; loss: checkpoint"
+    ):
+        check_same_run(saved, current, [], _newest(finished_run))
+    accepted = check_same_run(
+        saved, current, ["position_weighting", "loss", "target_topk"], _newest(finished_run)
+    )
+    assert "loss: 'ce' -> 'tv'" in accepted
+
+
 def test_optimisation_change_needs_an_override(finished_run, tiny_target, chat_data, capsys):
     assert (
         main(args(tiny_target, chat_data, finished_run, "--learning_rate", "1e-2", "--max_steps", "6")) == 2

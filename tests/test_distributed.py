@@ -82,11 +82,19 @@ def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_pat
         assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{out.name} differs"
 
 
-@pytest.mark.parametrize("weighting", ["decay", "dpace"])
-def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, weighting):
+OBJECTIVES = {
+    "decay": {"position_weighting": "decay"},
+    "dpace": {"position_weighting": "dpace"},
+    "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 4, "ce_weight": 0.1},
+}
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, name):
     """2+2 (data-parallel drafter) trains the same function as 1+1 accumulating 2 batches per step, with
-    either position weighting: both normalise the loss over every rank's blocks, not per rank."""
-    objective = {"position_weighting": weighting}
+    either position weighting and with soft targets: the loss is normalised over every rank's blocks, not
+    per rank."""
+    objective = OBJECTIVES[name]
     one = torchrun(
         2, train_args(tiny_target, chat_data, tmp_path / "1+1", gradient_accumulation_steps=2, **objective)
     )
@@ -99,8 +107,31 @@ def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
-def test_messages_of_varying_length_arrive_intact(tiny_target):
-    result = torchrun(2, [str(SCRIPTS / "channel_roundtrip.py"), str(tiny_target)])
+def test_soft_targets_train_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):
+    """With --loss tv --target_topk 4, the soft targets computed in the drafter's own process and those sent
+    by a target rank over the channel train the same weights, bit for bit."""
+    from dflash_ddp.train import main
+
+    soft = OBJECTIVES["dpace-tv"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's workers (see above)
+    try:
+        assert main(train_args(tiny_target, chat_data, tmp_path / "colocated", **soft)[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    split = torchrun(3, train_args(tiny_target, chat_data, tmp_path / "2+1", **soft))
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert losses(tmp_path / "2+1") == losses(tmp_path / "colocated")
+    reference, weights = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    state = json.loads(next((tmp_path / "2+1" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
+    assert state["config"]["loss"] == "tv" and state["config"]["target_topk"] == 4
+
+
+@pytest.mark.parametrize("topk", [0, 5])
+def test_messages_of_varying_length_arrive_intact(tiny_target, topk):
+    """Features, and with --target_topk the soft targets' ids and bf16 probabilities, bit for bit."""
+    result = torchrun(2, [str(SCRIPTS / "channel_roundtrip.py"), str(tiny_target), str(topk)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all 6 messages intact" in result.stdout
 

@@ -20,6 +20,7 @@ from dflash_ddp.evaluation.decoding import as_transformers_assistant
 from dflash_ddp.export import main
 from dflash_ddp.files import fingerprint_files
 from dflash_ddp.regeneration.parts import settings_path
+from dflash_ddp.serving.card import scored_against
 from dflash_ddp.serving.export import load_drafter, package_version, save_drafter
 from dflash_ddp.target_model.info import target_fingerprint
 
@@ -272,3 +273,11 @@ def test_transformers_dflash_drafter_loads_the_export_and_generates_with_a_bf16_
         ids, do_sample=False, max_new_tokens=16, assistant_model=glimmer, speculation_type="dflash"
     )
     assert speculative.tolist() == plain.tolist()
+
+
+def test_the_model_card_names_the_loss_it_was_trained_with():
+    assert scored_against({"loss": "ce"}) == "cross-entropy"
+    assert scored_against({"loss": "tv", "target_topk": 8, "ce_weight": 0.1}) == (
+        "total variation from the target's top-8 next-token distribution plus 0.1 x the token's cross-entropy"
+    )
+    assert scored_against({"loss": "kl", "target_topk": 4, "ce_weight": 0.0}).startswith("KL divergence")

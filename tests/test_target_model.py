@@ -29,7 +29,8 @@ def test_layer_id_l_taps_hidden_states_l_plus_one(family, request):
         reference = full(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
     taps = [0, 2, 3]
     extractor = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)
-    features = extractor(ids, attn)
+    features, soft = extractor(ids, attn)
+    assert soft is None
     expected = torch.cat([reference[i + 1] for i in taps], dim=-1)
     torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
     # later layers are not even loaded
@@ -57,7 +58,7 @@ def test_a_tap_on_the_last_layer_reads_the_final_normed_output_as_transformers_d
     assert not torch.allclose(unnormed[last], reference[last + 1], atol=1e-2)  # the rule matters here
     torch.testing.assert_close(torch.cat([decoded[i] for i in taps], dim=-1), expected, rtol=1e-5, atol=1e-5)
     extractor = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)
-    torch.testing.assert_close(extractor(ids, attn), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(extractor(ids, attn)[0], expected, rtol=1e-5, atol=1e-5)
     assert last_layer_norm(full, [1, last - 1], info.num_layers) is None
 
 
@@ -100,3 +101,31 @@ def test_plan_says_which_target_layers_run_and_whether_the_last_is_final_normed(
     assert "0..3 of 6 (later layers, the final norm and the LM head skipped)" in capsys.readouterr().out
     assert main([*flags, "--plan", "--target_layer_ids", "1,5"]) == 0
     assert "0..5 of 6 (all layers, the last one's output final-normed" in capsys.readouterr().out
+
+
+def test_soft_targets_are_the_top_k_of_the_whole_targets_next_token_distribution(tiny_target):
+    """--target_topk: every layer and the LM head run; the tapped features are unchanged, bit for bit; the
+    top-k are those of transformers' own logits, with k = vocabulary the whole distribution (to bf16)."""
+    info = inspect_target(tiny_target)
+    full = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    ids = torch.randint(5, 200, (2, 17))
+    attn = torch.ones_like(ids)
+    attn[1, 11:] = 0
+    with torch.no_grad():
+        probs = torch.softmax(full(input_ids=ids, attention_mask=attn).logits.float(), -1)
+    taps = [1, 3]
+    truncated, _ = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)(ids, attn)
+    extractor = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32, topk=5)
+    assert len(extractor.layers) == info.num_layers
+    features, soft = extractor(ids, attn)
+    assert torch.equal(features, truncated)
+    assert soft.ids.dtype == torch.int32 and soft.probs.dtype == torch.bfloat16 and soft.k == 5
+    real = attn.bool()
+    top = probs.topk(5, -1)
+    assert torch.equal(soft.ids[real].long(), top.indices[real])
+    torch.testing.assert_close(soft.probs[real].float(), top.values[real], rtol=1e-2, atol=1e-3)
+    assert not soft.probs[~real].any() and not soft.ids[~real].any()  # padding carries nothing
+    everything = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32, topk=info.vocab_size)
+    _, whole = everything(ids, attn)
+    dense = torch.zeros_like(probs).scatter(-1, whole.ids.long(), whole.probs.float())
+    torch.testing.assert_close(dense[real], probs[real], rtol=1e-2, atol=1e-4)

@@ -108,6 +108,7 @@ def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_t
             assert len(differences) == 3 and max(differences.values()) < 1e-5, (rank, target, differences)
             assert found[target]["q_proj_rows"] == [32, 64]  # each rank holds its half, not a replica
             assert found[target]["sharded_output_gathered_exactly"]
+            assert found[target]["soft_top1_equal"] and found[target]["soft_probs_max_difference"] < 1e-2
     assert not (tmp_path / "rank2.json").exists()
 
 

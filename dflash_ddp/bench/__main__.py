@@ -19,7 +19,7 @@ from dflash_ddp.bench.channel import bench_channel, bench_job
 from dflash_ddp.bench.drafter import bench_attention_paths, bench_chunked_recipe
 from dflash_ddp.bench.gpu_shapes import add_arguments as add_gpu_shapes_arguments
 from dflash_ddp.bench.gpu_shapes import run as bench_gpu_shapes
-from dflash_ddp.bench.method import TARGETS, bench_method
+from dflash_ddp.bench.method import TARGETS, VARIANTS, bench_method
 from dflash_ddp.bench.speed import bench_plain_loop
 
 SECTIONS = {
@@ -30,7 +30,11 @@ SECTIONS = {
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
     "method": lambda args: bench_method(
-        Path(args.method_out), args.quick, args.jobs, [t.strip() for t in args.targets.split(",")]
+        Path(args.method_out),
+        args.quick,
+        args.jobs,
+        [t.strip() for t in args.targets.split(",")],
+        [v.strip() for v in args.variants.split(",")],
     ),
 }
 DEFAULT = ["channel", "job", "plain", "attention", "recipe"]  # the CPU figures of docs/benchmarks.md
@@ -56,6 +60,9 @@ def main() -> None:
     )
     method.add_argument(
         "--targets", default=",".join(TARGETS), help=f"comma-separated of {', '.join(TARGETS)}"
+    )
+    method.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}"
     )
     args = parser.parse_args()
     if args.gpu:

@@ -30,6 +30,9 @@ VARIANTS = {
     "decay": {"position_weighting": "decay"},  # the paper's exp(-(k-1)/gamma), gamma 4 for blocks of 8
     "decay-gamma2": {"position_weighting": "decay", "loss_gamma": 2.0},
     "dpace": {"position_weighting": "dpace"},
+    # soft targets: the target's top 8 next tokens, by KL, and by TV with a tenth of the token's CE (DSpark's)
+    "dpace-kl": {"position_weighting": "dpace", "loss": "kl", "target_topk": 8},
+    "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 8, "ce_weight": 0.1},
 }
 # The embedded default's settings (the README's run) for both targets.
 TRAINING = {
@@ -107,6 +110,9 @@ def run_one(out: Path, target: str, paths: dict, variant: str, seed: int, budget
         raise RuntimeError(f"{target}/{variant}/seed{seed} failed:\n{done.stderr[-3000:]}")
     report = json.loads((run_dir / "eval.json").read_text())
     trained = re.search(r"training took (\d+) s", done.stdout)
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    drafter = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())["drafter"]
+    feature_bytes = 2 * len(drafter["dflash_config"]["target_layer_ids"]) * drafter["hidden_size"]  # bf16
     result = {
         "target": target,
         "variant": variant,
@@ -117,6 +123,7 @@ def run_one(out: Path, target: str, paths: dict, variant: str, seed: int, budget
         "train_s": int(trained.group(1)) if trained else None,
         "s_per_step": int(trained.group(1)) / budget["max_steps"] if trained else None,
         "wall_s": round(wall, 1),
+        "channel_bytes_per_token": feature_bytes + 6 * settings.get("target_topk", 0),
         "budget": {k: budget[k] for k in ("max_steps", "eval_prompts", "eval_max_new_tokens")},
     }
     result_file.parent.mkdir(parents=True, exist_ok=True)
@@ -128,8 +135,8 @@ def run_one(out: Path, target: str, paths: dict, variant: str, seed: int, budget
 def summarise(results: list[dict], targets: list[str]) -> list[str]:
     """The table: per target and variant, mean and spread of real tau over seeds, cost, and the verdict."""
     lines = [
-        "| target | variant | real tau, mean (min-max) | per seed | lossless | s/step | vs decay |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| target | variant | real tau, mean (min-max) | per seed | lossless | s/step | channel B/token | vs decay |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for target in targets:
         by_variant = {
@@ -154,27 +161,38 @@ def summarise(results: list[dict], targets: list[str]) -> list[str]:
                 else:
                     verdict = f"{change}, within the spread"
             steps = [r["s_per_step"] for r in runs if r["s_per_step"]]
+            channel = runs[0].get("channel_bytes_per_token", "-")
             lines.append(
                 f"| {target} | {variant} | {mean:.3f} ({min(taus):.3f}-{max(taus):.3f}) | "
                 f"{' '.join(f'{t:.3f}' for t in taus)} | {sum(r['lossless'] for r in runs)}/{len(runs)} | "
-                f"{statistics.mean(steps):.2f} | {verdict} |"
+                f"{statistics.mean(steps):.2f} | {channel} | {verdict} |"
                 if steps
-                else f"| {target} | {variant} | {mean:.3f} | - | - | - | {verdict} |"
+                else f"| {target} | {variant} | {mean:.3f} | - | - | - | {channel} | {verdict} |"
             )
     return lines
 
 
-def bench_method(out: Path, quick: bool, jobs: int, targets: list[str]) -> list[str]:
-    """Run (or resume) every (target, variant, seed) and print the table; returns its lines."""
+def kept_results(out: Path, targets: list[str]) -> list[dict]:
+    """Every finished (target, variant, seed) result under OUT/results, whichever run of the benchmark made it."""
+    files = sorted(p for t in targets for p in (out / "results" / t).glob("*/seed*.json"))
+    return [r for r in (json.loads(p.read_text()) for p in files) if r["variant"] in VARIANTS]
+
+
+def bench_method(out: Path, quick: bool, jobs: int, targets: list[str], variants: list[str]) -> list[str]:
+    """Run (or resume) every (target, variant, seed) of `variants` and print the table of every result kept
+    (also those of variants an earlier run measured); returns its lines."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants {','.join(unknown)}: choose among {', '.join(VARIANTS)}")
     budget = QUICK if quick else FULL
     out = out / ("quick" if quick else "full")
-    print(f"(g) method benchmark in {out}: {budget}, variants {', '.join(VARIANTS)}", flush=True)
+    print(f"(g) method benchmark in {out}: {budget}, variants {', '.join(variants)}", flush=True)
     paths = {target: TARGETS[target](out, budget) for target in targets}
     # seed by seed, so that a benchmark stopped early holds whole seeds of every variant on every target
-    work = [(t, paths[t], v, s) for s in range(budget["seeds"]) for t in targets for v in VARIANTS]
+    work = [(t, paths[t], v, s) for s in range(budget["seeds"]) for t in targets for v in variants]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda w: run_one(out, *w, budget), work))
-    lines = summarise(results, targets)
+        list(pool.map(lambda w: run_one(out, *w, budget), work))
+    lines = summarise(kept_results(out, targets), targets)
     print("\n".join(lines))
     atomic_write_text(out / "table.md", "\n".join(lines) + "\n")
     return lines

@@ -21,3 +21,16 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+
+@dataclass
+class SoftTargets:
+    """The target's top-k next-token distribution at every position of a padded batch (--target_topk): at
+    position t, the k most probable tokens at t + 1 and their probabilities; zeros at padding."""
+
+    ids: torch.Tensor  # [B, S, k] int32
+    probs: torch.Tensor  # [B, S, k] bfloat16: what the channel carries, so colocated runs see the same values
+
+    @property
+    def k(self) -> int:
+        return self.ids.shape[-1]

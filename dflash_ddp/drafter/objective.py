@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_ddp.data.batch import SoftTargets
+from dflash_ddp.drafter.distillation import logit_gradients, renormalised, row_losses
+
 POSITION_WEIGHTINGS = ("decay", "dpace")
 
 # The paper's decay constants (appendix A.1); other block sizes interpolate (bs + 5) / 3, which hits all three.
@@ -118,6 +121,8 @@ class BlockInputs:
     context_len: int  # S
     block_size: int
     dpace_smoothing: float | None = None  # D-PACE's a; None: the fixed decay of `weights`
+    soft_ids: torch.Tensor | None = None  # [B, A, bs, k] the target's top-k tokens for each label's position
+    soft_probs: torch.Tensor | None = None  # [B, A, bs, k] their probabilities, renormalised (fp32)
 
     @property
     def weight_sum(self) -> torch.Tensor:
@@ -146,10 +151,13 @@ def build_block_inputs(
     gamma: float | None = None,
     min_slots: int = 1,
     dpace_smoothing: float | None = None,
+    soft: SoftTargets | None = None,
 ) -> BlockInputs:
     """Assemble block tokens, positions, labels and weights from per-sequence anchor lists, with at least
     `min_slots` anchor slots (padding blocks, anchor -1, weight 0). With `dpace_smoothing` the weights mark
-    the labelled positions (1) and D-PACE sets their values in the loss."""
+    the labelled positions (1) and D-PACE sets their values in the loss. With `soft` ([B, S, k], the
+    target's top-k at each position) each label at anchor+k gets the target's distribution computed at
+    anchor+k-1, the position that predicts it."""
     batch, seq_len = input_ids.shape
     device = input_ids.device
     num_slots = max(min_slots, max(a.numel() for a in anchors))
@@ -170,6 +178,12 @@ def build_block_inputs(
     )
     weights = per_position.float().to(device) * response * in_seq
     context_pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    soft_ids = soft_probs = None
+    if soft is not None:
+        before = (pos - 1).clamp(min=0, max=seq_len - 1).flatten(1)[..., None].expand(-1, -1, soft.k)
+        shape = (*pos.shape, soft.k)
+        soft_ids = torch.gather(soft.ids.to(device), 1, before).view(shape).long()
+        soft_probs = renormalised(torch.gather(soft.probs.to(device), 1, before).view(shape))
     return BlockInputs(
         block_ids=block_ids.flatten(1),
         position_ids=torch.cat([context_pos, pos.flatten(1)], dim=1),
@@ -180,6 +194,8 @@ def build_block_inputs(
         context_len=seq_len,
         block_size=block_size,
         dpace_smoothing=dpace_smoothing,
+        soft_ids=soft_ids,
+        soft_probs=soft_probs,
     )
 
 
@@ -197,53 +213,82 @@ def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -
 
 
 class _ChunkedLMHeadCE(torch.autograd.Function):
-    """Weighted cross-entropy through the LM head, `chunk` rows at a time, recomputed in backward.
+    """Weighted per-row loss through the LM head, `chunk` rows at a time, recomputed in backward.
 
-    Full-vocabulary logits for all block positions never exist at once: the peak is chunk x vocab.
-    Returns the weighted loss sum and, without gradient, whether each row's argmax equals its label.
+    Full-vocabulary logits for all block positions never exist at once: the peak is chunk x vocab. The
+    row loss is the hard label's CE or a loss against soft targets (distillation.py). Returns the weighted
+    loss sum and, without gradient, whether each row's argmax equals its label.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk, reweight):
+    def forward(
+        ctx, hidden, head_weight, labels, weights, chunk, reweight, soft_ids, soft_probs, loss, ce_weight
+    ):
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        nlls = []
+        nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
             # In the head's dtype (bf16 on GPU): casting the chunk is cheap, casting the V x H head is not.
-            h = hidden[start : start + chunk].to(head_weight.dtype)
-            logits = (h @ head_weight.T).float()
-            lab = labels[start : start + chunk]
-            nlls.append(torch.logsumexp(logits, dim=-1) - logits.gather(1, lab[:, None]).squeeze(1))
-            correct[start : start + chunk] = logits.argmax(dim=-1) == lab
-        if reweight is not None:  # weights from the rows' own losses (D-PACE): constants for backward
+            logits = (hidden[rows].to(head_weight.dtype) @ head_weight.T).float()
+            nll, loss_rows = row_losses(
+                logits, labels[rows], _rows(soft_ids, rows), _rows(soft_probs, rows), loss, ce_weight
+            )
+            nlls.append(nll)
+            row_loss.append(loss_rows)
+            correct[rows] = logits.argmax(dim=-1) == labels[rows]
+        if reweight is not None:  # weights from the rows' own label CE (D-PACE): constants for backward
             weights = reweight(torch.cat(nlls))
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
-        for i, nll in enumerate(nlls):
-            loss_sum += (nll * weights[i * chunk : (i + 1) * chunk]).sum()
-        ctx.save_for_backward(hidden, head_weight, labels, weights)
-        ctx.chunk = chunk
+        for i, loss_rows in enumerate(row_loss):
+            loss_sum += (loss_rows * weights[i * chunk : (i + 1) * chunk]).sum()
+        ctx.save_for_backward(hidden, head_weight, labels, weights, soft_ids, soft_probs)
+        ctx.chunk, ctx.loss, ctx.ce_weight = chunk, loss, ce_weight
         ctx.mark_non_differentiable(correct)
         return loss_sum, correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
-        hidden, head_weight, labels, weights = ctx.saved_tensors
+        hidden, head_weight, labels, weights, soft_ids, soft_probs = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         for start in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[start : start + ctx.chunk].to(head_weight.dtype)
-            probs = torch.softmax((h @ head_weight.T).float(), dim=-1)
-            lab = labels[start : start + ctx.chunk]
-            probs[torch.arange(lab.numel(), device=lab.device), lab] -= 1.0
-            scale = (weights[start : start + ctx.chunk] * grad_loss)[:, None]
-            grad_hidden[start : start + ctx.chunk] = ((probs * scale).to(h.dtype) @ head_weight).to(
-                hidden.dtype
+            rows = slice(start, start + ctx.chunk)
+            h = hidden[rows].to(head_weight.dtype)
+            grad_logits = logit_gradients(
+                (h @ head_weight.T).float(),
+                labels[rows],
+                _rows(soft_ids, rows),
+                _rows(soft_probs, rows),
+                ctx.loss,
+                ctx.ce_weight,
             )
-        return grad_hidden, None, None, None, None, None
+            scale = (weights[rows] * grad_loss)[:, None]
+            grad_hidden[rows] = ((grad_logits * scale).to(h.dtype) @ head_weight).to(hidden.dtype)
+        return grad_hidden, *([None] * 9)
 
 
-def chunked_weighted_ce(hidden, head_weight, labels, weights, chunk: int = 1024, reweight=None):
-    """(weighted CE sum, argmax-correct flags) of `hidden @ head_weight.T` against `labels`. `reweight`, when
-    given, maps the rows' detached CE values to the weights used instead of `weights`."""
-    return _ChunkedLMHeadCE.apply(hidden, head_weight, labels, weights, chunk, reweight)
+def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
+def chunked_weighted_ce(
+    hidden,
+    head_weight,
+    labels,
+    weights,
+    chunk: int = 1024,
+    reweight=None,
+    soft_ids=None,
+    soft_probs=None,
+    loss: str = "ce",
+    ce_weight: float = 0.0,
+):
+    """(weighted loss sum, argmax-correct flags) of `hidden @ head_weight.T` against `labels` (`loss` "ce"),
+    or against the soft targets `soft_ids`/`soft_probs` [rows, k] (`loss` "kl" or "tv", with `ce_weight` of
+    the hard label's CE mixed in). `reweight`, when given, maps the rows' detached label CE to the weights
+    used instead of `weights`."""
+    return _ChunkedLMHeadCE.apply(
+        hidden, head_weight, labels, weights, chunk, reweight, soft_ids, soft_probs, loss, ce_weight
+    )
 
 
 @dataclass
@@ -275,9 +320,15 @@ class LossTerms:
 
 
 def block_loss_terms(
-    last_hidden: torch.Tensor, head_weight: torch.Tensor, inputs: BlockInputs, chunk: int
+    last_hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    inputs: BlockInputs,
+    chunk: int,
+    loss: str = "ce",
+    ce_weight: float = 0.0,
 ) -> LossTerms:
-    """Loss sums and metric counts for the drafter's output `last_hidden` [B, A*bs, H]."""
+    """Loss sums and metric counts for the drafter's output `last_hidden` [B, A*bs, H]; `loss` and
+    `ce_weight` as in `chunked_weighted_ce` (kl and tv read the inputs' soft targets)."""
     weights = inputs.weights
     scored = weights > 0
     flat_idx = inputs.scored
@@ -289,8 +340,21 @@ def block_loss_terms(
         def reweight(nll: torch.Tensor) -> torch.Tensor:
             return dpace_weights(nll, flat_idx, num_blocks, inputs.block_size, inputs.dpace_smoothing)
 
+    if loss != "ce" and inputs.soft_ids is None:
+        raise ValueError(f"loss {loss} needs the target's soft targets (--target_topk)")
+    soft = [None, None]
+    if loss != "ce":
+        soft = [t.flatten(0, 2)[flat_idx] for t in (inputs.soft_ids, inputs.soft_probs)]
     loss_sum, correct_rows = chunked_weighted_ce(
-        hidden, head_weight, inputs.labels.flatten()[flat_idx], weights.flatten()[flat_idx], chunk, reweight
+        hidden,
+        head_weight,
+        inputs.labels.flatten()[flat_idx],
+        weights.flatten()[flat_idx],
+        chunk,
+        reweight,
+        *soft,
+        loss,
+        ce_weight,
     )
     correct = torch.zeros(scored.numel(), dtype=torch.bool, device=weights.device)
     correct[flat_idx] = correct_rows

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_ddp.data.batch import Batch
+from dflash_ddp.data.batch import Batch, SoftTargets
 from dflash_ddp.drafter.attention import block_layout
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.flex import flex_block_mask, min_anchor_slots
@@ -43,6 +43,8 @@ class StepSettings:
     loss_gamma: float | None = None
     position_weighting: str = "decay"  # decay | dpace (see objective.py)
     dpace_smoothing: float = 0.5
+    loss: str = "ce"  # ce | kl | tv (see distillation.py); kl and tv read the target's soft targets
+    ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
 
 
 @dataclass
@@ -129,7 +131,9 @@ class DrafterTrainer:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _chunks(self, batch: Batch, features: torch.Tensor, epoch: int) -> list[DraftChunk]:
+    def _chunks(
+        self, batch: Batch, features: torch.Tensor, epoch: int, soft: SoftTargets | None = None
+    ) -> list[DraftChunk]:
         """The micro-batch's draft blocks as chunks of at most --drafter_chunk_tokens draft positions."""
         cfg, settings = self.drafter.config, self.settings
         lengths = batch.attention_mask.sum(dim=1).tolist()
@@ -148,6 +152,7 @@ class DrafterTrainer:
                 settings.loss_gamma,
                 min_slots,
                 settings.dpace_smoothing if settings.position_weighting == "dpace" else None,
+                soft_rows(soft, rows, context_len) if settings.loss != "ce" else None,
             )
             rows_t = torch.tensor(rows, device=features.device)
             chunks.append(
@@ -168,7 +173,14 @@ class DrafterTrainer:
             out = self.drafter(
                 self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
             ).last_hidden_state
-            terms = block_loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss_chunk_size)
+            terms = block_loss_terms(
+                out,
+                self.head.lm_head_weight,
+                inputs,
+                self.settings.loss_chunk_size,
+                self.settings.loss,
+                self.settings.ce_weight,
+            )
         (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
         # detached, so the next chunk's activations never meet this one's
         return LossTerms(*(t.detach() for t in vars(terms).values()))
@@ -186,12 +198,18 @@ class DrafterTrainer:
             batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids), torch.arange(rows))
             features = torch.zeros(rows, length, width, dtype=compute_dtype(self.device), device=self.device)
             weight_sum = torch.ones((), device=self.device)
-            for chunk in self._chunks(batch, features, epoch=0):
+            soft = None
+            if self.settings.loss != "ce":  # made-up soft targets: the top 2 tokens, equally likely
+                soft = SoftTargets(
+                    torch.stack([ids, ids + 1], -1).remainder(config.vocab_size).int(),
+                    torch.full((rows, length, 2), 0.5, dtype=torch.bfloat16),
+                )
+            for chunk in self._chunks(batch, features, epoch=0, soft=soft):
                 self._forward_backward(chunk, weight_sum)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, micro_batches: list[tuple[Batch, torch.Tensor, int]]) -> StepResult:
-        """One optimizer step over (batch, target features, epoch) micro-batches.
+    def step(self, micro_batches: list[tuple]) -> StepResult:
+        """One optimizer step over (batch, target features, epoch[, soft targets]) micro-batches.
 
         Each micro-batch is processed in chunks bounded by --drafter_chunk_tokens; the loss is normalised by
         the weight sum of ALL chunks of ALL micro-batches of ALL drafter ranks, and the ranks' gradients are
@@ -199,8 +217,8 @@ class DrafterTrainer:
         """
         chunks = [
             chunk
-            for batch, features, epoch in micro_batches
-            for chunk in self._chunks(batch, features.to(self.device), epoch)
+            for batch, features, epoch, *soft in micro_batches
+            for chunk in self._chunks(batch, features.to(self.device), epoch, *soft)
         ]
         weight_sum = self.sum_over_drafters(
             torch.tensor(sum(c.weight_sum for c in chunks), dtype=torch.float32, device=self.device)
@@ -264,6 +282,15 @@ class StepResult:
 
 def _add_terms(a: LossTerms, b: LossTerms) -> LossTerms:
     return LossTerms(*(x + y for x, y in zip(vars(a).values(), vars(b).values(), strict=True)))
+
+
+def soft_rows(soft: SoftTargets | None, rows: list[int], context_len: int) -> SoftTargets:
+    """The soft targets of a chunk's rows, cut to its context length."""
+    if soft is None:
+        raise ValueError(
+            "--loss kl and tv train on the target's soft targets, but this batch came without them"
+        )
+    return SoftTargets(soft.ids[rows, :context_len], soft.probs[rows, :context_len])
 
 
 def batch_anchors(batch: Batch, settings: StepSettings, epoch: int) -> list[torch.Tensor]:

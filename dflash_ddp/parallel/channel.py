@@ -3,11 +3,13 @@
 A message is three kinds of tensors sent point-to-point (NCCL on GPUs, gloo on CPU) as one batch of
 sends; the receiver takes the header, then the ints (which give the sequence lengths), then the features:
   header   int64[16]: version, kind (DATA/END), global batch g, epoch, batch size B, total tokens N,
-           feature width, dtype code, the sender's cumulative send-wait (us) and in-flight depth
+           feature width, dtype code, the sender's cumulative send-wait (us) and in-flight depth, top-k
   ints     int64[2N + 2B]: token ids and response mask packed without padding, then lengths, sample ids
   features B tensors [len_b, K*H]: each sequence's tapped features without its padding (bf16 on GPU,
            fp32 on CPU). They are views of the target's output, received straight into the drafter's
            padded buffer, so neither side copies features to pack or unpack them
+  soft     with --target_topk k only: int32[N, k] token ids and bf16[N, k] probabilities of the target's
+           top-k next tokens at each position, packed without padding (6k bytes a token)
 Each target keeps at most `max_inflight` messages outstanding (backpressure). The drafter receives on
 a background thread that pre-posts the next batch while the current one trains; both sides time their
 waits. END messages close every (target, drafter) pair so that no send is left unmatched at exit.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dflash_ddp.data.batch import Batch
+from dflash_ddp.data.batch import Batch, SoftTargets
 
 VERSION = 1
 
@@ -59,16 +61,23 @@ class Message:
     source: int
     sender_wait_s: float
     sender_inflight: int
+    soft: SoftTargets | None = None  # [B, S, k], zeros at padding (--target_topk)
 
 
-def pack(batch: Batch, features: torch.Tensor, g: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """(header, ints, per-sequence feature views) for one batch; padding is not sent."""
+def pack(
+    batch: Batch, features: torch.Tensor, g: int, epoch: int, soft: SoftTargets | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(header, ints, per-sequence feature views, then the soft targets' ids and probabilities when given)
+    for one batch; padding is not sent."""
     lengths = batch.attention_mask.sum(dim=1)
     real = batch.attention_mask.bool()
     ints = torch.cat([batch.input_ids[real], batch.loss_mask[real], lengths, batch.sample_ids]).to(
         torch.int64
     )
     slices = [features[b, :n] for b, n in enumerate(lengths.tolist())]  # contiguous views, no copy
+    if soft is not None:  # k values a token: packing copies little beside the features
+        on = soft.ids.device
+        slices += [soft.ids[real.to(on)], soft.probs[real.to(on)]]
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[:8] = torch.tensor(
         [
@@ -82,6 +91,7 @@ def pack(batch: Batch, features: torch.Tensor, g: int, epoch: int) -> tuple[torc
             DTYPES.index(features.dtype),
         ]
     )
+    header[10] = 0 if soft is None else soft.k
     return header, ints, slices
 
 
@@ -143,10 +153,20 @@ class ChannelSender:
                 ) from None
             self.wait_s += time.perf_counter() - start
 
-    def send(self, dst: int, batch: Batch, features: torch.Tensor, g: int, epoch: int) -> None:
+    def send(
+        self,
+        dst: int,
+        batch: Batch,
+        features: torch.Tensor,
+        g: int,
+        epoch: int,
+        soft: SoftTargets | None = None,
+    ) -> None:
         """Queue batch g for drafter rank `dst`; blocks only when max_inflight messages are outstanding."""
         self._drain_to(self.max_inflight - 1)
-        header, ints, slices = pack(batch, features.to(self.device), g, epoch)
+        if soft is not None:
+            soft = SoftTargets(soft.ids.to(self.device), soft.probs.to(self.device))
+        header, ints, slices = pack(batch, features.to(self.device), g, epoch, soft)
         header[8] = int(self.wait_s * 1e6)
         header[9] = len(self.inflight)
         tensors = [self._comm(header), self._comm(ints), *slices]
@@ -222,9 +242,22 @@ class ChannelReceiver:
         features = padded_feature_buffer(batch, width, DTYPES[dtype], on)
         rows = [features[row, :length] for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist())]
         self._recv_into(rows, src, f"the features of batch {g}")
+        soft, k = None, int(header[10])
+        if k:
+            packed = [torch.empty(n, k, dtype=dt, device=on) for dt in (torch.int32, torch.bfloat16)]
+            self._recv_into(packed, src, f"the soft targets of batch {g}")
+            real = batch.attention_mask.bool().to(on)
+            soft = SoftTargets(
+                *(
+                    torch.zeros(*real.shape, k, dtype=t.dtype, device=on).index_put_((real,), t)
+                    for t in packed
+                )
+            )
         if on.type == "cuda":
             torch.cuda.current_stream(on).synchronize()  # the receiver thread's own stream
-        self.bytes_received += n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8
+        self.bytes_received += (
+            n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8 + n * k * 6
+        )
         return Message(
             g,
             int(header[3]),
@@ -233,6 +266,7 @@ class ChannelReceiver:
             src,
             int(header[8]) / 1e6,
             int(header[9]),
+            None if soft is None else SoftTargets(soft.ids.to(self.device), soft.probs.to(self.device)),
         )
 
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
@@ -289,7 +323,9 @@ class ChannelReceiver:
         if item is None:
             raise ChannelError(f"drafter rank {self.rank}: the stream ended before the schedule did")
         if item.features.is_cuda:  # received on the receiver's stream, used on this one: tell the allocator
-            item.features.record_stream(torch.cuda.current_stream(item.features.device))
+            stream = torch.cuda.current_stream(item.features.device)
+            for t in (item.features, *(() if item.soft is None else (item.soft.ids, item.soft.probs))):
+                t.record_stream(stream)
         return item
 
     def drain(self) -> None:

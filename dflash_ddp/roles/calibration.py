@@ -38,7 +38,7 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
     data, _ = load_data(cfg, setup, where, together=False)
     device = run_device(cfg)
     taps = setup.drafter_config.target_layer_ids
-    extractor = TargetFeatureExtractor(setup.info, taps, device, compute_dtype(device))
+    extractor = TargetFeatureExtractor(setup.info, taps, device, compute_dtype(device), topk=cfg.target_topk)
     trainer = build_trainer(cfg, setup, device, calibration_steps(device))
     measurement = measure_rates(
         calibration_schedule(cfg, setup, data, device), extractor, trainer, cfg.gradient_accumulation_steps
@@ -82,7 +82,7 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
         if measures_target:
             taps = setup.drafter_config.target_layer_ids
             extractor = TargetFeatureExtractor(
-                setup.info, taps, device, compute_dtype(device), ctx.target_meshes
+                setup.info, taps, device, compute_dtype(device), ctx.target_meshes, cfg.target_topk
             )
             timed = time_target_forward(
                 calibration_schedule(cfg, setup, data, device), extractor, cfg.gradient_accumulation_steps
@@ -93,7 +93,9 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
         if topo.is_leader:
             sequences, target_s = json.loads(store.get("dflash_ddp/calibrate/group"))
             width = len(setup.drafter_config.target_layer_ids) * setup.info.hidden_size
-            features = RandomFeatures(width, device, compute_dtype(device))
+            features = RandomFeatures(
+                width, device, compute_dtype(device), cfg.target_topk, setup.info.vocab_size
+            )
             trainer = build_trainer(cfg, setup, device, calibration_steps(device))
             drafter = measure_rates(
                 calibration_schedule(cfg, setup, data, device),

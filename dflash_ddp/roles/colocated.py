@@ -26,9 +26,9 @@ class LocalTarget:
         item = next(self.items)
         batch = self.data.batch(item.members, self.pad_id)
         device = self.extractor.device
-        features = self.extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
+        features, soft = self.extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
         self.wait_s += time.perf_counter() - start
-        return Message(item.g, item.epoch, batch, features, 0, 0.0, 0)
+        return Message(item.g, item.epoch, batch, features, 0, 0.0, 0, soft)
 
     def drain(self) -> None:
         pass
@@ -40,6 +40,10 @@ class LocalTarget:
 def run_colocated(ctx: DistributedContext, run: Run) -> bool:
     """One process: the target runs here and feeds the drafter's loop directly."""
     extractor = TargetFeatureExtractor(
-        run.setup.info, run.setup.drafter_config.target_layer_ids, ctx.device, compute_dtype(ctx.device)
+        run.setup.info,
+        run.setup.drafter_config.target_layer_ids,
+        ctx.device,
+        compute_dtype(ctx.device),
+        topk=run.cfg.target_topk,
     )
     return train_drafter(ctx, run, lambda: LocalTarget(extractor, run))

@@ -82,6 +82,8 @@ def build_trainer(
         cfg.loss_gamma,
         cfg.position_weighting,
         cfg.dpace_smoothing,
+        cfg.loss,
+        cfg.ce_weight,
     )
     optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps)
     return DrafterTrainer(drafter, head, settings, optim, group)
@@ -221,7 +223,7 @@ def train_drafter(ctx: DistributedContext, run: Run, open_source) -> bool:
             if not topo.colocated:
                 window.senders.update({m.source: (m.sender_wait_s, m.sender_inflight) for m in messages})
             step_start = time.perf_counter()
-            result = trainer.step([(m.batch, m.features, m.epoch) for m in messages])
+            result = trainer.step([(m.batch, m.features, m.epoch, m.soft) for m in messages])
             window.compute_s += time.perf_counter() - step_start
             # One all-reduce carries the step's tokens and whether any drafter rank was asked to stop,
             # so that every drafter rank stops after the same step.

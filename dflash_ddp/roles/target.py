@@ -1,4 +1,5 @@
-"""A target rank's loop: compute the tapped features of its group's batches and send them to their drafter."""
+"""A target rank's loop: compute the tapped features (and soft targets) of its group's batches and send them
+to their drafter."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
         ctx.device,
         compute_dtype(ctx.device),
         ctx.target_meshes,
+        run.cfg.target_topk,
     )
     sends = topo.rank in topo.sender_ranks
     sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device) if sends else None
@@ -44,9 +46,9 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
         if group_agrees_to_stop(stop.is_set(), group):
             break
         batch = run.data.batch(item.members, pad_id)
-        features = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
+        features, soft = extractor(batch.input_ids.to(ctx.device), batch.attention_mask.to(ctx.device))
         if sender:
-            sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch)
+            sender.send(topo.drafter_of(item.g), batch, features, item.g, item.epoch, soft)
     if sender:
         sender.close(topo.drafter_ranks)
     job_barrier("channel-closed")  # every drafter rank has received its END: nothing is left in flight

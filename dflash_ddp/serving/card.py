@@ -15,6 +15,16 @@ from dflash_ddp.hub import hub_model_name
 OBJECTIVE_SETTINGS = ("num_anchors", "loss_gamma", "learning_rate", "warmup_ratio", "max_grad_norm", "seed")
 
 
+def scored_against(cfg: dict) -> str:
+    """The loss in words: the token's cross-entropy, or a divergence from the target's top-k distribution."""
+    loss = cfg.get("loss", "ce")
+    if loss == "ce":
+        return "cross-entropy"
+    name = {"kl": "KL divergence", "tv": "total variation"}[loss]
+    mixed = f" plus {cfg['ce_weight']} x the token's cross-entropy" if cfg.get("ce_weight") else ""
+    return f"{name} from the target's top-{cfg.get('target_topk')} next-token distribution{mixed}"
+
+
 def target_license(target_dir: Path | None) -> str | None:
     """The `license` of the target's own model card (its README.md metadata header), when there is one."""
     card = target_dir / "README.md" if target_dir else None
@@ -144,7 +154,7 @@ def model_card(
             f"chat template arguments {json.dumps(cfg.get('chat_template_kwargs', {}))}",
             f"- {state.get('global_step')} optimizer steps (epoch {state.get('epoch', '?')}), "
             f"{state.get('tokens_seen', 0):,} tokens seen",
-            "- objective: cross-entropy at each block position after randomly drawn anchors on response "
+            f"- objective: {scored_against(cfg)} at each block position after randomly drawn anchors on response "
             + (
                 "tokens, weighted by D-PACE (the drafter's own detached label probabilities, smoothed by "
                 f"{cfg.get('dpace_smoothing', 0.5)}); "

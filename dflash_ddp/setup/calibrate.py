@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_ddp.data.batch import Batch
+from dflash_ddp.data.batch import Batch, SoftTargets
 from dflash_ddp.data.dataset import TokenizedDataset
 from dflash_ddp.data.schedule import BatchSchedule
 from dflash_ddp.drafter.trainer import DrafterTrainer
@@ -158,24 +158,25 @@ def _synchronize(device: torch.device) -> None:
 
 def _forward_steps(
     batches: Iterator[tuple[Batch, int]], extractor, accumulation: int
-) -> Iterator[tuple[bool, list[tuple[Batch, torch.Tensor, int]], float]]:
+) -> Iterator[tuple[bool, list[tuple], float]]:
     """Per optimizer step of a calibration: whether it is timed (after the untimed warm-up steps), its
-    `accumulation` (batch, features, epoch) micro-batches, and the seconds their target forwards took."""
+    `accumulation` (batch, features, epoch, soft targets) micro-batches, and the seconds their target
+    forwards took."""
     device = extractor.device
     for step in range(calibration_steps(device)):
         micro_batches, target_s = [], 0.0
         for _ in range(accumulation):
             batch, epoch = next(batches)
             start = time.perf_counter()
-            features = extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
+            features, soft = extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
             _synchronize(device)
             target_s += time.perf_counter() - start
-            micro_batches.append((batch, features, epoch))
+            micro_batches.append((batch, features, epoch, soft))
         yield step >= warmup_steps(device), micro_batches, target_s
 
 
 def _sequences(micro_batches) -> int:
-    return sum(len(batch.sample_ids) for batch, _, _ in micro_batches)
+    return sum(len(batch.sample_ids) for batch, *_ in micro_batches)
 
 
 def measure_rates(
@@ -205,16 +206,29 @@ def measure_rates(
 
 class RandomFeatures:
     """The target's stand-in on a drafter leader timing its steps for a target that needs a group:
-    features of the target's width drawn at random (a step's time does not depend on their values)."""
+    features of the target's width (and `topk` soft targets over `vocab_size` tokens) drawn at random (a
+    step's time does not depend on their values)."""
 
-    def __init__(self, width: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, width: int, device: torch.device, dtype: torch.dtype, topk: int = 0, vocab_size: int = 0
+    ):
         self.width, self.device, self.dtype = width, device, dtype
+        self.topk, self.vocab_size = topk, vocab_size
         self.generator = torch.Generator(device=device).manual_seed(0)
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, SoftTargets | None]:
         shape = (*input_ids.shape, self.width)
         features = torch.randn(shape, generator=self.generator, device=self.device, dtype=self.dtype)
-        return features * attention_mask[..., None].to(self.dtype)
+        soft = None
+        if self.topk:
+            top = (*input_ids.shape, self.topk)
+            ids = torch.randint(self.vocab_size, top, generator=self.generator, device=self.device)
+            soft = SoftTargets(
+                ids.int(), torch.full(top, 1 / self.topk, dtype=torch.bfloat16, device=self.device)
+            )
+        return features * attention_mask[..., None].to(self.dtype), soft
 
 
 def time_target_forward(

@@ -84,12 +84,13 @@ def plan_memory(
 
     target = target_memory(
         info,
-        truncated_parameter_count(info, max(c.target_layer_ids) + 1),
+        truncated_parameter_count(info, info.num_layers if cfg.target_topk else max(c.target_layer_ids) + 1),
         c.target_layer_ids,
         cfg.tokens_per_batch,
         dtype_bytes,
         0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
         topology.tp_size,
+        cfg.target_topk,
     )
     # speculative decoding verifies with the whole target: every layer and the LM head, on one device
     whole = (

@@ -28,7 +28,12 @@ from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_fil
 from dflash_ddp.parallel.machine import GIB
 from dflash_ddp.parallel.topology import Topology, compute_dtype
 from dflash_ddp.setup.plan import RunMemory, plan_memory, run_device
-from dflash_ddp.target_model.info import TargetInfo, inspect_target, target_fingerprint
+from dflash_ddp.target_model.info import (
+    TargetInfo,
+    inspect_target,
+    soft_target_compute_share,
+    target_fingerprint,
+)
 from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, check_tensor_parallel
 
 
@@ -66,15 +71,26 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
     drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
+    if cfg.target_topk > info.vocab_size:
+        raise ValueError(
+            f"--target_topk {cfg.target_topk} is more than the target's {info.vocab_size} tokens "
+            f"({info.path}/config.json vocab_size); pass at most {info.vocab_size} (all of them: the full distribution)"
+        )
     if not cfg.plan or cfg.calibrate:
         view_root = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
         if cfg.eval_data:
             fetch_target_weights(source, None, together=together)
+        run_layers = target_layers_run(cfg, info, taps)
         info = dataclasses.replace(
-            info, path=fetch_target_weights(source, max(taps) + 1, view_root, together=together)
+            info, path=fetch_target_weights(source, run_layers, view_root, together=together)
         )
     memory = plan_memory(cfg, info, drafter_config, topology, device)
     return RunSetup(source, info, tokenizer, drafter_config, memory)
+
+
+def target_layers_run(cfg: TrainConfig, info: TargetInfo, taps: list[int]) -> int:
+    """How many of the target's layers its ranks run: up to the last tap, or all with soft targets."""
+    return info.num_layers if cfg.target_topk else max(taps) + 1
 
 
 def load_data(
@@ -163,25 +179,40 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     c, info, memory = setup.drafter_config, setup.info, setup.memory
     drafter, target, fit = memory.drafter, memory.target, memory.fit
     width_bytes = len(c.target_layer_ids) * info.hidden_size * compute_dtype(run_device(cfg)).itemsize
+    soft_bytes = 6 * cfg.target_topk
+    extra_layers = info.num_layers - max(c.target_layer_ids) - 1
+    soft_cost = (
+        f"{extra_layers} more layer(s) than the taps need and a {info.vocab_size} x {info.hidden_size} LM head, "
+        f"about {soft_target_compute_share(info, c.target_layer_ids):.0%} more target compute per token"
+    )
     for line in topology.describe():
         print(f"{'topology':>26}: {line}")
     plan = {
         "target": f"{info.path} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size})",
-        "target_layers_run": f"0..{max(c.target_layer_ids)} of {info.num_layers} ("
+        "target_layers_run": f"0..{target_layers_run(cfg, info, c.target_layer_ids) - 1} of {info.num_layers} ("
         + (
-            "all layers, the last one's output final-normed as transformers' hidden_states[N]; the LM head skipped"
+            f"all layers, the final norm and the LM head: the top {cfg.target_topk} next-token probabilities are "
+            f"sent as soft targets (--target_topk); {soft_cost}"
+            if cfg.target_topk
+            else "all layers, the last one's output final-normed as transformers' hidden_states[N]; the LM head skipped"
             if max(c.target_layer_ids) == info.num_layers - 1
             else "later layers, the final norm and the LM head skipped"
         )
         + ")",
-        "target_weights": weights_summary(setup.source, max(c.target_layer_ids) + 1)
+        "target_weights": weights_summary(setup.source, target_layers_run(cfg, info, c.target_layer_ids))
         + (f"; {setup.source.repo_id} at commit {setup.source.commit}" if setup.source.repo_id else ""),
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,
         "drafter": f"{c.num_hidden_layers} layers, {memory.drafter_params / 1e6:.1f}M trainable parameters",
         "message_size": f"up to {cfg.tokens_per_batch * width_bytes / 2**20:.1f} MiB of features per batch "
-        f"(--tokens_per_batch {cfg.tokens_per_batch})",
+        f"(--tokens_per_batch {cfg.tokens_per_batch})"
+        + (
+            f" + {cfg.tokens_per_batch * soft_bytes / 2**20:.1f} MiB of soft targets ({soft_bytes} bytes a "
+            f"token: {cfg.target_topk} int32 ids and bf16 probabilities, +{100 * soft_bytes / width_bytes:.1f}%)"
+            if cfg.target_topk
+            else ""
+        ),
         "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})"
         + (f"; weights are 1/{topology.tp_size} of the truncated target's" if topology.tp_size > 1 else ""),
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "

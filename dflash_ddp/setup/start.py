@@ -142,7 +142,13 @@ IDENTITY = (
 # checkpoints were trained from a local directory.
 ADDED_LATER = {"fingerprints.target_commit": None}
 # Settings that checkpoints written before them lack, and the value those runs trained with.
-SETTINGS_ADDED_LATER = {"position_weighting": "decay", "dpace_smoothing": 0.5}
+SETTINGS_ADDED_LATER = {
+    "position_weighting": "decay",
+    "dpace_smoothing": 0.5,
+    "loss": "ce",
+    "target_topk": 0,
+    "ce_weight": 0.0,
+}
 
 
 def _lookup(data: dict, dotted: str):

@@ -1,5 +1,6 @@
-"""Running the target only as far as the drafter needs: the tapped layers' outputs (`hidden_states[L + 1]` of
-transformers' tuple), the later layers, the final norm and the LM head skipped.
+"""Running the target as far as the drafter needs: the tapped layers' outputs (`hidden_states[L + 1]` of
+transformers' tuple) with the later layers, the final norm and the LM head skipped; or, with soft targets
+(--target_topk), the whole model and the top-k of its next-token distribution at every position.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from torch import nn
 from transformers import AutoModel
 from transformers import logging as hf_logging
 
+from dflash_ddp.data.batch import SoftTargets
+from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
 from dflash_ddp.target_model.tensor_parallel import load_sharded
 
 
@@ -87,10 +91,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 class TargetFeatureExtractor:
-    """A frozen target truncated after its last tapped layer; returns the concatenated tapped features.
+    """A frozen target that returns the concatenated tapped features and, with `topk` > 0, soft targets.
 
-    With `meshes` (tensor_parallel.group_meshes) this rank holds its shard of the group's copy, and every
-    rank of the group must call it on the same batches: each layer ends in an all-reduce among them."""
+    Without soft targets the target is truncated after its last tapped layer. With them it runs every
+    layer, the final norm and the LM head (read from its files as the drafter's shared head is), and keeps
+    the top-`topk` probabilities of each position's next token. With `meshes` (tensor_parallel.group_meshes)
+    this rank holds its shard of the group's copy, and every rank of the group must call it on the same
+    batches: each layer ends in an all-reduce among them."""
 
     def __init__(
         self,
@@ -99,10 +106,12 @@ class TargetFeatureExtractor:
         device: torch.device,
         dtype: torch.dtype,
         meshes=None,
+        topk: int = 0,
     ):
         self.target_layer_ids = list(target_layer_ids)
-        keep = max(self.target_layer_ids) + 1
-        # Load only the layers up to the last tap: later layers, the norm's use and the LM head are skipped.
+        self.topk = topk
+        keep = info.num_layers if topk else max(self.target_layer_ids) + 1
+        # Load only the layers that run: later layers, the norm's use and the LM head are skipped.
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()  # the dropped layers are reported as unused weights; that is intended
@@ -118,18 +127,47 @@ class TargetFeatureExtractor:
         self.model.to(device).eval().requires_grad_(False)
         self.layers = decoder_layers(self.model)
         self.final_norm = last_layer_norm(self.model, self.target_layer_ids, info.num_layers)
+        self.lm_head = load_shared_embeddings(info)[1].to(device, dtype) if topk else None
         self.device = device
 
     @torch.no_grad()  # not inference_mode: the drafter's autograd graph reads these features
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, S] ids and padding mask -> [B, S, K*H] features of the tapped layers, in tap order.
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, SoftTargets | None]:
+        """[B, S] ids and padding mask -> ([B, S, K*H] features of the tapped layers in tap order, the
+        soft targets or None).
 
         Padding positions are zeroed so that a batch's features are the same whether they were computed
         here or packed, sent and re-padded by the channel."""
-        features = tapped_features(
-            self.model, self.layers, self.target_layer_ids, input_ids, attention_mask, self.final_norm
+        real = attention_mask[..., None]
+        if not self.topk:
+            features = tapped_features(
+                self.model, self.layers, self.target_layer_ids, input_ids, attention_mask, self.final_norm
+            )
+            return features * real.to(features.dtype), None
+        with capture_layer_outputs(self.layers, self.target_layer_ids, False, self.final_norm) as captured:
+            last = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        features = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
+        hidden = last.last_hidden_state
+        hidden = hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden
+        soft = top_k_next_tokens(hidden, self.lm_head, self.topk)
+        return features * real.to(features.dtype), SoftTargets(
+            soft.ids * real.to(soft.ids.dtype), soft.probs * real.to(soft.probs.dtype)
         )
-        return features * attention_mask[..., None].to(features.dtype)
+
+
+def top_k_next_tokens(hidden: torch.Tensor, lm_head: torch.Tensor, k: int) -> SoftTargets:
+    """The top-k of softmax(hidden @ lm_head.T) for [B, S, H] final-normed states, computed in fp32
+    SOFT_TARGET_CHUNK positions at a time (the full logits of a batch never exist at once)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    ids = torch.empty(flat.shape[0], k, dtype=torch.int32, device=flat.device)
+    probs = torch.empty(flat.shape[0], k, dtype=torch.bfloat16, device=flat.device)
+    for start in range(0, flat.shape[0], SOFT_TARGET_CHUNK):
+        logits = (flat[start : start + SOFT_TARGET_CHUNK] @ lm_head.T).float()
+        top = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        ids[start : start + SOFT_TARGET_CHUNK] = top.indices
+        probs[start : start + SOFT_TARGET_CHUNK] = top.values
+    return SoftTargets(ids.view(*hidden.shape[:-1], k), probs.view(*hidden.shape[:-1], k))
 
 
 def tapped_features(

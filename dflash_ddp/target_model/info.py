@@ -103,3 +103,13 @@ def truncated_parameter_count(info: TargetInfo, layers: int) -> int:
     config = AutoConfig.from_pretrained(info.path, num_hidden_layers=layers, local_files_only=True)
     with torch.device("meta"):
         return sum(p.numel() for p in AutoModel.from_config(config).parameters())
+
+
+def soft_target_compute_share(info: TargetInfo, target_layer_ids: list[int]) -> float:
+    """About how much more compute a token costs when the target runs every layer and its LM head (soft
+    targets) instead of stopping after the last tap: the ratio of the matrix parameters each token passes
+    through, minus 1 (the embedding is a lookup; attention over the context is left out)."""
+    embedding = info.vocab_size * info.hidden_size
+    tapped = truncated_parameter_count(info, max(target_layer_ids) + 1) - embedding
+    whole = truncated_parameter_count(info, info.num_layers) - embedding + embedding  # + the LM head
+    return whole / tapped - 1

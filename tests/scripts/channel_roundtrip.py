@@ -1,5 +1,6 @@
-"""Run under torchrun with 2 processes: rank 0 sends batches of varying shape with the target's features,
-rank 1 receives them and compares every one with its own forward of the same target. Exit 0 if all match."""
+"""Run under torchrun with 2 processes: rank 0 sends batches of varying shape with the target's features
+(and, given a top-k as second argument, its soft targets), rank 1 receives them and compares every one with
+its own forward of the same target. Exit 0 if all match."""
 
 import sys
 
@@ -26,14 +27,16 @@ def make_batch(g: int, batch_size: int, longest: int) -> Batch:
 
 def main() -> int:
     dist.init_process_group("gloo")
+    topk = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     extractor = TargetFeatureExtractor(
-        inspect_target(sys.argv[1]), [0, 2, 3], torch.device("cpu"), torch.float32
+        inspect_target(sys.argv[1]), [0, 2, 3], torch.device("cpu"), torch.float32, topk=topk
     )
     if dist.get_rank() == 0:
         sender = ChannelSender(0, max_inflight=2, device=torch.device("cpu"))
         for g, (b, s) in enumerate(SHAPES):
             batch = make_batch(g, b, s)
-            sender.send(1, batch, extractor(batch.input_ids, batch.attention_mask), g, epoch=g // 3)
+            features, soft = extractor(batch.input_ids, batch.attention_mask)
+            sender.send(1, batch, features, g, g // 3, soft)
         sender.close([1])
     else:
         receiver = ChannelReceiver(
@@ -50,8 +53,15 @@ def main() -> int:
             assert message.g == g and message.epoch == g // 3
             for name in ("input_ids", "attention_mask", "loss_mask", "sample_ids"):
                 assert torch.equal(getattr(message.batch, name), getattr(expected, name)), name
-            own = extractor(expected.input_ids, expected.attention_mask)
+            own, soft = extractor(expected.input_ids, expected.attention_mask)
             assert torch.equal(message.features, own), f"batch {g}: features differ"
+            if topk:
+                assert torch.equal(message.soft.ids, soft.ids), f"batch {g}: soft target ids differ"
+                assert torch.equal(message.soft.probs, soft.probs), (
+                    f"batch {g}: soft target probabilities differ"
+                )
+            else:
+                assert message.soft is None
         receiver.close()
         print(f"all {len(SHAPES)} messages intact")
     dist.destroy_process_group()

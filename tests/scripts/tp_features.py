@@ -27,10 +27,15 @@ for target in sys.argv[2:] if rank < 2 else []:
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0  # padding
     mask[2, 5:] = 0
-    whole = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)(ids, mask)
+    whole, _ = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)(ids, mask)
     sharded_model = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32, meshes)
     q = sharded_model.model.layers[0].self_attn.q_proj.weight
-    sharded = sharded_model(ids, mask)
+    sharded, _ = sharded_model(ids, mask)
+    # soft targets: every layer and the LM head under the group's plan, against the whole target's
+    _, whole_soft = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32, topk=4)(ids, mask)
+    _, group_soft = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32, meshes, 4)(
+        ids, mask
+    )
     width = info.hidden_size
     differences = {}
     for i, layer in enumerate(taps):
@@ -44,6 +49,8 @@ for target in sys.argv[2:] if rank < 2 else []:
         "relative_differences": differences,
         "q_proj_rows": [(q.to_local() if isinstance(q, DTensor) else q).shape[0], q.shape[0]],
         "sharded_output_gathered_exactly": torch.equal(gathered, whole),
+        "soft_top1_equal": torch.equal(group_soft.ids[..., 0], whole_soft.ids[..., 0]),
+        "soft_probs_max_difference": (group_soft.probs.float() - whole_soft.probs.float()).abs().max().item(),
     }
 if found:
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(found))
