@@ -64,6 +64,11 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
     },
     "optimisation": {
         "num_anchors": ("draft blocks sampled per conversation and step", ""),
+        "anchor_rule": (
+            "where anchors may sit: on response tokens followed by a response token (as at inference), or "
+            "also on the last prompt token before each response",
+            "response or prompt_end",
+        ),
         "loss_gamma": (
             "position decay of the loss, exp(-(k-1)/gamma); unset: 7 for blocks of 16, 5 for 10, 4 for 8",
             "",

@@ -19,7 +19,7 @@ import yaml
 
 from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.distillation import LOSSES
-from dflash_ddp.drafter.objective import POSITION_WEIGHTINGS
+from dflash_ddp.drafter.objective import ANCHOR_RULES, POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import resolve_report_to
 
@@ -66,6 +66,9 @@ class TrainConfig:
     mask_token_id: int | None = None
     block_size: int = 16
     num_anchors: int = 512
+    # where anchors may sit: response (the anchor and its next token are response tokens, as at inference) |
+    # prompt_end (also the last prompt token before each response)
+    anchor_rule: str = "response"
     loss_gamma: float | None = None
     # how block positions weigh in the loss: decay (the paper's exp(-(k-1)/gamma)) | dpace (D-PACE: from the
     # drafter's own confidence, smoothed by dpace_smoothing; see drafter/objective.py)
@@ -173,6 +176,8 @@ class TrainConfig:
                 f"--position_weighting {self.position_weighting}: choose {' or '.join(POSITION_WEIGHTINGS)}"
             )
         self._check_loss()
+        if self.anchor_rule not in ANCHOR_RULES:
+            raise ValueError(f"--anchor_rule {self.anchor_rule}: choose {' or '.join(ANCHOR_RULES)}")
         if self.attention not in ("auto", "sparse", "flex", "dense"):
             raise ValueError(
                 f"--attention {self.attention}: choose auto, sparse (block-sparse, CPU and GPU), flex (compiled, "
@@ -289,6 +294,7 @@ RESUME_OVERRIDABLE = (
     "weight_decay",
     "max_grad_norm",
     "num_anchors",
+    "anchor_rule",
     "loss_gamma",
     "position_weighting",
     "dpace_smoothing",

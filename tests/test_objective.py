@@ -39,6 +39,11 @@ def test_anchors_sit_where_the_anchor_and_the_next_token_are_both_response_token
     assert sample_anchors(torch.tensor([0, 1, 0, 1]), 512, 0, 0, 0).numel() == 0
 
 
+def test_the_prompt_end_rule_also_anchors_on_the_last_prompt_token_before_each_response():
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 1])
+    assert sample_anchors(mask, 512, 0, 0, 0, "prompt_end").tolist() == [2, 3, 4, 7, 8, 10]
+
+
 def test_block_position_k_is_scored_against_the_token_at_anchor_plus_k():
     ids = torch.arange(100, 130)[None]
     mask = torch.ones_like(ids)

@@ -20,6 +20,7 @@ from dflash_ddp.data.batch import SoftTargets
 from dflash_ddp.drafter.distillation import logit_gradients, renormalised, row_losses
 
 POSITION_WEIGHTINGS = ("decay", "dpace")
+ANCHOR_RULES = ("response", "prompt_end")
 
 # The paper's decay constants (appendix A.1); other block sizes interpolate (bs + 5) / 3, which hits all three.
 _PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -63,17 +64,25 @@ def _anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, seed: int, epoch: int, sample_id: int
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    seed: int,
+    epoch: int,
+    sample_id: int,
+    rule: str = "response",
 ) -> torch.Tensor:
     """Sorted anchor positions for one sequence: a pure function of (seed, epoch, sample id) and its mask.
 
-    Candidates are positions a where the anchor token a and the next token a+1 are both response tokens.
-    At inference the first block's anchor is the target's first generated token, so an anchor on the last
-    prompt token (the generation prompt's end) would train a case that never occurs; SpecForge's trainer
-    applies the same rule. At most `num_anchors` are drawn uniformly without replacement.
+    Candidates (`rule` "response") are positions a where the anchor token a and the next token a+1 are both
+    response tokens. At inference the first block's anchor is the target's first generated token, so an
+    anchor on the last prompt token (the generation prompt's end) would train a case that never occurs;
+    SpecForge's trainer applies the same rule. `rule` "prompt_end" also allows that position (every a whose
+    next token is a response token), to measure what the rule is worth. At most `num_anchors` are drawn
+    uniformly without replacement.
     """
     loss_mask = loss_mask.bool().cpu()
-    candidates = torch.nonzero(loss_mask[:-1] & loss_mask[1:], as_tuple=False).flatten()
+    allowed = loss_mask[1:] if rule == "prompt_end" else loss_mask[:-1] & loss_mask[1:]
+    candidates = torch.nonzero(allowed, as_tuple=False).flatten()
     count = min(num_anchors, candidates.numel())
     gen = torch.Generator().manual_seed(_anchor_seed(seed, epoch, sample_id))
     chosen = candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]

@@ -45,6 +45,7 @@ class StepSettings:
     dpace_smoothing: float = 0.5
     loss: str = "ce"  # ce | kl | tv (see distillation.py); kl and tv read the target's soft targets
     ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
+    anchor_rule: str = "response"  # response | prompt_end (see objective.sample_anchors)
 
 
 @dataclass
@@ -303,6 +304,7 @@ def batch_anchors(batch: Batch, settings: StepSettings, epoch: int) -> list[torc
             settings.seed,
             epoch,
             int(batch.sample_ids[b]),
+            settings.anchor_rule,
         )
         for b in range(len(lengths))
     ]

@@ -84,6 +84,7 @@ def build_trainer(
         cfg.dpace_smoothing,
         cfg.loss,
         cfg.ce_weight,
+        cfg.anchor_rule,
     )
     optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps)
     return DrafterTrainer(drafter, head, settings, optim, group)

@@ -148,6 +148,7 @@ SETTINGS_ADDED_LATER = {
     "loss": "ce",
     "target_topk": 0,
     "ce_weight": 0.0,
+    "anchor_rule": "response",
 }
 
 
