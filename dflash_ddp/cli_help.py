@@ -92,7 +92,12 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
         "ce_weight": ("share of the token's CE mixed into --loss kl or tv (DSpark trains 0.1 with tv)", ""),
         "num_epochs": ("passes over the data (when --max_steps is -1)", ""),
         "max_steps": ("optimizer steps; -1: --num_epochs passes", "-1 or an integer >= 1"),
-        "learning_rate": ("peak learning rate of AdamW (linear warm-up, cosine decay)", ""),
+        "learning_rate": ("peak learning rate (linear warm-up, cosine decay)", ""),
+        "optimizer": (
+            "AdamW, or Muon for the drafter's weight matrices (its rate scaled to AdamW's update size) with "
+            "AdamW for the norms; a checkpoint resumes only with the optimizer it was saved with",
+            "adamw or muon",
+        ),
         "warmup_ratio": ("share of the steps spent warming up", ""),
         "weight_decay": ("AdamW weight decay", ""),
         "max_grad_norm": ("gradient clipping threshold", ""),

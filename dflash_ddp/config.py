@@ -20,6 +20,7 @@ import yaml
 from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.distillation import LOSSES
 from dflash_ddp.drafter.objective import ANCHOR_RULES, POSITION_WEIGHTINGS
+from dflash_ddp.drafter.optimizer import OPTIMIZERS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import resolve_report_to
 
@@ -94,6 +95,7 @@ class TrainConfig:
     num_epochs: int = 6
     max_steps: int = -1
     learning_rate: float = 6e-4
+    optimizer: str = "adamw"  # adamw | muon (Muon for the drafter's weight matrices, AdamW for the rest)
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -176,6 +178,8 @@ class TrainConfig:
                 f"--position_weighting {self.position_weighting}: choose {' or '.join(POSITION_WEIGHTINGS)}"
             )
         self._check_loss()
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer}: choose {' or '.join(OPTIMIZERS)}")
         if self.anchor_rule not in ANCHOR_RULES:
             raise ValueError(f"--anchor_rule {self.anchor_rule}: choose {' or '.join(ANCHOR_RULES)}")
         if self.attention not in ("auto", "sparse", "flex", "dense"):

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_ddp.checkpoint.layout import read_latest
 from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
@@ -405,3 +406,23 @@ def test_snapshots_reuse_host_buffers_and_write_the_same_files(tmp_path):
     fresh = save_checkpoint(tmp_path / "fresh", 2, drafter, optimizer, scheduler, state, rng, 2)
     for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng-rank0.pt", "manifest.json"):
         assert (reused / name).read_bytes() == (fresh / name).read_bytes(), name
+
+
+def test_muon_and_soft_targets_resume_exactly_and_the_optimizer_cannot_change(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    """--optimizer muon (Muon with AdamW, two states in one optimizer file) with D-PACE and TV against soft
+    targets: resuming step 3 trains the step 6 of the uninterrupted run, bit for bit; resuming it as AdamW is
+    refused, naming both optimizers."""
+    out = tmp_path / "run"
+    method = ["--optimizer", "muon", "--position_weighting", "dpace", "--loss", "tv", "--target_topk", "4"]
+    assert main(args(tiny_target, chat_data, out, *method)) == 0
+    root = out / "checkpoints"
+    uninterrupted = load_file(root / "step-00000006" / "model.safetensors")
+    assert set(load_tensor_file(root / "step-00000006" / "optimizer.pt")) == {"muon", "adamw"}
+    assert main(args(tiny_target, chat_data, out, *method, "--resume", str(root / "step-00000003"))) == 0
+    resumed = load_file(root / "step-00000006" / "model.safetensors")
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+    capsys.readouterr()
+    assert main(args(tiny_target, chat_data, out, *method[2:], "--max_steps", "9")) == 2
+    assert "optimizer: checkpoint 'muon', now 'adamw'" in capsys.readouterr().err

@@ -58,6 +58,7 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         ),
         (["--target_topk", "-1"], "--target_topk -1: must be at least 0"),
         (["--anchor_rule", "anywhere"], "--anchor_rule anywhere: choose response or prompt_end"),
+        (["--optimizer", "sgd"], "--optimizer sgd: choose adamw or muon"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, message):

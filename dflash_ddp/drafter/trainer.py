@@ -26,6 +26,7 @@ from dflash_ddp.drafter.objective import (
     plan_draft_chunks,
     sample_anchors,
 )
+from dflash_ddp.drafter.optimizer import build_optimizer
 from dflash_ddp.parallel.topology import compute_dtype
 from dflash_ddp.target_model.head import SharedTargetHead
 
@@ -60,16 +61,17 @@ class DraftChunk:
 
 @dataclass
 class OptimizerSettings:
-    """AdamW with a cosine schedule and linear warmup."""
+    """AdamW (or Muon with AdamW, see optimizer.py) with a cosine schedule and linear warmup."""
 
     learning_rate: float
     weight_decay: float
     warmup_ratio: float
     total_steps: int
+    optimizer: str = "adamw"
 
 
 class DrafterTrainer:
-    """Owns the drafter, the shared target head, AdamW and the cosine schedule."""
+    """Owns the drafter, the shared target head, the optimizer and the cosine schedule."""
 
     def __init__(
         self,
@@ -87,13 +89,12 @@ class DrafterTrainer:
         self.device = next(drafter.parameters()).device
         # Reading a device value stalls a GPU's queue: on CUDA the finite-loss check and the metrics wait
         # for a logging step (on the CPU a read costs nothing, so the check happens before the update).
-        self.lazy_checks = self.device.type == "cuda" if lazy_checks is None else lazy_checks
-        self.optimizer = torch.optim.AdamW(
-            drafter.parameters(),
-            lr=optim.learning_rate,
-            weight_decay=optim.weight_decay,
-            betas=(0.9, 0.95),
-            fused=self.lazy_checks,  # the fused kernel can skip a non-finite step on the device
+        # Only fused AdamW can skip a non-finite update on the device: with Muon the check stays eager.
+        if lazy_checks is None:
+            lazy_checks = self.device.type == "cuda" and optim.optimizer == "adamw"
+        self.lazy_checks = lazy_checks
+        self.optimizer = build_optimizer(
+            drafter, optim.optimizer, optim.learning_rate, optim.weight_decay, fused=self.lazy_checks
         )
         self.scheduler = get_cosine_schedule_with_warmup(
             self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps

@@ -86,7 +86,9 @@ def build_trainer(
         cfg.ce_weight,
         cfg.anchor_rule,
     )
-    optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps)
+    optim = OptimizerSettings(
+        cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps, cfg.optimizer
+    )
     return DrafterTrainer(drafter, head, settings, optim, group)
 
 

@@ -149,6 +149,7 @@ SETTINGS_ADDED_LATER = {
     "target_topk": 0,
     "ce_weight": 0.0,
     "anchor_rule": "response",
+    "optimizer": "adamw",
 }
 
 
@@ -181,6 +182,12 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
         raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity) + hint)
     # optimisation settings: a change is refused unless the user names it in --resume_override
     saved = saved | {"config": SETTINGS_ADDED_LATER | saved["config"]}
+    old_optimizer, optimizer = saved["config"]["optimizer"], current["config"]["optimizer"]
+    if old_optimizer != optimizer:
+        raise ValueError(
+            f"{where}: optimizer: checkpoint {old_optimizer!r}, now {optimizer!r}; an optimizer's state cannot "
+            f"continue in another: pass --optimizer {old_optimizer}, or start a new run in another --output_dir"
+        )
     missing = [k for k in RESUME_OVERRIDABLE if k not in saved["config"]]
     if missing:
         raise ValueError(f"{where}/trainer_state.json: config lacks {missing}")
