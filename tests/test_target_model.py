@@ -101,6 +101,14 @@ def test_plan_says_which_target_layers_run_and_whether_the_last_is_final_normed(
     assert "0..3 of 6 (later layers, the final norm and the LM head skipped)" in capsys.readouterr().out
     assert main([*flags, "--plan", "--target_layer_ids", "1,5"]) == 0
     assert "0..5 of 6 (all layers, the last one's output final-normed" in capsys.readouterr().out
+    soft = ["--target_layer_ids", "1,3", "--loss", "tv", "--target_topk", "8"]
+    assert main([*flags, "--plan", *soft]) == 0
+    out = capsys.readouterr().out
+    assert "0..5 of 6 (all layers, the final norm and the LM head: the top 8 next-token probabilities" in out
+    assert "2 more layer(s) than the taps need" in out and "more target compute per token" in out
+    assert "MiB of soft targets (48 bytes a token" in out and "soft-target logits" in out
+    assert main([*flags, "--plan", *soft[:-1], "100000"]) == 2  # more than the vocabulary
+    assert "--target_topk 100000 is more than the target's" in capsys.readouterr().err
 
 
 def test_soft_targets_are_the_top_k_of_the_whole_targets_next_token_distribution(tiny_target):
