@@ -31,7 +31,10 @@ VARIANTS = {
     "decay-gamma2": {"position_weighting": "decay", "loss_gamma": 2.0},
     "dpace": {"position_weighting": "dpace"},
     "dpace-prompt-end": {"position_weighting": "dpace", "anchor_rule": "prompt_end"},  # the older anchor rule
-    "dpace-muon": {"position_weighting": "dpace", "optimizer": "muon"},  # the same learning rate (RMS-matched)
+    "dpace-muon": {
+        "position_weighting": "dpace",
+        "optimizer": "muon",
+    },  # the same learning rate (RMS-matched)
     # soft targets: the target's top 8 next tokens, by KL, and by TV with a tenth of the token's CE (DSpark's)
     "dpace-kl": {"position_weighting": "dpace", "loss": "kl", "target_topk": 8},
     "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 8, "ce_weight": 0.1},

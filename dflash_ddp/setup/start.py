@@ -200,10 +200,16 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
         f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items() if k not in overrides
     ]
     if refused:
+        flags = [
+            f"--{k} {old}"
+            for k, (old, _) in changed.items()
+            if k not in overrides and k != "global_batch" and isinstance(old, (int, float, str))
+        ]
         raise ValueError(
             f"{where}: optimisation settings changed: "
             + "; ".join(refused)
-            + " (restore them, or accept the change with --resume_override "
+            + f" (restore them{' with ' + ' '.join(flags) if flags else ''}, or accept the change with "
+            + "--resume_override "
             + ",".join(k for k in changed if k not in overrides)
             + ")"
         )
