@@ -129,8 +129,9 @@ def test_a_checkpoint_from_before_an_objective_setting_resumes_with_the_setting_
     current["config"].update(position_weighting="dpace", loss="tv", target_topk=8)
     with pytest.raises(
         ValueError, match="position_weighting: checkpoint 'decay', now 'dpace'; loss: checkpoint"
-    ):
+    ) as refused:
         check_same_run(saved, current, [], _newest(finished_run))
+    assert "restore them with --position_weighting decay --loss ce --target_topk 0, or" in str(refused.value)
     accepted = check_same_run(
         saved, current, ["position_weighting", "loss", "target_topk"], _newest(finished_run)
     )
