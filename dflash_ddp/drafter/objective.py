@@ -147,7 +147,11 @@ class BlockInputs:
             move = lambda t: t.pin_memory().to(device, non_blocking=True)  # noqa: E731
         else:
             move = lambda t: t.to(device)  # noqa: E731
-        tensors = {k: move(v) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        tensors = {
+            k: v if v.device == device else move(v)  # soft targets received on the device stay there
+            for k, v in vars(self).items()
+            if isinstance(v, torch.Tensor)
+        }
         return BlockInputs(**{**vars(self), **tensors})
 
 
@@ -188,11 +192,13 @@ def build_block_inputs(
     weights = per_position.float().to(device) * response * in_seq
     context_pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
     soft_ids = soft_probs = None
-    if soft is not None:
+    if soft is not None:  # gathered where the soft targets are (the drafter's GPU): no copy to the host
+        on = soft.ids.device
         before = (pos - 1).clamp(min=0, max=seq_len - 1).flatten(1)[..., None].expand(-1, -1, soft.k)
+        before = before.to(on, non_blocking=True)
         shape = (*pos.shape, soft.k)
-        soft_ids = torch.gather(soft.ids.to(device), 1, before).view(shape).long()
-        soft_probs = renormalised(torch.gather(soft.probs.to(device), 1, before).view(shape))
+        soft_ids = torch.gather(soft.ids, 1, before).view(shape).long()
+        soft_probs = renormalised(torch.gather(soft.probs, 1, before).view(shape))
     return BlockInputs(
         block_ids=block_ids.flatten(1),
         position_ids=torch.cat([context_pos, pos.flatten(1)], dim=1),
