@@ -1,7 +1,8 @@
 """The hidden-state channel: target ranks send batches with their tapped features to drafter ranks.
 
-A message is three kinds of tensors sent point-to-point (NCCL on GPUs, gloo on CPU) as one batch of
-sends; the receiver takes the header, then the ints (which give the sequence lengths), then the features:
+A message is three kinds of tensors (four with soft targets) sent point-to-point (NCCL on GPUs, gloo on
+CPU) as one batch of sends; the receiver takes the header, then the ints (which give the sequence lengths),
+then the features, then the soft targets:
   header   int64[16]: version, kind (DATA/END), global batch g, epoch, batch size B, total tokens N,
            feature width, dtype code, the sender's cumulative send-wait (us) and in-flight depth, top-k
   ints     int64[2N + 2B]: token ids and response mask packed without padding, then lengths, sample ids
