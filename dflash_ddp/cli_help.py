@@ -70,13 +70,14 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
             "response or prompt_end",
         ),
         "loss_gamma": (
-            "position decay of the loss, exp(-(k-1)/gamma); unset: 7 for blocks of 16, 5 for 10, 4 for 8",
+            "with --position_weighting decay: the loss's position decay exp(-(k-1)/gamma); unset: 7 for blocks "
+            "of 16, 5 for 10, 4 for 8",
             "",
         ),
         "position_weighting": (
-            "how block positions weigh in the loss: the fixed decay, or D-PACE (weights from the drafter's "
-            "own confidence on the labels, normalised by the blocks with a label)",
-            "decay or dpace",
+            "how block positions weigh in the loss: D-PACE (weights from the drafter's own confidence on the "
+            "labels, normalised by the blocks with a label), or the paper's fixed decay",
+            "dpace or decay",
         ),
         "dpace_smoothing": ("D-PACE's a: q~ = (1 - a) q + a for the label probability q", ""),
         "loss": (

@@ -71,9 +71,10 @@ class TrainConfig:
     # prompt_end (also the last prompt token before each response)
     anchor_rule: str = "response"
     loss_gamma: float | None = None
-    # how block positions weigh in the loss: decay (the paper's exp(-(k-1)/gamma)) | dpace (D-PACE: from the
-    # drafter's own confidence, smoothed by dpace_smoothing; see drafter/objective.py)
-    position_weighting: str = "decay"
+    # how block positions weigh in the loss: dpace (D-PACE: from the drafter's own confidence, smoothed by
+    # dpace_smoothing; see drafter/objective.py) | decay (the paper's exp(-(k-1)/gamma)); dpace trains drafters
+    # that accept more tokens (docs/benchmarks.md (g))
+    position_weighting: str = "dpace"
     dpace_smoothing: float = 0.5
     # what a block position is scored against: ce (the data's token) | kl | tv (the target's own top-k
     # next-token distribution, which target_topk > 0 makes the target ranks compute and send; see
@@ -178,6 +179,11 @@ class TrainConfig:
                 f"--position_weighting {self.position_weighting}: choose {' or '.join(POSITION_WEIGHTINGS)}"
             )
         self._check_loss()
+        if self.loss_gamma is not None and self.position_weighting != "decay":
+            raise ValueError(
+                f"--loss_gamma {self.loss_gamma} sets the decay of --position_weighting decay, and D-PACE (the "
+                "default) has no decay: pass --position_weighting decay with it, or drop it"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer}: choose {' or '.join(OPTIMIZERS)}")
         if self.anchor_rule not in ANCHOR_RULES:
