@@ -86,14 +86,15 @@ OBJECTIVES = {
     "decay": {"position_weighting": "decay"},
     "dpace": {"position_weighting": "dpace"},
     "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 4, "ce_weight": 0.1},
+    "dpace-muon": {"position_weighting": "dpace", "optimizer": "muon"},
 }
 
 
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, name):
     """2+2 (data-parallel drafter) trains the same function as 1+1 accumulating 2 batches per step, with
-    either position weighting and with soft targets: the loss is normalised over every rank's blocks, not
-    per rank."""
+    either position weighting, with soft targets and with Muon: the loss is normalised over every rank's
+    blocks, not per rank, and every optimizer steps on the summed gradient."""
     objective = OBJECTIVES[name]
     one = torchrun(
         2, train_args(tiny_target, chat_data, tmp_path / "1+1", gradient_accumulation_steps=2, **objective)
