@@ -12,7 +12,15 @@ from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
 from dflash_ddp.drafter.objective import loss_gamma
 from dflash_ddp.hub import hub_model_name
 
-OBJECTIVE_SETTINGS = ("num_anchors", "loss_gamma", "learning_rate", "warmup_ratio", "max_grad_norm", "seed")
+OBJECTIVE_SETTINGS = (
+    "num_anchors",
+    "loss_gamma",
+    "optimizer",
+    "learning_rate",
+    "warmup_ratio",
+    "max_grad_norm",
+    "seed",
+)
 
 
 def scored_against(cfg: dict) -> str:
