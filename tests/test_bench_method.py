@@ -34,16 +34,25 @@ def test_quick_method_benchmark_runs_variants_on_both_targets_and_resumes(tmp_pa
     assert all(" 1/1 " in row for row in table)  # every output equal to the target's greedy output
     soft = next(row for row in table if "dpace-tv" in row).split(" | ")
     base = next(row for row in table if "decay" in row).split(" | ")
-    assert int(soft[6]) == int(base[6]) + 6 * 8  # the top 8 soft targets add 6 bytes each a token
+    assert int(soft[7]) == int(base[7]) + 6 * 8  # the top 8 soft targets add 6 bytes each a token
     # a second run trains only what is new: the kept results stand in for the runs (deleted here), and the
     # table shows every variant measured so far
     subprocess.run(["rm", "-rf", str(tmp_path / "quick" / "runs")], check=True)
     again = subprocess.run(
-        [*cmd, "--variants", "decay,dpace-tv,dpace"], capture_output=True, text=True, timeout=TIMEOUT_S
+        [*cmd, "--variants", "decay,dpace-tv,dpace-anchors32"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "quick" / "runs").glob("*/*")) == ["dpace", "dpace"]
+    new_runs = sorted((tmp_path / "quick" / "runs").glob("*/*"))
+    assert [p.name for p in new_runs] == ["dpace-anchors32", "dpace-anchors32"]
     assert len(rows(again.stdout)) == 6 and set(table) <= set(rows(again.stdout))
+    # twice the anchors at equal wall time: 4 budget steps / 1.71 = 2 steps, trained and shown
+    for run in new_runs:
+        assert (run / "seed0" / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert all(row.split(" | ")[5] == "2" for row in rows(again.stdout) if "anchors32" in row)
+    assert all(row.split(" | ")[5] == "4" for row in rows(again.stdout) if "anchors32" not in row)
     assert (tmp_path / "quick" / "table.md").read_text().splitlines()[2:] == rows(again.stdout)
 
 
