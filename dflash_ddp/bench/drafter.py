@@ -76,6 +76,7 @@ def run_point(point: dict) -> dict:
     plan = drafter_memory(
         config,
         0,
+        0,
         positions,
         tokens,
         point["seq_len"],

@@ -1,8 +1,8 @@
 """Predicted peak memory of a drafter rank. The peak is set by one chunk of draft positions
 (`--drafter_chunk_tokens`), not by the batch: the tensors autograd keeps per draft position and layer are
 counted from the layer's code (see `saved_per_position`; a test measures them with saved-tensor hooks),
-plus the attention and loss workspaces, the received features, the weights with their gradients and AdamW
-moments, and the target's frozen embedding and LM head.
+plus the attention and loss workspaces, the received features, the weights with their gradients and the
+optimizer's state, and the target's frozen embedding and LM head.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def backward_per_position(c: DFlashDraftConfig) -> int:
 def drafter_memory(
     c: DFlashDraftConfig,
     num_params: int,
+    optimizer_state: int,
     chunk_tokens: int,
     tokens_per_batch: int,
     max_seq_len: int,
@@ -49,6 +50,7 @@ def drafter_memory(
     checkpointing: bool = False,
 ) -> MemoryPlan:
     """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features.
+    `optimizer_state`: bytes of the optimizer's state (`optimizer_state_bytes`).
 
     A chunk's tensors peak in one of two moments, whichever holds more: at the loss (every layer's saved
     tensors and the loss's logits chunks) or inside the backward of the last layer (the other layers'
@@ -84,7 +86,7 @@ def drafter_memory(
         attention_ws = 0
     return MemoryPlan(
         {
-            "weights+grads+AdamW": num_params * 16,
+            "weights+grads+optimizer": num_params * 8 + optimizer_state,
             "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
             "received features": received_batches * tokens_per_batch * width * dtype_bytes,
             "activations": activations,

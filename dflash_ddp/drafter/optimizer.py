@@ -56,6 +56,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._share_groups()  # loading replaced the inner optimizers' group dicts
 
 
+def optimizer_state_bytes(parameters: list[nn.Parameter], name: str) -> int:
+    """Bytes of fp32 state the optimizer --optimizer names keeps for `parameters` (meta tensors will do):
+    AdamW two moments per parameter; Muon one momentum per weight matrix, and AdamW's two for the rest."""
+    return sum(4 * (1 if name == "muon" and p.ndim == 2 else 2) * p.numel() for p in parameters)
+
+
 def build_optimizer(
     model: nn.Module, name: str, lr: float, weight_decay: float, fused: bool
 ) -> torch.optim.Optimizer:

@@ -82,7 +82,7 @@ def check_fit(
     colocated, one per rank of the node."""
     # colocated: the target's forward ends before the drafter's step begins, so only the target's weights
     # and the larger of the two transient parts add up
-    state = drafter.parts["weights+grads+AdamW"] + drafter.parts["target embedding+LM head"]
+    state = drafter.parts["weights+grads+optimizer"] + drafter.parts["target embedding+LM head"]
     colocated = target.parts["weights"] + max(drafter.total, target.total - target.parts["weights"] + state)
     sizes = {"target": target.total, "drafter": drafter.total, "colocated": colocated}
     if device.type == "cuda":

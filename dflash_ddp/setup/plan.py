@@ -14,6 +14,7 @@ from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig, resolve_attention
 from dflash_ddp.drafter.memory import drafter_memory
 from dflash_ddp.drafter.model import DFlashDraftModel
+from dflash_ddp.drafter.optimizer import optimizer_state_bytes
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
 from dflash_ddp.target_model.info import TargetInfo, truncated_parameter_count
@@ -25,10 +26,12 @@ def run_device(cfg: TrainConfig) -> torch.device:
     return select_device(cfg.device, env_world()[2])
 
 
-def drafter_parameter_count(config: DFlashDraftConfig) -> int:
-    """Trainable parameters of a drafter of this shape, counted on the meta device."""
+def drafter_parameter_count(config: DFlashDraftConfig, optimizer: str) -> tuple[int, int]:
+    """Trainable parameters of a drafter of this shape, and the bytes of `optimizer`'s state for them,
+    counted on the meta device."""
     with torch.device("meta"):  # shapes only, no memory
-        return sum(p.numel() for p in DFlashDraftModel(config).parameters())
+        params = list(DFlashDraftModel(config).parameters())
+    return sum(p.numel() for p in params), optimizer_state_bytes(params, optimizer)
 
 
 def node_roles(topology: Topology) -> list[str]:
@@ -60,7 +63,7 @@ def plan_memory(
     """Predict this run's memory (see memory.py) for the device and node of this rank."""
     roles = node_roles(topology)
     dtype_bytes = compute_dtype(device).itemsize
-    params = drafter_parameter_count(c)
+    params, optimizer_state = drafter_parameter_count(c, cfg.optimizer)
     # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
     # sequences (at least 2 x block_size tokens each) can hold
     rows = max(1, cfg.tokens_per_batch // (2 * c.block_size))
@@ -72,6 +75,7 @@ def plan_memory(
         return drafter_memory(
             c,
             params,
+            optimizer_state,
             positions,
             cfg.tokens_per_batch,
             cfg.max_seq_len,
