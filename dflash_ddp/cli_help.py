@@ -95,12 +95,12 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
         "max_steps": ("optimizer steps; -1: --num_epochs passes", "-1 or an integer >= 1"),
         "learning_rate": ("peak learning rate (linear warm-up, cosine decay)", ""),
         "optimizer": (
-            "AdamW, or Muon for the drafter's weight matrices (its rate scaled to AdamW's update size) with "
-            "AdamW for the norms; a checkpoint resumes only with the optimizer it was saved with",
-            "adamw or muon",
+            "Muon for the drafter's weight matrices (its rate scaled to AdamW's update size) with AdamW for "
+            "the norms, or AdamW for all; a checkpoint resumes only with the optimizer it was saved with",
+            "muon or adamw",
         ),
         "warmup_ratio": ("share of the steps spent warming up", ""),
-        "weight_decay": ("AdamW weight decay", ""),
+        "weight_decay": ("decoupled weight decay (Muon and AdamW alike)", ""),
         "max_grad_norm": ("gradient clipping threshold", ""),
         "seed": ("seed of the data order, anchors and drafter initialisation", "an integer in [0, 2^63)"),
         "gradient_accumulation_steps": ("batches per drafter rank and optimizer step", ""),

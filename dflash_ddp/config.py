@@ -96,7 +96,9 @@ class TrainConfig:
     num_epochs: int = 6
     max_steps: int = -1
     learning_rate: float = 6e-4
-    optimizer: str = "adamw"  # adamw | muon (Muon for the drafter's weight matrices, AdamW for the rest)
+    # muon (Muon for the drafter's weight matrices, AdamW for its norms) | adamw; Muon trains drafters that
+    # accept far more tokens at equal steps (docs/benchmarks.md (g))
+    optimizer: str = "muon"
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0

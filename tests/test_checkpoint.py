@@ -16,6 +16,7 @@ from dflash_ddp.checkpoint.layout import read_latest
 from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dflash_ddp.checkpoint.resume import find_checkpoint, load_tensor_file, load_trainer_state
 from dflash_ddp.checkpoint.writer import SaveError, remove_leftovers, save_checkpoint
+from dflash_ddp.config import TrainConfig
 from dflash_ddp.setup.start import check_same_run
 from dflash_ddp.train import main
 
@@ -136,6 +137,20 @@ def test_a_checkpoint_from_before_an_objective_setting_resumes_with_the_setting_
         saved, current, ["position_weighting", "loss", "target_topk"], _newest(finished_run)
     )
     assert "loss: 'ce' -> 'tv'" in accepted
+
+
+def test_a_checkpoint_from_before_the_optimizer_option_resumes_as_adamw_and_names_it(finished_run):
+    """Checkpoints written before --optimizer trained with AdamW: resuming one with --optimizer adamw works,
+    resuming it under today's default (Muon) is refused with the flag that continues it."""
+    saved = load_trainer_state(_newest(finished_run))
+    current = json.loads(json.dumps(saved))
+    del saved["config"]["optimizer"]
+    current["config"]["optimizer"] = "adamw"
+    assert check_same_run(saved, current, [], _newest(finished_run)) == []
+    current["config"]["optimizer"] = TrainConfig().optimizer
+    with pytest.raises(ValueError, match="optimizer: checkpoint 'adamw', now 'muon'") as refused:
+        check_same_run(saved, current, [], _newest(finished_run))
+    assert "pass --optimizer adamw" in str(refused.value)
 
 
 def test_optimisation_change_needs_an_override(finished_run, tiny_target, chat_data, capsys):
@@ -425,5 +440,7 @@ def test_muon_and_soft_targets_resume_exactly_and_the_optimizer_cannot_change(
     resumed = load_file(root / "step-00000006" / "model.safetensors")
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
     capsys.readouterr()
-    assert main(args(tiny_target, chat_data, out, *method[2:], "--max_steps", "9")) == 2
+    assert (
+        main(args(tiny_target, chat_data, out, *method[2:], "--optimizer", "adamw", "--max_steps", "9")) == 2
+    )
     assert "optimizer: checkpoint 'muon', now 'adamw'" in capsys.readouterr().err

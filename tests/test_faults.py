@@ -20,9 +20,17 @@ from dflash_ddp.train import main
 
 from helpers import file_size_limit, rank_pids, torchrun_cmd, train_flags
 
-# Between the size of the tiny drafter's model.safetensors (~200 KB) and its optimizer.pt (~400 KB):
-# the weights are written, torch.save of the optimizer state then fails like on a full disk.
-FULL_AT_OPTIMIZER = 300_000
+
+def full_at_optimizer(run: Path) -> int:
+    """A file size limit between the run's model.safetensors and its larger optimizer.pt (about 200 and 207
+    KB with Muon's one momentum per matrix, 400 KB with AdamW's two): the weights are written, torch.save of
+    the optimizer state then fails like on a full disk."""
+    checkpoint = run / "checkpoints" / "step-00000003"
+    weights, optimizer = (
+        (checkpoint / name).stat().st_size for name in ("model.safetensors", "optimizer.pt")
+    )
+    assert weights < optimizer, (weights, optimizer)
+    return (weights + optimizer) // 2
 
 
 def flags(tiny_target, chat_data, out, **settings):
@@ -69,7 +77,7 @@ def test_a_full_disk_during_a_background_save_stops_the_run_at_the_next_step(
         [sys.executable, "-m", "dflash_ddp.train", *resume_flags(tiny_target, chat_data, run_at_step_3)],
         capture_output=True,
         text=True,
-        preexec_fn=file_size_limit(FULL_AT_OPTIMIZER),
+        preexec_fn=file_size_limit(full_at_optimizer(run_at_step_3)),
     )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -110,7 +118,7 @@ def test_a_failing_drafter_rank_exits_with_its_own_message_and_is_the_root_cause
         capture_output=True,
         text=True,
         timeout=300,
-        preexec_fn=file_size_limit(FULL_AT_OPTIMIZER),
+        preexec_fn=file_size_limit(full_at_optimizer(run_at_step_3)),
     )
     assert result.returncode != 0
     drafter_err = next(logs.glob("*/attempt_0/1/stderr.log")).read_text()
