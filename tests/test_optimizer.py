@@ -5,7 +5,7 @@ import torch
 
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.optimizer import build_optimizer, optimizer_state_bytes
-from dflash_ddp.setup.plan import drafter_parameter_count
+from dflash_ddp.setup.plan import drafter_sizes
 
 from helpers import small_draft_config
 
@@ -33,7 +33,7 @@ def test_the_predicted_state_is_what_the_optimizer_holds_after_a_step(name):
     optimizer.step()
     params = list(drafter.parameters())
     assert held_state_bytes(optimizer) == optimizer_state_bytes(params, name)
-    assert drafter_parameter_count(config, name) == (
+    assert drafter_sizes(config, name) == (
         sum(p.numel() for p in params),
         held_state_bytes(optimizer),
     )

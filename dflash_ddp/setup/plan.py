@@ -26,9 +26,9 @@ def run_device(cfg: TrainConfig) -> torch.device:
     return select_device(cfg.device, env_world()[2])
 
 
-def drafter_parameter_count(config: DFlashDraftConfig, optimizer: str) -> tuple[int, int]:
-    """Trainable parameters of a drafter of this shape, and the bytes of `optimizer`'s state for them,
-    counted on the meta device."""
+def drafter_sizes(config: DFlashDraftConfig, optimizer: str) -> tuple[int, int]:
+    """A drafter of this shape: its trainable parameters and the bytes of `optimizer`'s state for them,
+    counted on the meta device (one model built for both)."""
     with torch.device("meta"):  # shapes only, no memory
         params = list(DFlashDraftModel(config).parameters())
     return sum(p.numel() for p in params), optimizer_state_bytes(params, optimizer)
@@ -63,7 +63,7 @@ def plan_memory(
     """Predict this run's memory (see memory.py) for the device and node of this rank."""
     roles = node_roles(topology)
     dtype_bytes = compute_dtype(device).itemsize
-    params, optimizer_state = drafter_parameter_count(c, cfg.optimizer)
+    params, optimizer_state = drafter_sizes(c, cfg.optimizer)
     # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
     # sequences (at least 2 x block_size tokens each) can hold
     rows = max(1, cfg.tokens_per_batch // (2 * c.block_size))
