@@ -74,6 +74,11 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
             "of 16, 5 for 10, 4 for 8",
             "",
         ),
+        "loss_gamma_start": (
+            "with --position_weighting decay: the decay's gamma at the first step, moving linearly to "
+            "--loss_gamma at the last (a schedule); unset: --loss_gamma throughout",
+            "",
+        ),
         "position_weighting": (
             "how block positions weigh in the loss: D-PACE (weights from the drafter's own confidence on the "
             "labels, normalised by the blocks with a label), or the paper's fixed decay",

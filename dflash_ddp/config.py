@@ -71,6 +71,7 @@ class TrainConfig:
     # prompt_end (also the last prompt token before each response)
     anchor_rule: str = "response"
     loss_gamma: float | None = None
+    loss_gamma_start: float | None = None  # the decay constant at the first step, moving to loss_gamma
     # how block positions weigh in the loss: dpace (D-PACE: from the drafter's own confidence, smoothed by
     # dpace_smoothing; see drafter/objective.py) | decay (the paper's exp(-(k-1)/gamma)); dpace trains drafters
     # that accept more tokens (docs/benchmarks.md (g))
@@ -181,11 +182,12 @@ class TrainConfig:
                 f"--position_weighting {self.position_weighting}: choose {' or '.join(POSITION_WEIGHTINGS)}"
             )
         self._check_loss()
-        if self.loss_gamma is not None and self.position_weighting != "decay":
-            raise ValueError(
-                f"--loss_gamma {self.loss_gamma} sets the decay of --position_weighting decay, and D-PACE (the "
-                "default) has no decay: pass --position_weighting decay with it, or drop it"
-            )
+        for name in ("loss_gamma", "loss_gamma_start"):
+            if getattr(self, name) is not None and self.position_weighting != "decay":
+                raise ValueError(
+                    f"--{name} {getattr(self, name)} sets the decay of --position_weighting decay, and D-PACE "
+                    "(the default) has no decay: pass --position_weighting decay with it, or drop it"
+                )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer}: choose {' or '.join(OPTIMIZERS)}")
         if self.anchor_rule not in ANCHOR_RULES:
@@ -292,6 +294,7 @@ FLOAT_RANGES = {
     "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
     "max_grad_norm": (lambda v: v > 0, "a finite number > 0 (the clipping threshold)"),
     "loss_gamma": (lambda v: v > 0, "a finite number > 0 (the position-decay scale)"),
+    "loss_gamma_start": (lambda v: v > 0, "a finite number > 0 (the position-decay scale at the first step)"),
     "dpace_smoothing": (lambda v: 0 <= v <= 1, "in [0, 1] (D-PACE's smoothing of the label probability)"),
     "ce_weight": (lambda v: 0 <= v <= 1, "in [0, 1] (the share of the token's CE in the loss)"),
     "dist_timeout": (lambda v: 0 < v <= 1e7, "a finite number of seconds in (0, 1e7]"),
@@ -308,6 +311,7 @@ RESUME_OVERRIDABLE = (
     "num_anchors",
     "anchor_rule",
     "loss_gamma",
+    "loss_gamma_start",
     "position_weighting",
     "dpace_smoothing",
     "loss",

@@ -102,6 +102,8 @@ def test_list_flags_take_spaces_or_commas():
         ("max_grad_norm", "0", "--max_grad_norm 0.0: must be a finite number > 0"),
         ("loss_gamma", "0", "--loss_gamma 0.0: must be a finite number > 0"),
         ("loss_gamma", "2", "--loss_gamma 2.0 sets the decay of --position_weighting decay"),
+        ("loss_gamma_start", "-1", "--loss_gamma_start -1.0: must be a finite number > 0"),
+        ("loss_gamma_start", "1", "--loss_gamma_start 1.0 sets the decay of --position_weighting decay"),
         ("learning_rate", "nan", "--learning_rate nan: must be a finite number > 0"),
         ("learning_rate", "inf", "--learning_rate inf: must be a finite number > 0"),
         ("dist_timeout", "inf", "--dist_timeout inf: must be a finite number of seconds"),

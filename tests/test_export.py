@@ -20,7 +20,7 @@ from dflash_ddp.evaluation.decoding import as_transformers_assistant
 from dflash_ddp.export import main
 from dflash_ddp.files import fingerprint_files
 from dflash_ddp.regeneration.parts import settings_path
-from dflash_ddp.serving.card import scored_against
+from dflash_ddp.serving.card import scored_against, weighted_by
 from dflash_ddp.serving.export import load_drafter, package_version, save_drafter
 from dflash_ddp.target_model.info import target_fingerprint
 
@@ -273,6 +273,16 @@ def test_transformers_dflash_drafter_loads_the_export_and_generates_with_a_bf16_
         ids, do_sample=False, max_new_tokens=16, assistant_model=glimmer, speculation_type="dflash"
     )
     assert speculative.tolist() == plain.tolist()
+
+
+def test_the_model_card_names_the_position_weighting_it_was_trained_with():
+    assert weighted_by({"position_weighting": "dpace", "dpace_smoothing": 0.5}, 8).startswith("D-PACE")
+    assert weighted_by({"position_weighting": "decay", "loss_gamma": None}, 8) == (
+        "exp(-(k-1)/gamma), gamma 4 (the paper's for block 8)"
+    )
+    assert weighted_by({"position_weighting": "decay", "loss_gamma": 3.0, "loss_gamma_start": 1.0}, 8) == (
+        "exp(-(k-1)/gamma), gamma moving linearly from 1 at the first step to 3 at the last"
+    )
 
 
 def test_the_model_card_names_the_loss_it_was_trained_with():

@@ -13,6 +13,7 @@ from dflash_ddp.drafter.objective import (
     loss_gamma,
     position_weights,
     sample_anchors,
+    scheduled_gamma,
 )
 
 
@@ -73,6 +74,12 @@ def test_decay_weights_follow_the_paper():
     assert loss_gamma(16) == 7 and loss_gamma(10) == 5 and loss_gamma(8) == 4
     w = position_weights(16)
     assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
+
+
+def test_a_decay_schedule_starts_at_its_start_and_ends_at_its_end():
+    assert [scheduled_gamma(1.0, 3.0, s, 5) for s in range(5)] == [1.0, 1.5, 2.0, 2.5, 3.0]
+    assert scheduled_gamma(1.0, 3.0, 9, 5) == 3.0  # steps past the planned end keep the end
+    assert scheduled_gamma(1.0, 3.0, 0, 1) == 1.0  # a one-step run trains with the start
 
 
 def test_chunked_loss_equals_unchunked_in_value_and_gradient():

@@ -43,14 +43,14 @@ def test_chunked_steps_train_the_weights_of_unchunked_steps(tiny_target, chat_da
         torch.testing.assert_close(chunked[k], whole[k], rtol=1e-4, atol=1e-6)
 
 
-def small_trainer(lazy_checks: bool, learning_rate: float = 1e-3):
+def small_trainer(lazy_checks: bool, learning_rate: float = 1e-3, **objective):
     from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
     from dflash_ddp.target_model.head import SharedTargetHead
 
     config = small_draft_config(vocab_size=64, mask_token_id=63)
     drafter = build_drafter(config, 0, torch.device("cpu"))
     head = SharedTargetHead(torch.randn(64, 32), torch.randn(64, 32))
-    settings = StepSettings(8, 0, 1.0, 16, "sparse", 24, None)
+    settings = StepSettings(8, 0, 1.0, 16, "sparse", 24, **objective)
     return DrafterTrainer(
         drafter, head, settings, OptimizerSettings(learning_rate, 0.0, 0.0, 10), None, lazy_checks
     )
@@ -66,6 +66,23 @@ def random_batch(seed: int):
     loss = attention.clone()
     loss[:, :6] = 0
     return [(Batch(ids, attention, loss, torch.arange(3) + 3 * seed), torch.randn(3, 30, 64, generator=g), 0)]
+
+
+def test_a_decay_schedule_weighs_the_first_step_by_its_start_and_the_last_by_its_end():
+    """--loss_gamma_start 1 --loss_gamma 3 over 10 steps: the blocks of step 1 carry the weights of a constant
+    gamma 1, those of step 10 the weights of gamma 3; a resumed trainer (its step restored) is on schedule."""
+    batch, features, epoch = random_batch(0)[0]
+
+    def weights(trainer):
+        return torch.cat([c.inputs.weights.flatten() for c in trainer._chunks(batch, features, epoch)])
+
+    scheduled = small_trainer(False, loss_gamma=3.0, loss_gamma_start=1.0)
+    first = weights(small_trainer(False, loss_gamma=1.0))
+    last = weights(small_trainer(False, loss_gamma=3.0))
+    assert not torch.equal(first, last)
+    assert torch.equal(weights(scheduled), first)
+    scheduled.global_step = 9  # what restore() sets when resuming before the last step
+    assert torch.equal(weights(scheduled), last)
 
 
 def test_a_lazy_step_reads_nothing_back_from_the_device(monkeypatch):

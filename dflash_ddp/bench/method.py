@@ -36,6 +36,8 @@ VARIANTS = {
         **ADAMW,
     },  # the paper's exp(-(k-1)/gamma), gamma 4 for blocks of 8
     "decay-gamma2": {"position_weighting": "decay", "loss_gamma": 2.0, **ADAMW},
+    # the decay's schedule: gamma from 1 at the first step to 3 at the last (decay-gamma2's mean gamma)
+    "decay-gamma1to3": {"position_weighting": "decay", "loss_gamma_start": 1.0, "loss_gamma": 3.0, **ADAMW},
     "dpace": {"position_weighting": "dpace", **ADAMW},
     "dpace-prompt-end": {
         "position_weighting": "dpace",

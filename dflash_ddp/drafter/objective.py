@@ -31,6 +31,12 @@ def loss_gamma(block_size: int) -> float:
     return _PAPER_GAMMA.get(block_size, (block_size + 5) / 3)
 
 
+def scheduled_gamma(start: float, end: float, step: int, total_steps: int) -> float:
+    """The decay constant at optimizer step `step` (0-based) of `total_steps`: `start` at the first step,
+    moving linearly to `end` at the last."""
+    return start + (end - start) * min(step, total_steps - 1) / max(1, total_steps - 1)
+
+
 def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     """[block_size] weights: 0 at the anchor, exp(-(k-1)/gamma) at block position k >= 1."""
     gamma = loss_gamma(block_size) if gamma is None else gamma

@@ -23,8 +23,10 @@ from dflash_ddp.drafter.objective import (
     block_loss_terms,
     build_block_inputs,
     dense_block_mask,
+    loss_gamma,
     plan_draft_chunks,
     sample_anchors,
+    scheduled_gamma,
 )
 from dflash_ddp.drafter.optimizer import build_optimizer
 from dflash_ddp.parallel.topology import compute_dtype
@@ -42,6 +44,7 @@ class StepSettings:
     attention: str  # "sparse", "flex" or "dense" (see attention.py)
     chunk_tokens: int  # draft positions per drafter forward/backward (--drafter_chunk_tokens)
     loss_gamma: float | None = None
+    loss_gamma_start: float | None = None  # the decay constant moves from this to loss_gamma over the steps
     position_weighting: str = "decay"  # decay | dpace (see objective.py)
     dpace_smoothing: float = 0.5
     loss: str = "ce"  # ce | kl | tv (see distillation.py); kl and tv read the target's soft targets
@@ -99,6 +102,7 @@ class DrafterTrainer:
         self.scheduler = get_cosine_schedule_with_warmup(
             self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps
         )
+        self.total_steps = optim.total_steps
         self.global_step = 0
         self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
 
@@ -151,7 +155,7 @@ class DrafterTrainer:
                 [part for _, part in pieces],
                 cfg.block_size,
                 cfg.mask_token_id,
-                settings.loss_gamma,
+                self._gamma(),
                 min_slots,
                 settings.dpace_smoothing if settings.position_weighting == "dpace" else None,
                 soft_rows(soft, rows, context_len) if settings.loss != "ce" else None,
@@ -167,6 +171,16 @@ class DrafterTrainer:
                 )
             )
         return chunks
+
+    def _gamma(self) -> float | None:
+        """This step's decay constant for --position_weighting decay (None: the paper's for the block)."""
+        settings = self.settings
+        if settings.loss_gamma_start is None:
+            return settings.loss_gamma
+        end = (
+            loss_gamma(self.drafter.config.block_size) if settings.loss_gamma is None else settings.loss_gamma
+        )
+        return scheduled_gamma(settings.loss_gamma_start, end, self.global_step, self.total_steps)
 
     def _forward_backward(self, chunk: DraftChunk, weight_sum: torch.Tensor) -> LossTerms:
         """One chunk's forward and backward (gradients accumulate); its loss terms, detached."""

@@ -79,12 +79,13 @@ def build_trainer(
         cfg.loss_chunk_size,
         attention,
         cfg.drafter_chunk_tokens,
-        cfg.loss_gamma,
-        cfg.position_weighting,
-        cfg.dpace_smoothing,
-        cfg.loss,
-        cfg.ce_weight,
-        cfg.anchor_rule,
+        loss_gamma=cfg.loss_gamma,
+        loss_gamma_start=cfg.loss_gamma_start,
+        position_weighting=cfg.position_weighting,
+        dpace_smoothing=cfg.dpace_smoothing,
+        loss=cfg.loss,
+        ce_weight=cfg.ce_weight,
+        anchor_rule=cfg.anchor_rule,
     )
     optim = OptimizerSettings(
         cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps, cfg.optimizer

@@ -14,7 +14,6 @@ from dflash_ddp.hub import hub_model_name
 
 OBJECTIVE_SETTINGS = (
     "num_anchors",
-    "loss_gamma",
     "optimizer",
     "learning_rate",
     "warmup_ratio",
@@ -31,6 +30,21 @@ def scored_against(cfg: dict) -> str:
     name = {"kl": "KL divergence", "tv": "total variation"}[loss]
     mixed = f" plus {cfg['ce_weight']} x the token's cross-entropy" if cfg.get("ce_weight") else ""
     return f"{name} from the target's top-{cfg.get('target_topk')} next-token distribution{mixed}"
+
+
+def weighted_by(cfg: dict, block: int) -> str:
+    """How block positions weigh in the loss, in words."""
+    if cfg.get("position_weighting") == "dpace":
+        smoothing = cfg.get("dpace_smoothing", 0.5)
+        return f"D-PACE (the drafter's own detached label probabilities, smoothed by {smoothing})"
+    end = cfg.get("loss_gamma")
+    end = f"{end:g}" if end is not None else f"{loss_gamma(block):g} (the paper's for block {block})"
+    start = cfg.get("loss_gamma_start")
+    if start is not None:
+        return (
+            f"exp(-(k-1)/gamma), gamma moving linearly from {start:g} at the first step to {end} at the last"
+        )
+    return f"exp(-(k-1)/gamma), gamma {end}"
 
 
 def target_license(target_dir: Path | None) -> str | None:
@@ -147,10 +161,6 @@ def model_card(
     if state:
         cfg, fingerprints = state.get("config", {}), state.get("fingerprints", {})
         settings = {k: cfg[k] for k in OBJECTIVE_SETTINGS if k in cfg}
-        if cfg.get("position_weighting") == "dpace":
-            settings.pop("loss_gamma", None)
-        elif settings.get("loss_gamma") is None:
-            settings["loss_gamma"] = f"{loss_gamma(block):g} (the paper's for block {block})"
         objective = ", ".join(f"{k} {v}" for k, v in settings.items())
         lines += [
             "## Training",
@@ -163,13 +173,7 @@ def model_card(
             f"- {state.get('global_step')} optimizer steps (epoch {state.get('epoch', '?')}), "
             f"{state.get('tokens_seen', 0):,} tokens seen",
             f"- objective: {scored_against(cfg)} at each block position after randomly drawn anchors on response "
-            + (
-                "tokens, weighted by D-PACE (the drafter's own detached label probabilities, smoothed by "
-                f"{cfg.get('dpace_smoothing', 0.5)}); "
-                if cfg.get("position_weighting") == "dpace"
-                else "tokens, weighted by exp(-(k-1)/gamma); "
-            )
-            + objective,
+            f"tokens, weighted by {weighted_by(cfg, block)}; {objective}",
             "",
         ]
     report, source = run_evaluation(checkpoint, state)

@@ -144,6 +144,7 @@ ADDED_LATER = {"fingerprints.target_commit": None}
 # Settings that checkpoints written before them lack, and the value those runs trained with.
 SETTINGS_ADDED_LATER = {
     "position_weighting": "decay",
+    "loss_gamma_start": None,
     "dpace_smoothing": 0.5,
     "loss": "ce",
     "target_topk": 0,
