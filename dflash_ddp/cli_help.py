@@ -81,8 +81,9 @@ FLAGS: dict[str, dict[str, tuple[str, str]]] = {
         ),
         "position_weighting": (
             "how block positions weigh in the loss: D-PACE (weights from the drafter's own confidence on the "
-            "labels, normalised by the blocks with a label), or the paper's fixed decay",
-            "dpace or decay",
+            "labels), the paper's fixed decay, or Spec-AUF (weight 1 up to the drafter's first wrong position, "
+            "0 after); D-PACE and AUF are normalised by the blocks with a label",
+            "dpace, decay or auf",
         ),
         "dpace_smoothing": ("D-PACE's a: q~ = (1 - a) q + a for the label probability q", ""),
         "loss": (

@@ -73,8 +73,9 @@ class TrainConfig:
     loss_gamma: float | None = None
     loss_gamma_start: float | None = None  # the decay constant at the first step, moving to loss_gamma
     # how block positions weigh in the loss: dpace (D-PACE: from the drafter's own confidence, smoothed by
-    # dpace_smoothing; see drafter/objective.py) | decay (the paper's exp(-(k-1)/gamma)); dpace trains drafters
-    # that accept more tokens (docs/benchmarks.md (g))
+    # dpace_smoothing; see drafter/objective.py) | decay (the paper's exp(-(k-1)/gamma)) | auf (Spec-AUF: only
+    # up to the drafter's first wrong position); dpace trains drafters that accept more tokens than decay
+    # (docs/benchmarks.md (g))
     position_weighting: str = "dpace"
     dpace_smoothing: float = 0.5
     # what a block position is scored against: ce (the data's token) | kl | tv (the target's own top-k

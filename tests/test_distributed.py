@@ -87,13 +87,14 @@ OBJECTIVES = {
     "dpace": {"position_weighting": "dpace"},
     "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 4, "ce_weight": 0.1},
     "dpace-muon": {"position_weighting": "dpace", "optimizer": "muon"},
+    "auf": {"position_weighting": "auf"},
 }
 
 
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, name):
     """2+2 (data-parallel drafter) trains the same function as 1+1 accumulating 2 batches per step, with
-    either position weighting, with soft targets and with Muon: the loss is normalised over every rank's
+    every position weighting, with soft targets and with Muon: the loss is normalised over every rank's
     blocks, not per rank, and every optimizer steps on the summed gradient."""
     objective = OBJECTIVES[name]
     one = torchrun(

@@ -14,6 +14,7 @@ from dflash_ddp.drafter.objective import (
     position_weights,
     sample_anchors,
     scheduled_gamma,
+    until_fail_weights,
 )
 
 
@@ -137,7 +138,7 @@ def test_dpace_weights_are_constants_of_the_gradient():
     labels = torch.randint(0, 50, (10,))
     scored = torch.tensor([1, 2, 3, 5, 6, 7, 9, 10, 11, 13])  # 4 blocks of 4: rows of positions 1-3
 
-    def reweight(nll):
+    def reweight(nll, correct=None):
         return dpace_weights(nll, scored, 4, 4, 0.5)
 
     loss, _ = chunked_weighted_ce(hidden, head, labels, torch.zeros(10), chunk=3, reweight=reweight)
@@ -157,6 +158,39 @@ def reweight_live(ce, scored):
     prefix = torch.cumprod(q[:, 1:], dim=1)
     w = torch.cat([torch.zeros(4, 1), prefix.flip(1).cumsum(1).flip(1)], dim=1)
     return w.flatten()[scored]
+
+
+def test_auf_weights_keep_each_block_up_to_its_first_wrong_position():
+    """Blocks of 5 (positions 1-4): right, right, wrong, right -> 1 1 1 0 (the failure counts, what follows
+    does not); wrong first -> 1 0 0 0; a block cut short after position 2, both right -> 1 1."""
+    correct = torch.tensor([True, True, False, True, False, True, True, True, True, True])
+    scored = torch.tensor([1, 2, 3, 4, 6, 7, 8, 9, 11, 12])  # flat indices into [3 blocks, 5 positions]
+    weights = until_fail_weights(correct, scored, 3, 5)
+    assert weights.tolist() == [1, 1, 1, 0, 1, 0, 0, 0, 1, 1]
+
+
+def test_auf_trains_only_up_to_the_first_failure_with_the_weights_held_constant():
+    """The loss is the CE of the kept rows, divided by the blocks with a label; the gradient is the kept
+    rows' CE gradient (the weights come from argmaxes and stay constants)."""
+    torch.manual_seed(0)
+    ids = torch.randint(2, 30, (1, 24))
+    mask = torch.ones_like(ids)
+    inputs = build_block_inputs(ids, mask, [torch.tensor([2, 8, 14])], 5, mask_token_id=1, until_fail=True)
+    assert float(inputs.weight_sum) == 3.0
+    vocab = 30
+    hidden = torch.randn(1, 3 * 5, vocab, requires_grad=True)
+    hidden.data[0, 1, ids[0, 3]] = 50.0  # block 0: position 1 right, so position 2 is kept too
+    terms = block_loss_terms(hidden, torch.eye(vocab), inputs, chunk=4)
+    terms.loss_sum.backward()
+    rows = hidden.detach()[0]
+    labels = inputs.labels.flatten()
+    correct = rows.argmax(-1) == labels
+    kept = until_fail_weights(correct[inputs.scored], inputs.scored, 3, 5)
+    assert kept.tolist()[:2] == [1, 1] and 0 < kept.sum() < len(kept)
+    ce = F.cross_entropy(hidden[0][inputs.scored], labels[inputs.scored], reduction="none")
+    torch.testing.assert_close(terms.loss_sum, (kept * ce).sum())
+    expected = torch.autograd.grad((kept * ce).sum(), hidden)[0]
+    torch.testing.assert_close(hidden.grad, expected)
 
 
 def test_dpace_normalises_by_the_blocks_with_a_label():

@@ -51,6 +51,8 @@ VARIANTS = {
     # Muon's learning rate and warm-up: twice the peak rate; a fifth of the steps warming up instead of 4%
     "dpace-muon-lr4e-3": {"position_weighting": "dpace", "optimizer": "muon", "learning_rate": 4e-3},
     "dpace-muon-warmup0.2": {"position_weighting": "dpace", "optimizer": "muon", "warmup_ratio": 0.2},
+    # Spec-AUF on top of the default (D-PACE's weights replaced by the support up to the first failure)
+    "auf-muon": {"position_weighting": "auf", "optimizer": "muon"},
     # soft targets: the target's top 8 next tokens, by KL, and by TV with a tenth of the token's CE (DSpark's)
     "dpace-kl": {"position_weighting": "dpace", "loss": "kl", "target_topk": 8, **ADAMW},
     "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 8, "ce_weight": 0.1, **ADAMW},

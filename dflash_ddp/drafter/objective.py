@@ -3,8 +3,9 @@
 For a sequence of length S with A sampled anchors, the drafter sees A blocks of `block_size` tokens
 `[token at anchor, MASK, ..., MASK]` at positions anchor+0..anchor+block_size-1. Block position k >= 1
 is scored against the token AT anchor+k (no extra shift), weighted by the response mask there and by a
-position weight: the paper's fixed decay exp(-(k-1)/gamma) normalised by the weights' sum ("decay"), or
-D-PACE's weights from the drafter's own confidence ("dpace", `dpace_weights`) normalised by the number of
+position weight: the paper's fixed decay exp(-(k-1)/gamma) normalised by the weights' sum ("decay"),
+D-PACE's weights from the drafter's own confidence ("dpace", `dpace_weights`), or Spec-AUF's support up to
+the drafter's first wrong prediction ("auf", `until_fail_weights`), the last two normalised by the number of
 blocks with a label. A block sees the context features strictly before its anchor and its own block
 (bidirectionally); blocks never see each other; padding blocks see nothing.
 """
@@ -19,7 +20,7 @@ import torch
 from dflash_ddp.data.batch import SoftTargets
 from dflash_ddp.drafter.distillation import logit_gradients, renormalised, row_losses
 
-POSITION_WEIGHTINGS = ("decay", "dpace")
+POSITION_WEIGHTINGS = ("decay", "dpace", "auf")
 ANCHOR_RULES = ("response", "prompt_end")
 
 # The paper's decay constants (appendix A.1); other block sizes interpolate (bs + 5) / 3, which hits all three.
@@ -61,6 +62,22 @@ def dpace_weights(
     prefix = torch.cumprod(q.view(num_blocks, block_size)[:, 1:], dim=1)  # P_m, m = 1..bs-1
     weights = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=nll.device)
     weights[:, 1:] = prefix.flip(1).cumsum(1).flip(1)  # sum over m >= j of P_m
+    return weights.flatten()[scored]
+
+
+def until_fail_weights(correct: torch.Tensor, scored: torch.Tensor, num_blocks: int, block_size: int):
+    """Spec-AUF (accept until fail) weights of the scored rows: 1 up to and including a block's first
+    position whose argmax misses its label, 0 after it, as if decoding stopped there.
+
+    `correct` holds whether each scored row's argmax is its label, `scored` their flat indices into
+    [blocks, block_size]; a position without a label ends the block's chain, as acceptance would. The
+    weights come from argmaxes, so no gradient can flow through them."""
+    hit = torch.zeros(num_blocks * block_size, dtype=torch.float32, device=correct.device)
+    hit[scored] = correct.float()
+    all_right = torch.cumprod(hit.view(num_blocks, block_size)[:, 1:], dim=1)  # positions 1..m all right
+    weights = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=correct.device)
+    weights[:, 1] = 1.0
+    weights[:, 2:] = all_right[:, :-1]  # position j counts when 1..j-1 were right
     return weights.flatten()[scored]
 
 
@@ -135,15 +152,16 @@ class BlockInputs:
     scored: torch.Tensor  # flat indices into [B*A*bs] of the positions with a positive weight
     context_len: int  # S
     block_size: int
-    dpace_smoothing: float | None = None  # D-PACE's a; None: the fixed decay of `weights`
+    dpace_smoothing: float | None = None  # D-PACE's a; None: the fixed decay of `weights` (or AUF)
+    until_fail: bool = False  # Spec-AUF's weights instead of the fixed decay
     soft_ids: torch.Tensor | None = None  # [B, A, bs, k] the target's top-k tokens for each label's position
     soft_probs: torch.Tensor | None = None  # [B, A, bs, k] their probabilities, renormalised (fp32)
 
     @property
     def weight_sum(self) -> torch.Tensor:
         """What the loss sum is divided by (summed over every chunk, micro-batch and drafter rank first):
-        the position weights' sum for the decay, the number of blocks with a label for D-PACE."""
-        if self.dpace_smoothing is None:
+        the position weights' sum for the decay, the number of blocks with a label for D-PACE and AUF."""
+        if self.dpace_smoothing is None and not self.until_fail:
             return self.weights.sum()
         return (self.weights.sum(-1) > 0).sum().float()
 
@@ -171,10 +189,11 @@ def build_block_inputs(
     min_slots: int = 1,
     dpace_smoothing: float | None = None,
     soft: SoftTargets | None = None,
+    until_fail: bool = False,
 ) -> BlockInputs:
     """Assemble block tokens, positions, labels and weights from per-sequence anchor lists, with at least
-    `min_slots` anchor slots (padding blocks, anchor -1, weight 0). With `dpace_smoothing` the weights mark
-    the labelled positions (1) and D-PACE sets their values in the loss. With `soft` ([B, S, k], the
+    `min_slots` anchor slots (padding blocks, anchor -1, weight 0). With `dpace_smoothing` (or `until_fail`)
+    the weights mark the labelled positions (1) and D-PACE (or AUF) sets their values in the loss. With `soft` ([B, S, k], the
     target's top-k at each position) each label at anchor+k gets the target's distribution computed at
     anchor+k-1, the position that predicts it."""
     batch, seq_len = input_ids.shape
@@ -192,9 +211,8 @@ def build_block_inputs(
     block_ids[:, :, 0] = torch.where(valid_anchor, gathered[:, :, 0], mask_token_id)
     labels = torch.where(in_seq, gathered, 0)
     response = torch.gather(loss_mask.float(), 1, pos.clamp(max=seq_len - 1).flatten(1)).view_as(pos)
-    per_position = (
-        position_weights(block_size, gamma) if dpace_smoothing is None else position_weights(block_size) > 0
-    )
+    fixed = dpace_smoothing is None and not until_fail
+    per_position = position_weights(block_size, gamma) if fixed else position_weights(block_size) > 0
     weights = per_position.float().to(device) * response * in_seq
     context_pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
     soft_ids = soft_probs = None
@@ -215,6 +233,7 @@ def build_block_inputs(
         context_len=seq_len,
         block_size=block_size,
         dpace_smoothing=dpace_smoothing,
+        until_fail=until_fail,
         soft_ids=soft_ids,
         soft_probs=soft_probs,
     )
@@ -257,8 +276,8 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             nlls.append(nll)
             row_loss.append(loss_rows)
             correct[rows] = logits.argmax(dim=-1) == labels[rows]
-        if reweight is not None:  # weights from the rows' own label CE (D-PACE): constants for backward
-            weights = reweight(torch.cat(nlls))
+        if reweight is not None:  # weights from the rows' own label CE and argmax: constants for backward
+            weights = reweight(torch.cat(nlls), correct)
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         for i, loss_rows in enumerate(row_loss):
             loss_sum += (loss_rows * weights[i * chunk : (i + 1) * chunk]).sum()
@@ -305,8 +324,8 @@ def chunked_weighted_ce(
 ):
     """(weighted loss sum, argmax-correct flags) of `hidden @ head_weight.T` against `labels` (`loss` "ce"),
     or against the soft targets `soft_ids`/`soft_probs` [rows, k] (`loss` "kl" or "tv", with `ce_weight` of
-    the hard label's CE mixed in). `reweight`, when given, maps the rows' detached label CE to the weights
-    used instead of `weights`."""
+    the hard label's CE mixed in). `reweight`, when given, maps the rows' detached label CE and argmax-correct
+    flags to the weights used instead of `weights`."""
     return _ChunkedLMHeadCE.apply(
         hidden, head_weight, labels, weights, chunk, reweight, soft_ids, soft_probs, loss, ce_weight
     )
@@ -355,11 +374,16 @@ def block_loss_terms(
     flat_idx = inputs.scored
     hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).index_select(0, flat_idx)
     reweight = None
+    num_blocks = weights.shape[0] * weights.shape[1]
     if inputs.dpace_smoothing is not None:
-        num_blocks = weights.shape[0] * weights.shape[1]
 
-        def reweight(nll: torch.Tensor) -> torch.Tensor:
+        def reweight(nll: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
             return dpace_weights(nll, flat_idx, num_blocks, inputs.block_size, inputs.dpace_smoothing)
+
+    elif inputs.until_fail:
+
+        def reweight(nll: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+            return until_fail_weights(correct, flat_idx, num_blocks, inputs.block_size)
 
     if loss != "ce" and inputs.soft_ids is None:
         raise ValueError(f"loss {loss} needs the target's soft targets (--target_topk)")

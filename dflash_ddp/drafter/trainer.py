@@ -45,7 +45,7 @@ class StepSettings:
     chunk_tokens: int  # draft positions per drafter forward/backward (--drafter_chunk_tokens)
     loss_gamma: float | None = None
     loss_gamma_start: float | None = None  # the decay constant moves from this to loss_gamma over the steps
-    position_weighting: str = "decay"  # decay | dpace (see objective.py)
+    position_weighting: str = "decay"  # decay | dpace | auf (see objective.py)
     dpace_smoothing: float = 0.5
     loss: str = "ce"  # ce | kl | tv (see distillation.py); kl and tv read the target's soft targets
     ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
@@ -159,6 +159,7 @@ class DrafterTrainer:
                 min_slots,
                 settings.dpace_smoothing if settings.position_weighting == "dpace" else None,
                 soft_rows(soft, rows, context_len) if settings.loss != "ce" else None,
+                until_fail=settings.position_weighting == "auf",
             )
             rows_t = torch.tensor(rows, device=features.device)
             chunks.append(

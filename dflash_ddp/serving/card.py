@@ -37,6 +37,8 @@ def weighted_by(cfg: dict, block: int) -> str:
     if cfg.get("position_weighting") == "dpace":
         smoothing = cfg.get("dpace_smoothing", 0.5)
         return f"D-PACE (the drafter's own detached label probabilities, smoothed by {smoothing})"
+    if cfg.get("position_weighting") == "auf":
+        return "Spec-AUF (1 up to and including the drafter's first wrong position in the block, 0 after)"
     end = cfg.get("loss_gamma")
     end = f"{end:g}" if end is not None else f"{loss_gamma(block):g} (the paper's for block {block})"
     start = cfg.get("loss_gamma_start")
