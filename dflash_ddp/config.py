@@ -180,7 +180,8 @@ class TrainConfig:
             raise ValueError(f"--overlength {self.overlength}: choose truncate or drop")
         if self.position_weighting not in POSITION_WEIGHTINGS:
             raise ValueError(
-                f"--position_weighting {self.position_weighting}: choose {' or '.join(POSITION_WEIGHTINGS)}"
+                f"--position_weighting {self.position_weighting}: choose "
+                f"{', '.join(POSITION_WEIGHTINGS[:-1])} or {POSITION_WEIGHTINGS[-1]}"
             )
         self._check_loss()
         for name in ("loss_gamma", "loss_gamma_start"):
