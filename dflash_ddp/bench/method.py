@@ -48,8 +48,9 @@ VARIANTS = {
         "position_weighting": "dpace",
         "optimizer": "muon",
     },  # the same learning rate (RMS-matched)
-    # Muon's learning rate and warm-up: twice the peak rate; a fifth of the steps warming up instead of 4%
+    # Muon's learning rate and warm-up: twice and four times the peak rate; a fifth of the steps warming up
     "dpace-muon-lr4e-3": {"position_weighting": "dpace", "optimizer": "muon", "learning_rate": 4e-3},
+    "dpace-muon-lr8e-3": {"position_weighting": "dpace", "optimizer": "muon", "learning_rate": 8e-3},
     "dpace-muon-warmup0.2": {"position_weighting": "dpace", "optimizer": "muon", "warmup_ratio": 0.2},
     # Spec-AUF on top of the default (D-PACE's weights replaced by the support up to the first failure)
     "auf-muon": {"position_weighting": "auf", "optimizer": "muon"},
