@@ -193,9 +193,9 @@ def build_block_inputs(
 ) -> BlockInputs:
     """Assemble block tokens, positions, labels and weights from per-sequence anchor lists, with at least
     `min_slots` anchor slots (padding blocks, anchor -1, weight 0). With `dpace_smoothing` (or `until_fail`)
-    the weights mark the labelled positions (1) and D-PACE (or AUF) sets their values in the loss. With `soft` ([B, S, k], the
-    target's top-k at each position) each label at anchor+k gets the target's distribution computed at
-    anchor+k-1, the position that predicts it."""
+    the weights mark the labelled positions (1) and D-PACE (or AUF) sets their values in the loss. With
+    `soft` ([B, S, k], the target's top-k at each position) each label at anchor+k gets the target's
+    distribution computed at anchor+k-1, the position that predicts it."""
     batch, seq_len = input_ids.shape
     device = input_ids.device
     num_slots = max(min_slots, max(a.numel() for a in anchors))
