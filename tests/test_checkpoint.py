@@ -116,12 +116,21 @@ def test_other_target_or_tokenizer_is_refused(finished_run):
 
 
 def test_a_checkpoint_from_before_an_objective_setting_resumes_with_the_setting_it_trained_with(finished_run):
-    """Checkpoints written before --position_weighting, --loss, --target_topk, --ce_weight and --anchor_rule
-    lack them: they trained with the decay, the token's CE and response anchors, so a run that says so resumes
-    and one that does not is told."""
+    """Checkpoints written before --position_weighting, --loss, --target_topk, --ce_weight, --anchor_rule and
+    --loss_gamma_start lack them: they trained with the decay (a constant one), the token's CE and response
+    anchors, so a run that says so resumes and one that does not is told."""
     saved = load_trainer_state(_newest(finished_run))
     current = json.loads(json.dumps(saved))
-    for key in ("position_weighting", "dpace_smoothing", "loss", "target_topk", "ce_weight", "anchor_rule"):
+    assert current["config"]["loss_gamma_start"] is None
+    for key in (
+        "position_weighting",
+        "dpace_smoothing",
+        "loss",
+        "target_topk",
+        "ce_weight",
+        "anchor_rule",
+        "loss_gamma_start",
+    ):
         del saved["config"][key]
     current["config"].update(
         position_weighting="decay", loss="ce", target_topk=0, ce_weight=0.0, anchor_rule="response"
