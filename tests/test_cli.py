@@ -28,7 +28,7 @@ def test_help_describes_every_flag_in_a_group_with_its_values_and_the_runs_defau
 
     # no --target_model: the embedded default run's values, and what a run with a target would use
     assert "value: 150 (otherwise -1)" in entry("max_steps")
-    assert "value: 0.002 (otherwise 0.0006)" in entry("learning_rate")
+    assert "value: 0.008 (otherwise 0.0006)" in entry("learning_rate")
     assert "an integer >= 2" in entry("block_size")
     assert "truncate | drop" in entry("overlength")
     assert "none | all | tensorboard | wandb | mlflow" in entry("report_to")
