@@ -158,10 +158,16 @@ class BlockInputs:
     soft_probs: torch.Tensor | None = None  # [B, A, bs, k] their probabilities, renormalised (fp32)
 
     @property
+    def reweighted(self) -> bool:
+        """Whether the loss sets the weights from the drafter's own outputs (D-PACE, AUF), `weights` only
+        marking the labelled positions, rather than using the fixed decay of `weights`."""
+        return self.dpace_smoothing is not None or self.until_fail
+
+    @property
     def weight_sum(self) -> torch.Tensor:
         """What the loss sum is divided by (summed over every chunk, micro-batch and drafter rank first):
         the position weights' sum for the decay, the number of blocks with a label for D-PACE and AUF."""
-        if self.dpace_smoothing is None and not self.until_fail:
+        if not self.reweighted:
             return self.weights.sum()
         return (self.weights.sum(-1) > 0).sum().float()
 
