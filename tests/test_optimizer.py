@@ -43,3 +43,96 @@ def test_muon_keeps_one_momentum_per_matrix_where_adamw_keeps_two():
     params = list(DFlashDraftModel(small_draft_config()).parameters())
     matrices = sum(p.numel() for p in params if p.ndim == 2)
     assert optimizer_state_bytes(params, "adamw") - optimizer_state_bytes(params, "muon") == 4 * matrices
+
+
+def test_the_fp32_orthogonalisation_agrees_with_torchs_bf16_one_and_bf16_is_torchs_exactly():
+    import torch.optim._muon as torch_muon
+
+    from dflash_ddp.drafter.optimizer import newton_schulz
+
+    coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    for shape in ((48, 160), (160, 48)):  # wide and tall: the tall one is orthogonalised transposed
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        torchs = torch_muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7)
+        assert torch.equal(newton_schulz(grad, coefficients, 5, 1e-7, torch.bfloat16), torchs)
+        fp32 = newton_schulz(grad, coefficients, 5, 1e-7, torch.float32)
+        assert fp32.dtype == torch.float32 and fp32.shape == shape
+        torch.testing.assert_close(fp32, torchs.float(), rtol=0.05, atol=0.02)  # bf16's 8 bits of mantissa
+        assert not torch.equal(fp32, torchs.float())
+
+
+def muon_after_a_step(ortho_dtype, grads, lr=1e-2):
+    from dflash_ddp.drafter.optimizer import MuonWithAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40))
+    params = list(model.parameters())
+    matrices, others = [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
+    optimizer = MuonWithAdamW(matrices, others, lr, 0.0, ortho_dtype)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_muon_orthogonalises_in_fp32_on_the_cpu_and_keeps_torchs_state():
+    import torch.optim._muon as torch_muon
+
+    from dflash_ddp.drafter.optimizer import newton_schulz, orthogonalisation_dtype
+
+    assert orthogonalisation_dtype(torch.device("cpu")) == torch.float32
+    assert orthogonalisation_dtype(torch.device("cuda", 0)) == torch.bfloat16
+    shapes = [(40, 24), (40,), (40,), (40,)]
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    torch.manual_seed(0)
+    start = torch.nn.Linear(24, 40).weight.detach().clone()
+    cpu_default, opt32 = muon_after_a_step(None, grads)
+    bf16, opt16 = muon_after_a_step(torch.bfloat16, grads)
+    # torch's step with the fp32 orthogonalisation: Nesterov momentum 0.95 from a zero buffer, the
+    # RMS-matched rate 0.2 * sqrt(max(A, B)), no weight decay
+    update = grads[0].lerp(0.05 * grads[0], 0.95)
+    coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    expected = start - 1e-2 * 0.2 * 40**0.5 * newton_schulz(update, coefficients, 5, 1e-7, torch.float32)
+    torch.testing.assert_close(cpu_default[0].weight, expected, rtol=0, atol=1e-7)
+    assert not torch.equal(cpu_default[0].weight, bf16[0].weight)
+    torch.testing.assert_close(cpu_default[0].weight, bf16[0].weight, rtol=0, atol=1e-3)
+    assert torch_muon._zeropower_via_newtonschulz.__module__ == "torch.optim._muon"  # restored after the step
+
+    def layout(state):  # the state dicts' keys, shapes and dtypes: what a checkpoint holds
+        return {
+            name: {i: {k: (tuple(v.shape), v.dtype) for k, v in s.items()} for i, s in inner["state"].items()}
+            for name, inner in state.items()
+        }
+
+    assert layout(opt32.state_dict()) == layout(opt16.state_dict())
+    opt16.load_state_dict(opt32.state_dict())  # a checkpoint of either resumes in the other
+
+
+def test_muon_trains_the_same_bits_on_a_cpu_without_bf16_instructions():
+    """oneDNN and ATen held to AVX2 (a CPU without bf16 instructions, as CI and many servers are) train the
+    same weights as this CPU's fastest path: the orthogonalisation's precision no longer depends on the CPU
+    (in bf16 the two differ)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, hashlib\n"
+        "from dflash_ddp.drafter.optimizer import MuonWithAdamW\n"
+        "torch.manual_seed(0)\n"
+        "w, b = torch.nn.Parameter(torch.randn(96, 320)), torch.nn.Parameter(torch.zeros(96))\n"
+        "opt = MuonWithAdamW([w], [b], 1e-2, 0.0)\n"
+        "for step in range(3):\n"
+        "    w.grad, b.grad = torch.randn(96, 320), torch.randn(96)\n"
+        "    opt.step()\n"
+        "print(hashlib.sha256(w.detach().numpy().tobytes()).hexdigest())\n"
+    )
+    digests = []
+    for isa in ({}, {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **isa}
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        digests.append(result.stdout.strip())
+    assert digests[0] == digests[1]

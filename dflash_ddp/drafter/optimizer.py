@@ -4,26 +4,89 @@ Muon (torch.optim.Muon) orthogonalises each 2-D weight's momentum update by Newt
 learning rate is scaled to match AdamW's update RMS (`adjust_lr_fn="match_rms_adamw"`), so one
 --learning_rate serves both. Norm weights (1-D) stay with AdamW. The drafter has no embedding and no LM head
 of its own (both are the target's, frozen), so every matrix it trains goes to Muon.
+
+torch runs the Newton-Schulz iterations in bf16, the fast path on GPUs. On a CPU they run in fp32 here
+(`orthogonalisation_dtype`): a CPU without bf16 instructions multiplies bf16 matrices about 15x slower than
+fp32, and bf16 kernels round differently from one CPU to the next (with and without those instructions), so
+bf16 made CPU runs differ between machines and turned the last-bit differences of a sharded target's
+features into visible weight differences. Everything else (momentum, Nesterov, the rate, weight decay, the
+state dict) is torch's Muon unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.optim._muon as torch_muon
 from torch import nn
 
 OPTIMIZERS = ("adamw", "muon")
 BETAS = (0.9, 0.95)
 
 
+def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
+    """The precision of Muon's Newton-Schulz iterations on `device`: bf16 on CUDA, as torch does; fp32
+    elsewhere, which every CPU runs fast and rounds the same way."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def newton_schulz(
+    grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """torch's quintic Newton-Schulz orthogonalisation of the 2-D `grad` (torch.optim._muon, after Keller
+    Jordan's Muon), computed in `dtype` instead of bf16 alone."""
+    a, b, c = coefficients
+    x = grad.to(dtype)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def _orthogonalising_in(dtype: torch.dtype):
+    """torch's Muon step with its Newton-Schulz iterations in `dtype`: the step looks the function up in its
+    module when it runs, so replacing it there for the step's duration changes nothing else."""
+    if dtype == torch.bfloat16:
+        yield
+        return
+    original = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = lambda grad, coefficients, steps, eps: newton_schulz(
+        grad, coefficients, steps, eps, dtype
+    )
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon for `matrices`, AdamW for `others`, stepped together as one optimizer.
 
     `param_groups` are the two inner optimizers' own groups, so the learning-rate schedule and a resume set
-    the rate on the groups that step; the state dict holds both optimizers' states."""
+    the rate on the groups that step; the state dict holds both optimizers' states. `ortho_dtype`: the
+    precision of the orthogonalisation (unset: `orthogonalisation_dtype` of the matrices' device)."""
 
     def __init__(
-        self, matrices: list[nn.Parameter], others: list[nn.Parameter], lr: float, weight_decay: float
+        self,
+        matrices: list[nn.Parameter],
+        others: list[nn.Parameter],
+        lr: float,
+        weight_decay: float,
+        ortho_dtype: torch.dtype | None = None,
     ):
+        if not callable(getattr(torch_muon, "_zeropower_via_newtonschulz", None)):
+            raise RuntimeError(
+                f"torch {torch.__version__} has no torch.optim._muon._zeropower_via_newtonschulz to run Muon's "
+                "orthogonalisation in fp32: install the torch the README pins, or pass --optimizer adamw"
+            )
+        device = matrices[0].device if matrices else torch.device("cpu")
+        self.ortho_dtype = orthogonalisation_dtype(device) if ortho_dtype is None else ortho_dtype
         self.muon = torch.optim.Muon(
             matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
         )
@@ -36,7 +99,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.muon.step()
+        with _orthogonalising_in(self.ortho_dtype):
+            self.muon.step()
         self.adamw.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
