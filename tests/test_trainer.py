@@ -29,11 +29,7 @@ def test_chunked_steps_train_the_weights_of_unchunked_steps(tiny_target, chat_da
     for name, chunk_tokens in (("whole", 1 << 20), ("chunked", 20)):
         chunk_counts.clear()
         out = tmp_path / name
-        # AdamW: Muon orthogonalises each update in bf16, which turns the fp32 rounding of another summation
-        # order into bf16-sized differences; this test is about the chunked sums, not the optimizer
-        flags = train_flags(
-            tiny_target, chat_data, out, max_steps=5, save_steps=100, learning_rate=3e-3, optimizer="adamw"
-        )
+        flags = train_flags(tiny_target, chat_data, out, max_steps=5, save_steps=100, learning_rate=3e-3)
         assert main([*flags, "--drafter_chunk_tokens", str(chunk_tokens)]) == 0
         runs[name] = (final_weights(out), list(chunk_counts))
     whole, chunked = runs["whole"][0], runs["chunked"][0]

@@ -21,11 +21,13 @@ from dflash_ddp.bench.gpu_shapes import add_arguments as add_gpu_shapes_argument
 from dflash_ddp.bench.gpu_shapes import run as bench_gpu_shapes
 from dflash_ddp.bench.method import TARGETS, VARIANTS, bench_method
 from dflash_ddp.bench.speed import bench_plain_loop
+from dflash_ddp.bench.step_cost import bench_step_cost
 
 SECTIONS = {
     "channel": lambda args: bench_channel(),
     "job": lambda args: bench_job(args.steps),
     "plain": lambda args: bench_plain_loop(args.plain_steps),
+    "steps": lambda args: bench_step_cost(args.cost_steps),
     "attention": lambda args: bench_attention_paths(),
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
@@ -37,7 +39,7 @@ SECTIONS = {
         [v.strip() for v in args.variants.split(",")],
     ),
 }
-DEFAULT = ["channel", "job", "plain", "attention", "recipe"]  # the CPU figures of docs/benchmarks.md
+DEFAULT = ["channel", "job", "plain", "steps", "attention", "recipe"]  # the CPU figures of docs/benchmarks.md
 
 
 def main() -> None:
@@ -47,6 +49,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of the 3+1 job")
     parser.add_argument(
         "--plain_steps", type=int, default=200, help="steps of the trainer vs plain-loop runs"
+    )
+    parser.add_argument(
+        "--cost_steps",
+        type=int,
+        default=20,
+        help="timed steps of the step-cost section at 512 tokens per step (fewer at more tokens)",
     )
     add_gpu_shapes_arguments(parser)
     method = parser.add_argument_group("--method (objective variants by real tau)")

@@ -109,7 +109,7 @@ def bench_plain_loop(steps: int, anchor_counts: tuple[int, ...] = (64, 512), rou
         batches = [item.members for item in schedule.batches(0, n)]
         assert all(len(m) == 1 for m in batches), "one sequence per step, as in the plain loop"
         spec = {
-            "sequences": [[torch.as_tensor(x).tolist() for x in tokenized.sample(m[0])] for m in batches],
+            "steps": [[[torch.as_tensor(x).tolist() for x in tokenized.sample(m[0])]] for m in batches],
             "target_dir": str(EMBEDDED_TARGET),
             "layer_ids": c.target_layer_ids,
             "mask_id": c.mask_token_id,

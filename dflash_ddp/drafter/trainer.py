@@ -29,6 +29,7 @@ from dflash_ddp.drafter.objective import (
     scheduled_gamma,
 )
 from dflash_ddp.drafter.optimizer import build_optimizer
+from dflash_ddp.drafter.step_timer import StepTimer
 from dflash_ddp.parallel.topology import compute_dtype
 from dflash_ddp.target_model.head import SharedTargetHead
 
@@ -105,6 +106,7 @@ class DrafterTrainer:
         self.total_steps = optim.total_steps
         self.global_step = 0
         self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
+        self.timer = StepTimer(self.device, enabled=False)  # the step-cost benchmark turns it on
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -185,20 +187,23 @@ class DrafterTrainer:
 
     def _forward_backward(self, chunk: DraftChunk, weight_sum: torch.Tensor) -> LossTerms:
         """One chunk's forward and backward (gradients accumulate); its loss terms, detached."""
-        inputs = chunk.inputs
+        inputs, timer = chunk.inputs, self.timer
         with self._autocast():
-            out = self.drafter(
-                self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
-            ).last_hidden_state
-            terms = block_loss_terms(
-                out,
-                self.head.lm_head_weight,
-                inputs,
-                self.settings.loss_chunk_size,
-                self.settings.loss,
-                self.settings.ce_weight,
-            )
-        (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
+            with timer.part("drafter forward"):
+                out = self.drafter(
+                    self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
+                ).last_hidden_state
+            with timer.part("loss"):
+                terms = block_loss_terms(
+                    out,
+                    self.head.lm_head_weight,
+                    inputs,
+                    self.settings.loss_chunk_size,
+                    self.settings.loss,
+                    self.settings.ce_weight,
+                )
+        with timer.part("backward"):
+            (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
         # detached, so the next chunk's activations never meet this one's
         return LossTerms(*(t.detach() for t in vars(terms).values()))
 
@@ -232,11 +237,12 @@ class DrafterTrainer:
         the weight sum of ALL chunks of ALL micro-batches of ALL drafter ranks, and the ranks' gradients are
         summed, so the update does not depend on how the global batch is split or chunked.
         """
-        chunks = [
-            chunk
-            for batch, features, epoch, *soft in micro_batches
-            for chunk in self._chunks(batch, features.to(self.device), epoch, *soft)
-        ]
+        with self.timer.part("blocks"):
+            chunks = [
+                chunk
+                for batch, features, epoch, *soft in micro_batches
+                for chunk in self._chunks(batch, features.to(self.device), epoch, *soft)
+            ]
         weight_sum = self.sum_over_drafters(
             torch.tensor(sum(c.weight_sum for c in chunks), dtype=torch.float32, device=self.device)
         )
@@ -253,6 +259,14 @@ class DrafterTrainer:
         bad = ~torch.isfinite(totals.loss_sum) | ~(totals.weight_sum > 0)
         if not self.lazy_checks and bool(bad):  # stop before the update
             raise FloatingPointError(self._nonfinite_message(self.global_step + 1))
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        with self.timer.part("optimizer"):
+            grad_norm = self._update(bad)
+        self.global_step += 1
+        return StepResult(totals, grad_norm.detach(), self.global_step, lr)
+
+    def _update(self, bad: torch.Tensor) -> torch.Tensor:
+        """Clip, step the optimizer and the schedule, drop the gradients; the gradients' norm before clipping."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.max_grad_norm)
         if self.lazy_checks:
             # No host sync per step: the fused AdamW skips the update on the device when found_inf is set,
@@ -262,12 +276,10 @@ class DrafterTrainer:
             self._first_bad_step = torch.where(
                 (self._first_bad_step == 0) & bad, self.global_step + 1, self._first_bad_step
             )
-        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-        return StepResult(totals, grad_norm.detach(), self.global_step, lr)
+        return grad_norm
 
     def _nonfinite_message(self, step: int) -> str:
         return (
