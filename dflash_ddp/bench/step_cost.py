@@ -71,6 +71,7 @@ def trainer_parts(flags: list[str], steps: int, warmup: int, out: Path) -> dict[
     source = SimpleNamespace(wait_s=0.0, bytes_received=0)
     window = LoggingWindow(source, 1, device)
     monitor = TrainingMonitor(out, schedule.total_steps)
+    monitor.console.quiet = True  # the table is the output; metrics.jsonl is still written
     timer, pad_id = trainer.timer, setup.tokenizer.pad_token_id or 0
     totals = dict.fromkeys(PARTS, 0.0)
     tokens_seen = 0
