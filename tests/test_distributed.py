@@ -287,7 +287,8 @@ def test_the_drafter_refuses_a_batch_its_schedule_does_not_expect():
     from dflash_ddp.roles.drafter import check_batch
 
     ids = torch.ones(2, 3, dtype=torch.long)
-    message = Message(5, 0, Batch(ids, ids, ids, torch.tensor([7, 9])), torch.zeros(2, 3, 4), 2, 0.0, 0)
+    batch = Batch(ids, ids, ids, torch.tensor([7, 9]))
+    message = Message(g=5, epoch=0, batch=batch, features=torch.zeros(2, 3, 4), source=2)
     assert check_batch(message, ScheduledBatch(5, 0, 1, [7, 9]), rank=3) is message
     with pytest.raises(
         ChannelError, match="drafter rank 3: expected global batch 5 with samples \\[7, 8\\].*from rank 2"
@@ -333,3 +334,14 @@ def test_ranks_share_a_gpu_only_through_the_gloo_channel(monkeypatch):
     with pytest.raises(ValueError, match="local rank 1: this node has 1 GPU.*--channel_backend gloo"):
         topology.select_device("cuda", 1)
     assert topology.select_device("cuda", 1, share_gpus=True) == torch.device("cuda", 0)
+
+
+def test_the_channel_header_travels_as_named_fields():
+    from dflash_ddp.parallel.channel import DATA, END, HEADER_LEN, VERSION, Header
+
+    header = Header(g=7, epoch=2, batch_size=3, num_tokens=900, width=1280, dtype_code=1, topk=8)
+    encoded = header.encode()
+    assert encoded.dtype == torch.int64 and encoded.shape == (HEADER_LEN,)
+    assert encoded[:3].tolist() == [VERSION, DATA, 7] and encoded[11:].eq(0).all()  # the wire layout
+    assert Header.decode(encoded) == header
+    assert Header.decode(Header(kind=END).encode()).kind == END

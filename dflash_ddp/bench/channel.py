@@ -76,7 +76,11 @@ def _channel_worker() -> None:
     for batch_size, seq, width in SHAPES:
         batch, features = _message(batch_size, seq, width)
         header, ints, _ = pack(batch, features, 0, 0)
-        tensors = [header, ints, features.reshape(-1, width)]  # the same bytes in the fewest messages
+        tensors = [
+            header.encode(),
+            ints,
+            features.reshape(-1, width),
+        ]  # the same bytes in the fewest messages
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         raw_s, channel_s = [], []
         for _ in range(ROUNDS):  # alternate the two, keep each one's best round: the machine is noisy

@@ -3,7 +3,7 @@
 A message is three kinds of tensors (four with soft targets) sent point-to-point (NCCL on GPUs, gloo on
 CPU) as one batch of sends; the receiver takes the header, then the ints (which give the sequence lengths),
 then the features, then the soft targets:
-  header   int64[16]: version, kind (DATA/END), global batch g, epoch, batch size B, total tokens N,
+  header   int64[16] (`Header`): version, kind (DATA/END), global batch g, epoch, batch size B, total tokens N,
            feature width, dtype code, the sender's cumulative send-wait (us) and in-flight depth, top-k
   ints     int64[2N + 2B]: token ids and response mask packed without padding, then lengths, sample ids
   features B tensors [len_b, K*H]: each sequence's tapped features without its padding (bf16 on GPU,
@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,35 @@ HEADER_LEN = 16
 
 
 DATA, END = 1, 2
+
+
+@dataclass(frozen=True)
+class Header:
+    """The first tensor of every message, as named fields: `encode` writes them in this order into
+    int64[HEADER_LEN] (the rest is zeros), `decode` reads them back. A new field goes at the end."""
+
+    version: int = VERSION
+    kind: int = DATA  # DATA or END
+    g: int = -1  # the global batch
+    epoch: int = 0
+    batch_size: int = 0  # B
+    num_tokens: int = 0  # N: real tokens, padding excluded
+    width: int = 0  # feature width K*H
+    dtype_code: int = 0  # index into DTYPES
+    sender_wait_us: int = 0  # the sender's cumulative wait on backpressure
+    sender_inflight: int = 0  # the sender's outstanding messages when it sent this one
+    topk: int = 0  # soft targets per token (--target_topk), 0: none
+
+    def encode(self) -> torch.Tensor:
+        """The header as the int64[HEADER_LEN] tensor that travels."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[: len(fields(self))] = torch.tensor(astuple(self), dtype=torch.int64)
+        return header
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> Header:
+        """The fields of a received int64[HEADER_LEN] tensor."""
+        return cls(*header[: len(fields(cls))].tolist())
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -59,15 +88,15 @@ class Message:
     epoch: int
     batch: Batch
     features: torch.Tensor  # [B, S, K*H], zeros at padding
-    source: int
-    sender_wait_s: float
-    sender_inflight: int
     soft: SoftTargets | None = None  # [B, S, k], zeros at padding (--target_topk)
+    source: int = 0  # the target rank that sent it (0 in one process)
+    sender_wait_s: float = 0.0  # that rank's cumulative wait on backpressure
+    sender_inflight: int = 0  # its outstanding messages when it sent this one
 
 
 def pack(
     batch: Batch, features: torch.Tensor, g: int, epoch: int, soft: SoftTargets | None = None
-) -> tuple[torch.Tensor, torch.Tensor, list]:
+) -> tuple[Header, torch.Tensor, list]:
     """(header, ints, per-sequence feature views, then the soft targets' ids and probabilities when given)
     for one batch; padding is not sent."""
     lengths = batch.attention_mask.sum(dim=1)
@@ -79,26 +108,21 @@ def pack(
     if soft is not None:  # k values a token: packing copies little beside the features
         on = soft.ids.device
         slices += [soft.ids[real.to(on)], soft.probs[real.to(on)]]
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[:8] = torch.tensor(
-        [
-            VERSION,
-            DATA,
-            g,
-            epoch,
-            lengths.numel(),
-            int(lengths.sum()),
-            features.shape[-1],
-            DTYPES.index(features.dtype),
-        ]
+    header = Header(
+        g=g,
+        epoch=epoch,
+        batch_size=lengths.numel(),
+        num_tokens=int(lengths.sum()),
+        width=features.shape[-1],
+        dtype_code=DTYPES.index(features.dtype),
+        topk=0 if soft is None else soft.k,
     )
-    header[10] = 0 if soft is None else soft.k
     return header, ints, slices
 
 
-def unpack_tokens(header: torch.Tensor, ints: torch.Tensor) -> Batch:
+def unpack_tokens(header: Header, ints: torch.Tensor) -> Batch:
     """The right-padded Batch described by a header and its ints message."""
-    b, n = int(header[4]), int(header[5])
+    b, n = header.batch_size, header.num_tokens
     ints = ints.cpu()
     ids, mask, lengths, sample_ids = ints[:n], ints[n : 2 * n], ints[2 * n : 2 * n + b], ints[2 * n + b :]
     attention = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
@@ -115,12 +139,6 @@ def padded_feature_buffer(batch: Batch, width: int, dtype: torch.dtype, device: 
     for b, n in enumerate(batch.attention_mask.sum(dim=1).tolist()):
         features[b, n:].zero_()
     return features
-
-
-def _header(kind: int, g: int = -1) -> torch.Tensor:
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[:3] = torch.tensor([VERSION, kind, g])
-    return header
 
 
 class ChannelSender:
@@ -168,9 +186,8 @@ class ChannelSender:
         if soft is not None:
             soft = SoftTargets(soft.ids.to(self.device), soft.probs.to(self.device))
         header, ints, slices = pack(batch, features.to(self.device), g, epoch, soft)
-        header[8] = int(self.wait_s * 1e6)
-        header[9] = len(self.inflight)
-        tensors = [self._comm(header), self._comm(ints), *slices]
+        header = replace(header, sender_wait_us=int(self.wait_s * 1e6), sender_inflight=len(self.inflight))
+        tensors = [self._comm(header.encode()), self._comm(ints), *slices]
         # One batch of sends per message (one NCCL group launch, not 2 + B). The tensors ride along with their
         # works: a send buffer must outlive the send.
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, dst) for t in tensors])
@@ -179,7 +196,7 @@ class ChannelSender:
     def close(self, drafter_ranks: Iterable[int]) -> None:
         """Send END to every drafter and wait until everything sent has been received."""
         for dst in drafter_ranks:
-            end = self._comm(_header(END))
+            end = self._comm(Header(kind=END).encode())
             self.inflight.append((dst, dist.batch_isend_irecv([dist.P2POp(dist.isend, end, dst)]), [end]))
         self._drain_to(0)
 
@@ -226,6 +243,11 @@ class ChannelReceiver:
                 f"target rank {src} died or is stuck (see --dist_timeout)"
             ) from None
 
+    def _receive_header(self, src: int, what: str, on: torch.device) -> Header:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=on)
+        self._recv_into([header], src, what)
+        return Header.decode(header.cpu())
+
     def _hand_over(self, item) -> None:
         """Queue an item for the training thread, unless the job is draining (then drop it)."""
         while not self.draining.is_set():
@@ -235,15 +257,15 @@ class ChannelReceiver:
             except queue.Full:
                 continue
 
-    def _receive_batch(self, header: torch.Tensor, src: int, on: torch.device) -> Message:
-        g, (b, n, width, dtype) = int(header[2]), (int(x) for x in header[4:8])
+    def _receive_batch(self, header: Header, src: int, on: torch.device) -> Message:
+        g, b, n, width, k = header.g, header.batch_size, header.num_tokens, header.width, header.topk
         ints = torch.empty(2 * n + 2 * b, dtype=torch.int64, device=on)
         self._recv_into([ints], src, f"batch {g}")
         batch = unpack_tokens(header, ints)  # the lengths, hence where each sequence's features go
-        features = padded_feature_buffer(batch, width, DTYPES[dtype], on)
+        features = padded_feature_buffer(batch, width, DTYPES[header.dtype_code], on)
         rows = [features[row, :length] for row, length in enumerate(batch.attention_mask.sum(dim=1).tolist())]
         self._recv_into(rows, src, f"the features of batch {g}")
-        soft, k = None, int(header[10])
+        soft = None
         if k:
             packed = [torch.empty(n, k, dtype=dt, device=on) for dt in (torch.int32, torch.bfloat16)]
             self._recv_into(packed, src, f"the soft targets of batch {g}")
@@ -260,14 +282,14 @@ class ChannelReceiver:
             n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8 + n * k * 6
         )
         return Message(
-            g,
-            int(header[3]),
-            batch,
-            features.to(self.device, self.feature_dtype),  # from host memory under gloo
-            src,
-            int(header[8]) / 1e6,
-            int(header[9]),
-            None if soft is None else SoftTargets(soft.ids.to(self.device), soft.probs.to(self.device)),
+            g=g,
+            epoch=header.epoch,
+            batch=batch,
+            features=features.to(self.device, self.feature_dtype),  # from host memory under gloo
+            soft=None if soft is None else SoftTargets(soft.ids.to(self.device), soft.probs.to(self.device)),
+            source=src,
+            sender_wait_s=header.sender_wait_us / 1e6,
+            sender_inflight=header.sender_inflight,
         )
 
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
@@ -287,25 +309,21 @@ class ChannelReceiver:
             for g, src in schedule:
                 if src in ended:
                     continue
-                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=on)
-                self._recv_into([header], src, f"batch {g}")
-                header = header.cpu()
-                kind = int(header[1])
-                if kind == END and self.draining.is_set():  # that target stopped early, as asked
+                header = self._receive_header(src, f"batch {g}", on)
+                if header.kind == END and self.draining.is_set():  # that target stopped early, as asked
                     ended.add(src)
                     continue
-                if int(header[0]) != VERSION or kind != DATA or int(header[2]) != g:
+                if header.version != VERSION or header.kind != DATA or header.g != g:
                     raise ChannelError(
-                        f"drafter rank {self.rank}: expected batch {g} from target rank {src}, got header "
-                        f"{header[:4].tolist()}; the ranks disagree on the schedule (same config everywhere?)"
+                        f"drafter rank {self.rank}: expected batch {g} from target rank {src}, got version "
+                        f"{header.version}, kind {header.kind}, batch {header.g}, epoch {header.epoch}; the "
+                        "ranks disagree on the schedule (same config and dflash_ddp version everywhere?)"
                     )
                 self._hand_over(self._receive_batch(header, src, on))
             for src in end_sources:
                 if src in ended:
                     continue
-                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=on)
-                self._recv_into([header], src, "the end")
-                if int(header[1]) != END:
+                if self._receive_header(src, "the end", on).kind != END:
                     raise ChannelError(
                         f"drafter rank {self.rank}: target rank {src} sent more batches than scheduled"
                     )
@@ -346,30 +364,3 @@ class ChannelReceiver:
         if isinstance(item, BaseException):
             raise item
         self._thread.join()
-
-
-class StopFlag:
-    """Stopping early, through the job's key-value store (a polled irecv is not an option: gloo never marks
-    it completed without wait()). Any rank that receives a signal posts a request, naming itself; the
-    drafter leader reads requests at each step boundary, saves, and then sets the stop that every target
-    polls between batches."""
-
-    KEY = "dflash_ddp/stop"
-    REQUEST_KEY = "dflash_ddp/stop_request"
-
-    def __init__(self):
-        self.store = dist.distributed_c10d._get_default_store()
-
-    def set(self) -> None:
-        self.store.set(self.KEY, "1")
-
-    def is_set(self) -> bool:
-        return self.store.check([self.KEY])
-
-    def request(self, who: str) -> None:
-        """Ask the leader to stop the job (`who`: e.g. "SIGTERM on rank 1")."""
-        self.store.set(self.REQUEST_KEY, who)
-
-    def requested(self) -> str:
-        """Who asked the job to stop, or "" (one store round trip; the leader asks once per step)."""
-        return self.store.get(self.REQUEST_KEY).decode() if self.store.check([self.REQUEST_KEY]) else ""

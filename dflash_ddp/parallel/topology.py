@@ -270,11 +270,17 @@ def shutdown() -> None:
 BARRIER_TIMEOUT_S = 3600.0
 
 
+def job_store() -> dist.Store:
+    """The job's key-value store (torchrun's rendezvous store, which every rank of the job reaches): where
+    barriers, stop requests and calibration figures pass without a collective."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def job_barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     """Wait until every rank of the job has arrived at barrier `name`, through the job's store: no
     collective, so no NCCL communicator and no watchdog is involved, and the wait has its own timeout. A
     rank still missing after `timeout_s` is named in the error."""
-    store = dist.distributed_c10d._get_default_store()
+    store = job_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     store.set(f"dflash_ddp/barrier/{name}/rank{rank}", "1")
     if store.add(f"dflash_ddp/barrier/{name}/arrived", 1) == world:

@@ -8,11 +8,17 @@ import dataclasses
 import json
 
 import torch
-import torch.distributed as dist
 
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.trainer import DrafterTrainer
-from dflash_ddp.parallel.topology import Topology, compute_dtype, init_distributed, job_barrier, shutdown
+from dflash_ddp.parallel.topology import (
+    Topology,
+    compute_dtype,
+    init_distributed,
+    job_barrier,
+    job_store,
+    shutdown,
+)
 from dflash_ddp.roles.drafter import build_trainer
 from dflash_ddp.setup.calibrate import (
     RandomFeatures,
@@ -75,7 +81,7 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
     ctx = init_distributed(
         cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend, cfg.target_tp_size
     )
-    topo, device, store = ctx.topology, ctx.device, dist.distributed_c10d._get_default_store()
+    topo, device, store = ctx.topology, ctx.device, job_store()
     try:
         measures_target = topo.role == "target" and topo.group == 0
         data = load_data(cfg, setup, where, together=False)[0] if measures_target or topo.is_leader else None

@@ -28,7 +28,7 @@ class LocalTarget:
         device = self.extractor.device
         features, soft = self.extractor(batch.input_ids.to(device), batch.attention_mask.to(device))
         self.wait_s += time.perf_counter() - start
-        return Message(item.g, item.epoch, batch, features, 0, 0.0, 0, soft)
+        return Message(g=item.g, epoch=item.epoch, batch=batch, features=features, soft=soft)
 
     def drain(self) -> None:
         pass

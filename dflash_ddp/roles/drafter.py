@@ -24,9 +24,9 @@ from dflash_ddp.drafter.config import resolve_attention
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
 from dflash_ddp.files import describe_error
 from dflash_ddp.observe.progress import TrainingMonitor
-from dflash_ddp.parallel.channel import ChannelError, ChannelReceiver, Message, StopFlag
+from dflash_ddp.parallel.channel import ChannelError, ChannelReceiver, Message
 from dflash_ddp.parallel.machine import peak_resident_bytes
-from dflash_ddp.parallel.signals import GracefulStop
+from dflash_ddp.parallel.signals import GracefulStop, StopFlag
 from dflash_ddp.parallel.topology import DistributedContext, Topology, compute_dtype, job_barrier
 from dflash_ddp.setup.run import Run, RunSetup
 from dflash_ddp.target_model.head import SharedTargetHead

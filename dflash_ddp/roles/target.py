@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dflash_ddp.parallel.channel import ChannelSender, StopFlag
-from dflash_ddp.parallel.signals import GracefulStop
+from dflash_ddp.parallel.channel import ChannelSender
+from dflash_ddp.parallel.signals import GracefulStop, StopFlag
 from dflash_ddp.parallel.topology import DistributedContext, compute_dtype, job_barrier, tp_group
 from dflash_ddp.setup.run import Run
 from dflash_ddp.target_model.features import TargetFeatureExtractor
