@@ -27,7 +27,9 @@ SECTIONS = {
     "channel": lambda args: bench_channel(),
     "job": lambda args: bench_job(args.steps),
     "plain": lambda args: bench_plain_loop(args.plain_steps),
-    "steps": lambda args: bench_step_cost(args.cost_steps),
+    "steps": lambda args: bench_step_cost(
+        args.cost_steps, tuple(int(t) for t in args.cost_tokens.split(","))
+    ),
     "attention": lambda args: bench_attention_paths(),
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
@@ -55,6 +57,9 @@ def main() -> None:
         type=int,
         default=20,
         help="timed steps of the step-cost section at 512 tokens per step (fewer at more tokens)",
+    )
+    parser.add_argument(
+        "--cost_tokens", default="512,4096,32768", help="tokens per step of the step-cost section's rows"
     )
     add_gpu_shapes_arguments(parser)
     method = parser.add_argument_group("--method (objective variants by real tau)")

@@ -1,5 +1,6 @@
-"""(h) What one training step costs, by part, with the defaults and with the paper's recipe, against the plain
-loop: side by side in one run, one CPU thread, at 512, 4096 and 32768 tokens per step.
+"""(h) What one training step costs, by part, side by side in one run, one CPU thread, at 512, 4096 and 32768
+tokens per step: the defaults (Muon and D-PACE), the same with the bf16 orthogonalisation torch runs, D-PACE
+with AdamW, the paper's recipe (AdamW and the decay), and the plain loop.
 
 The trainer's parts are timed in this process on the code the CLI runs: the target's forward
 (`TargetFeatureExtractor`), the channel's work on both sides apart from the wire (packing, then unpacking
@@ -29,9 +30,12 @@ from dflash_ddp.setup.run import build_schedule, load_data, prepare
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 
 TOKENS_PER_STEP = (512, 4096, 32768)
+# name: (flags, the precision of Muon's orthogonalisation; None: the device's, fp32 on a CPU)
 RECIPES = {
-    "defaults": [],  # Muon (fp32 orthogonalisation on the CPU) and D-PACE
-    "paper": ["--optimizer", "adamw", "--position_weighting", "decay", "--learning_rate", "6e-4"],
+    "defaults": ([], None),  # Muon and D-PACE
+    "defaults, bf16 Newton-Schulz": ([], torch.bfloat16),  # torch's own precision, what the CPU ran before
+    "D-PACE, AdamW": (["--optimizer", "adamw"], None),
+    "paper": (["--optimizer", "adamw", "--position_weighting", "decay", "--learning_rate", "6e-4"], None),
 }
 PARTS = (
     "target forward",
@@ -56,7 +60,9 @@ def channel_round_trip(batch, features, g: int, epoch: int) -> torch.Tensor:
     return buffer
 
 
-def trainer_parts(flags: list[str], steps: int, warmup: int, out: Path) -> dict[str, float]:
+def trainer_parts(
+    flags: list[str], ortho_dtype: torch.dtype | None, steps: int, warmup: int, out: Path
+) -> dict[str, float]:
     """Seconds per step of each part, over `steps` steps after `warmup` untimed ones."""
     cfg, _ = parse_config([*flags, "--output_dir", str(out), "--max_steps", str(steps + warmup)])
     topology = Topology(1, 0, 1)
@@ -65,6 +71,8 @@ def trainer_parts(flags: list[str], steps: int, warmup: int, out: Path) -> dict[
     schedule = build_schedule(cfg, data, topology)
     device = torch.device("cpu")
     trainer = build_trainer(cfg, setup, device, schedule.total_steps)
+    if ortho_dtype is not None:
+        trainer.optimizer.ortho_dtype = ortho_dtype
     extractor = TargetFeatureExtractor(
         setup.info, setup.drafter_config.target_layer_ids, device, compute_dtype(device)
     )
@@ -96,8 +104,9 @@ def trainer_parts(flags: list[str], steps: int, warmup: int, out: Path) -> dict[
     return totals
 
 
-def bench_step_cost(steps: int = 20) -> None:
-    """Print the step's parts for the defaults and the paper's recipe, and the plain loop, per tokens/step."""
+def bench_step_cost(steps: int = 20, tokens_per_step: tuple[int, ...] = TOKENS_PER_STEP) -> None:
+    """Print the step's parts of each recipe and the plain loop's step, per tokens per step; `steps` timed
+    steps at 512 tokens per step, proportionally fewer (at least 2) at more."""
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="dflash-step-cost-"))
     data = work / "long.jsonl"
@@ -116,13 +125,13 @@ def bench_step_cost(steps: int = 20) -> None:
     header = ["tokens/step", "recipe", "total", *PARTS, "vs paper", "vs plain"]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
-    for tokens in TOKENS_PER_STEP:
+    for tokens in tokens_per_step:
         n = max(2, steps * 512 // tokens)  # fewer steps where each is long
         warmup = 1
         flags = [*base, "--tokens_per_batch", str(tokens)]
         rows = {}
-        for name, extra in RECIPES.items():
-            rows[name] = trainer_parts([*flags, *extra], n, warmup, work / f"{name}-{tokens}")
+        for i, (name, (extra, ortho_dtype)) in enumerate(RECIPES.items()):
+            rows[name] = trainer_parts([*flags, *extra], ortho_dtype, n, warmup, work / f"{i}-{tokens}")
         plain = plain_seconds_per_step(plain_spec([*flags], n + warmup, warmup, work))
         paper_total = sum(rows["paper"].values())
         for name, parts in rows.items():
