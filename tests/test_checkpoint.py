@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from dflash_ddp.checkpoint.layout import read_latest
 from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
-from dflash_ddp.checkpoint.resume import find_checkpoint, load_tensor_file, load_trainer_state
+from dflash_ddp.checkpoint.reader import read_tensor_file
+from dflash_ddp.checkpoint.resume import find_checkpoint, load_trainer_state
 from dflash_ddp.checkpoint.writer import SaveError, remove_leftovers, save_checkpoint
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.setup.start import check_same_run
@@ -189,6 +190,7 @@ def test_missing_trainer_state_field_is_an_error(finished_run):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     del state["batches_consumed"]
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(ckpt, 6)  # a consistent manifest: the missing field itself must be refused
     with pytest.raises(ValueError, match="missing field\\(s\\) \\['batches_consumed'\\]"):
         load_trainer_state(ckpt)
 
@@ -220,7 +222,7 @@ def test_pickled_code_in_optimizer_state_is_refused_without_running(finished_run
         pickle.dump({"state": _RunsCode()}, f, protocol=2)
     write_manifest(ckpt, 6)
     with pytest.raises(ValueError, match="optimizer.pt: refused to load"):
-        load_tensor_file(ckpt / "optimizer.pt")
+        read_tensor_file(ckpt, "optimizer.pt")
     assert not (tmp_path / "PWNED_MARKER").exists()
 
 
@@ -444,7 +446,7 @@ def test_muon_and_soft_targets_resume_exactly_and_the_optimizer_cannot_change(
     assert main(args(tiny_target, chat_data, out, *method)) == 0
     root = out / "checkpoints"
     uninterrupted = load_file(root / "step-00000006" / "model.safetensors")
-    assert set(load_tensor_file(root / "step-00000006" / "optimizer.pt")) == {"muon", "adamw"}
+    assert set(read_tensor_file(root / "step-00000006", "optimizer.pt")) == {"muon", "adamw"}
     assert main(args(tiny_target, chat_data, out, *method, "--resume", str(root / "step-00000003"))) == 0
     resumed = load_file(root / "step-00000006" / "model.safetensors")
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)

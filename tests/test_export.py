@@ -109,7 +109,7 @@ def test_export_cli_from_a_checkpoint_directory(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 1 and "no config.json" in bad.stderr
+    assert bad.returncode == 2 and "no config.json" in bad.stderr
 
 
 def test_the_export_is_bf16_by_default_with_what_older_readers_and_vllm_read(tmp_path):
@@ -217,13 +217,13 @@ def test_the_export_is_stamped_with_how_the_drafter_was_trained(tmp_path, tiny_t
     moved = tmp_path / "moved_target"
     shutil.move(tiny_target, moved)
     try:
-        assert main([str(run), str(tmp_path / "o2")]) == 1
+        assert main([str(run), str(tmp_path / "o2")]) == 2
         assert f"the target {tiny_target} (recorded in" in capsys.readouterr().err
         assert main([str(run), str(tmp_path / "o2"), "--target_model", str(moved)]) == 0
         other = tmp_path / "other_tokenizer"
         shutil.copytree(moved, other)
         (other / "tokenizer_config.json").write_text((other / "tokenizer_config.json").read_text() + " ")
-        assert main([str(run), str(tmp_path / "o3"), "--target_model", str(other)]) == 1
+        assert main([str(run), str(tmp_path / "o3"), "--target_model", str(other)]) == 2
         assert "is not the one the drafter was trained with" in capsys.readouterr().err
     finally:
         shutil.move(moved, tiny_target)
@@ -291,3 +291,48 @@ def test_the_model_card_names_the_loss_it_was_trained_with():
         "total variation from the target's top-8 next-token distribution plus 0.1 x the token's cross-entropy"
     )
     assert scored_against({"loss": "kl", "target_topk": 4, "ce_weight": 0.0}).startswith("KL divergence")
+
+
+def one_line_error(cmd: list[str]) -> str:
+    """The command's stderr, which must be a single `error:` line with exit 2 and no traceback."""
+    result = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=600)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_a_damaged_weights_file_is_one_line_naming_it_wherever_it_is_read(tiny_target, chat_data, tmp_path):
+    from dflash_ddp.checkpoint.manifest import write_manifest
+    from dflash_ddp.train import main as train
+
+    from helpers import train_flags
+
+    out = tmp_path / "run"
+    assert train(train_flags(tiny_target, chat_data, out, max_steps=2, save_steps=2, eval_data="")) == 0
+    ckpt = out / "checkpoints" / "step-00000002"
+    weights = ckpt / "model.safetensors"
+    intact = weights.read_bytes()
+    export = ["dflash_ddp.export", str(ckpt), str(tmp_path / "out")]
+
+    weights.write_bytes(intact[:3000])  # cut short after the save: the manifest no longer matches
+    assert f"{weights}: size or sha256 does not match the manifest" in one_line_error(export)
+    write_manifest(ckpt, 2)  # written damaged (the manifest vouches for it): the read itself names it
+    assert f"{weights}: not a readable safetensors file" in one_line_error(export)
+    altered = bytearray(intact)
+    altered[8:40] = b"x" * 32  # the header's JSON
+    weights.write_bytes(bytes(altered))
+    write_manifest(ckpt, 2)
+    assert f"{weights}: not a readable safetensors file" in one_line_error(export)
+
+    weights.write_bytes(intact)
+    write_manifest(ckpt, 2)
+    subprocess.run([sys.executable, "-m", *export], check=True, capture_output=True, timeout=600)
+    exported = tmp_path / "out" / "model.safetensors"
+    exported.write_bytes(exported.read_bytes()[:3000])  # an export has no manifest: the parse names it
+    assert f"{exported}: not a readable safetensors file" in one_line_error(
+        ["dflash_ddp.export", str(tmp_path / "out"), str(tmp_path / "again")]
+    )
+    evaluate = ["dflash_ddp.evaluate", "--target_model", str(tiny_target), "--drafter", str(tmp_path / "out")]
+    assert f"{exported}: not a readable safetensors file" in one_line_error(
+        [*evaluate, "--data", str(chat_data)]
+    )

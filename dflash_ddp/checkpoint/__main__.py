@@ -4,18 +4,18 @@ and sizes, or whether its manifest verifies.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
 from dflash_ddp.checkpoint.manifest import verify_checkpoint
+from dflash_ddp.checkpoint.reader import CheckpointReadError, read_json
 
 
 def inspect(path: Path) -> str:
     """A human summary: step, data position, topology at save, config, file sizes, manifest status."""
     path = resolve_checkpoint(path)
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = read_json(path, "trainer_state.json")
     problems = verify_checkpoint(path)
     topo = state.get("topology", {})
     lines = [
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "inspect":
         try:
             print(inspect(path))
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: {path}: unreadable trainer_state.json ({e})", file=sys.stderr)
+        except CheckpointReadError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 1
         return 0
     problems = verify_checkpoint(path)

@@ -8,15 +8,13 @@ checkpoint belongs to this run is decided in setup/start.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, verify_checkpoint
+from dflash_ddp.checkpoint.reader import read_json, read_tensor_file, read_weights
 from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
-from dflash_ddp.files import describe_error
 
 REQUIRED_STATE = (
     "global_step",
@@ -69,12 +67,7 @@ def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
 
 def load_trainer_state(path: Path) -> dict:
     """trainer_state.json with every required field present (a missing field is an error, never a default)."""
-    try:
-        state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}/trainer_state.json: unreadable ({describe_error(e)})") from None
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}/trainer_state.json: not a JSON object")
+    state = read_json(path, "trainer_state.json")
     missing = [k for k in REQUIRED_STATE if k not in state]
     missing += [
         f"fingerprints.{k}" for k in ("target", "tokenizer", "data") if k not in state.get("fingerprints", {})
@@ -89,10 +82,7 @@ def load_trainer_state(path: Path) -> dict:
 
 def load_weights(path: Path, drafter: DFlashDraftModel) -> None:
     """Strict load: missing or unexpected keys, or wrong shapes, are an error listing them."""
-    try:
-        state = load_file(path / "model.safetensors")
-    except Exception as e:  # SafetensorError, OSError: a file damaged after its hash was checked
-        raise ValueError(f"{path}/model.safetensors: refused to load ({describe_error(e)})") from None
+    state = read_weights(path)
     own = trainable_state_dict(drafter)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [
@@ -110,21 +100,13 @@ def load_weights(path: Path, drafter: DFlashDraftModel) -> None:
             p.copy_(state[name])
 
 
-def load_tensor_file(path: Path):
-    """torch.load with weights_only=True: tensors and plain containers only, never arbitrary objects."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # an UnpicklingError for anything that would run code
-        raise ValueError(f"{path}: refused to load ({describe_error(e)})") from None
-
-
 def restore_rng(path: Path, index: int) -> None:
     """Restore drafter rank `index`'s generators from the checkpoint's rng-rank{index}.pt (weights_only);
     nothing to do when it has none for that index (it was saved with fewer drafter ranks)."""
-    file = path / f"rng-rank{index}.pt"
-    if not file.is_file():
+    name = f"rng-rank{index}.pt"
+    if not (path / name).is_file():
         return
-    state = load_tensor_file(file)
+    state = read_tensor_file(path, name)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from dflash_ddp.checkpoint.evaluations import EVAL_FILE, best_record, read_evaluations
 from dflash_ddp.checkpoint.layout import write_best
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, read_verified
+from dflash_ddp.checkpoint.reader import parse_json, parse_weights
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer
 from dflash_ddp.evaluation.decoding import as_transformers_assistant, greedy_generate, speculative_generate
 from dflash_ddp.evaluation.evaluate import check_compatibility, load_prompts
@@ -93,11 +93,10 @@ class Evaluator:
             f"{time.perf_counter() - start:.1f} s on {device}"
         )
 
-    def __call__(self, files: dict[str, bytes], where: Path) -> dict:
+    def __call__(self, config: dict, weights: dict[str, torch.Tensor], where: Path) -> dict:
         """Decode every prompt with the checkpoint's drafter; the eval.jsonl record (without the step)."""
         start = time.perf_counter()
-        config = json.loads(files["config.json"])
-        drafter = drafter_from_state(config, load_safetensors(files["model.safetensors"]), where)
+        drafter = drafter_from_state(config, weights, where)
         check_compatibility(drafter.config, self.info)
         drafter = as_transformers_assistant(drafter, self.target)
         histogram = [0] * drafter.config.block_size
@@ -194,7 +193,10 @@ class Watcher:
     def evaluate(self, path: Path, step: int) -> None:
         mtime = _manifest_mtime(path)
         try:
-            files = read_verified(path, READ)
+            files = read_verified(path, READ)  # the bytes the manifest vouches for, even if rotated away now
+            config = parse_json(files["config.json"], path / "config.json")
+            weights = parse_weights(files["model.safetensors"], path / "model.safetensors")
+            state = parse_json(files["trainer_state.json"], path / "trainer_state.json")
         except FileNotFoundError:
             self.report(
                 f"{path.name} was removed (rotation) before it could be evaluated: raise --save_total_limit, "
@@ -208,8 +210,8 @@ class Watcher:
             return
         if self.evaluator is None:
             self.evaluator = Evaluator(self.settings, self.report)
-        record = {"step": step, "checkpoint": path.name, **self.evaluator(files, path)}
-        record["total_steps"] = json.loads(files["trainer_state.json"]).get("total_steps")
+        record = {"step": step, "checkpoint": path.name, **self.evaluator(config, weights, path)}
+        record["total_steps"] = state.get("total_steps")
         record["time"] = round(time.time(), 3)
         self.append(record)
         self.seen.done.add(step)

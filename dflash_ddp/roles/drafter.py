@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_ddp.checkpoint.reader import read_tensor_file
 from dflash_ddp.checkpoint.resume import (
     RestoreError,
-    load_tensor_file,
     load_trainer_state,
     load_weights,
     restore_rng,
@@ -101,8 +101,8 @@ def restore(run: Run, trainer: DrafterTrainer, drafter_index: int) -> int:
     path = run.resume_from
     try:
         load_weights(path, trainer.drafter)
-        trainer.optimizer.load_state_dict(load_tensor_file(path / "optimizer.pt"))
-        trainer.scheduler.load_state_dict(load_tensor_file(path / "scheduler.pt"))
+        trainer.optimizer.load_state_dict(read_tensor_file(path, "optimizer.pt"))
+        trainer.scheduler.load_state_dict(read_tensor_file(path, "scheduler.pt"))
         restore_rng(path, drafter_index)
         tokens_seen = int(load_trainer_state(path)["tokens_seen"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state that does not fit the objects

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
+from dflash_ddp.checkpoint.reader import read_json, read_weights
 from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.data.sources import data_files
 from dflash_ddp.drafter.config import DFlashDraftConfig
@@ -86,8 +87,8 @@ def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> D
             raise ValueError(
                 f"{directory}: no {name} (expected an exported drafter or a checkpoint directory)"
             )
-    config = json.loads((directory / "config.json").read_text())
-    return drafter_from_state(config, load_file(directory / "model.safetensors"), directory, device)
+    config = read_json(directory, "config.json")
+    return drafter_from_state(config, read_weights(directory), directory, device)
 
 
 def drafter_from_state(
@@ -154,8 +155,8 @@ def training_stamp(
     template (sha256 of its text) and its arguments (thinking on or off), and how the data was generated."""
 
     where = ckpt / "trainer_state.json"
+    state = read_json(ckpt, "trainer_state.json")
     try:
-        state = json.loads(where.read_text())
         cfg, fingerprints = state["config"], state["fingerprints"]
         recorded_target, template_file = cfg["target_model"], cfg["chat_template"]
         stamp = {
@@ -169,8 +170,6 @@ def training_stamp(
             "target_commit": fingerprints.get("target_commit"),  # absent before hub names: a local target
         }
         data = cfg["data"]
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: unreadable ({e})") from None
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
     name = target_model or recorded_target
@@ -210,7 +209,7 @@ def export_checkpoint(
         stamp, mask_token, notes, source = training_stamp(ckpt, target_model, model.config.mask_token_id)
         target_name, target_dir = stamp["target_model"], source.path
     else:
-        exported = json.loads((ckpt / "config.json").read_text())
+        exported = read_json(ckpt, "config.json")
         stamp, mask_token = exported.get("dflash_ddp"), exported.get("dflash_config", {}).get("mask_token")
         notes = (
             [] if stamp else [f"note: {ckpt} has no trainer_state.json: exported without a dflash_ddp stamp"]
@@ -225,7 +224,8 @@ def export_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: 0 on success, 1 when the source cannot be exported, 2 on bad arguments."""
+    """CLI: 0 on success, 2 when the source cannot be read or exported (one line naming the file) or on bad
+    arguments, as train and evaluate exit on bad input."""
     parser = argparse.ArgumentParser(prog="python -m dflash_ddp.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint_dir", help="a checkpoint, an output directory (its latest) or an export")
     parser.add_argument("out_dir", help="where config.json and model.safetensors are written")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         source, notes = export_checkpoint(args.checkpoint_dir, args.out_dir, args.dtype, args.target_model)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     for note in notes:
         print(note, file=sys.stderr)
     print(f"exported {source} -> {args.out_dir} (config.json, model.safetensors in {args.dtype}, README.md)")
