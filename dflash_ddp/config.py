@@ -22,7 +22,7 @@ from dflash_ddp.drafter.distillation import LOSSES
 from dflash_ddp.drafter.objective import ANCHOR_RULES, POSITION_WEIGHTINGS
 from dflash_ddp.drafter.optimizer import OPTIMIZERS
 from dflash_ddp.hub import hub_dataset_name
-from dflash_ddp.observe.trackers import resolve_report_to
+from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -56,96 +56,360 @@ EMBEDDED_PRESET: dict[str, typing.Any] = {
 }
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What a setting is besides its type and default: the --help group and line, and its allowed values."""
+
+    group: str
+    help: str
+    allowed: str | typing.Callable[[], str] = ""  # in words, for --help and errors; "": from the rest
+    choices: tuple[str, ...] = ()  # the only values of a text setting
+    minimum: int | None = None  # the smallest value of an integer setting
+    in_range: tuple[typing.Callable[[float], bool], str] | None = None  # a number's range (besides finite)
+    overridable: bool = False  # a resumed run may change it (--resume_override)
+
+
+def setting(default: typing.Any, group: str, help: str, **details) -> typing.Any:
+    """A TrainConfig field with its `Setting`; a list or dict default is copied for every config."""
+    metadata = {"setting": Setting(group, help, **details)}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def choice_words(choices: tuple[str, ...]) -> str:
+    """'a, b or c'."""
+    return " or ".join([", ".join(choices[:-1]), choices[-1]] if len(choices) > 1 else choices)
+
+
+def check_setting(name: str, value: typing.Any, spec: Setting) -> None:
+    """Refuse a value outside its setting's choices, minimum or range, naming the flag."""
+    if spec.choices and value not in spec.choices:
+        raise ValueError(f"--{name} {value}: choose {allowed_text(spec) or choice_words(spec.choices)}")
+    if spec.minimum is not None and value < spec.minimum:
+        wanted = "a positive integer" if spec.minimum == 1 else f"at least {spec.minimum}"
+        raise ValueError(f"--{name} {value}: must be {wanted}")
+    if spec.in_range is not None and value is not None:
+        in_range, what = spec.in_range
+        if not (math.isfinite(value) and in_range(value)):
+            raise ValueError(f"--{name} {value}: must be {what}")
+
+
+def allowed_text(spec: Setting) -> str:
+    """The setting's own words for its allowed values ('' when it has none)."""
+    return spec.allowed() if callable(spec.allowed) else spec.allowed
+
+
+def allowed_values(spec: Setting, hint: typing.Any) -> str:
+    """The allowed values of a setting of type `hint`, in words, as --help and docs/cli.md show them."""
+    if allowed_text(spec):
+        return allowed_text(spec)
+    if spec.choices:
+        return choice_words(spec.choices)
+    if spec.minimum is not None:
+        return f"an integer >= {spec.minimum}"
+    if spec.in_range is not None:
+        return spec.in_range[1].removeprefix("a ").replace("in [", "a number in [")
+    if hint is bool:
+        return "true | false (a bare --flag means true)"
+    return str(hint).replace("typing.", "") if typing.get_args(hint) else hint.__name__
+
+
 @dataclass
 class TrainConfig:
-    """All settings of a training run. Defaults follow the paper (appendix A.1) for 8B-class targets."""
+    """All settings of a training run. Defaults follow the paper (appendix A.1) for 8B-class targets.
 
-    target_model: str = ""
-    data: list[str] = field(default_factory=list)
-    output_dir: str = "runs/dflash"
-    # drafter shape and DFlash settings
-    num_draft_layers: int = 5
-    target_layer_ids: list[int] | None = None
-    mask_token_id: int | None = None
-    block_size: int = 16
-    num_anchors: int = 512
-    # where anchors may sit: response (the anchor and its next token are response tokens, as at inference) |
-    # prompt_end (also the last prompt token before each response)
-    anchor_rule: str = "response"
-    loss_gamma: float | None = None
-    loss_gamma_start: float | None = None  # the decay constant at the first step, moving to loss_gamma
-    # how block positions weigh in the loss: dpace (D-PACE: from the drafter's own confidence, smoothed by
-    # dpace_smoothing; see drafter/objective.py) | decay (the paper's exp(-(k-1)/gamma)) | auf (Spec-AUF: only
-    # up to the drafter's first wrong position); dpace trains drafters that accept more tokens than decay
-    # (docs/benchmarks.md (g))
-    position_weighting: str = "dpace"
-    dpace_smoothing: float = 0.5
-    # what a block position is scored against: ce (the data's token) | kl | tv (the target's own top-k
-    # next-token distribution, which target_topk > 0 makes the target ranks compute and send; see
-    # drafter/distillation.py), with ce_weight of the token's CE mixed into kl or tv
-    loss: str = "ce"
-    target_topk: int = 0
-    ce_weight: float = 0.0
+    Each field is one setting, written once: its type, default, group, help and allowed values
+    (`setting`), from which --help (cli_help.py), docs/cli.md, the YAML loader, the flags and `validate`
+    all read."""
+
+    # model
+    target_model: str = setting(
+        "",
+        "model",
+        "the frozen target: a local Hugging Face model directory or a hub name (through the hub cache; HF_HUB_OFFLINE=1 reads the cache only)",
+        allowed="a directory, org/name[@revision], or embedded (the tiny target shipped in the package, with its preset)",
+    )
+    num_draft_layers: int = setting(5, "model", "decoder layers of the drafter", minimum=1)
+    target_layer_ids: list[int] | None = setting(
+        None,
+        "model",
+        "target layers whose outputs the drafter reads; unset: the paper's spread over the target's depth",
+        allowed="layer ids, increasing, comma- or space-separated",
+    )
+    mask_token_id: int | None = setting(
+        None,
+        "model",
+        "token id filling the drafted positions of a block; unset: the tokenizer's mask token",
+        allowed="a token id >= 0 with an embedding row",
+    )
+    block_size: int = setting(
+        16, "model", "tokens per draft block: the anchor plus the positions drafted in parallel", minimum=2
+    )
     # data
-    chat_template: str = ""  # a jinja file replacing the tokenizer's chat template
-    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. '{"enable_thinking": false}'
-    train_last_turn_only: bool = False  # the loss covers only the last assistant turn
-    skip_bad_rows: bool = False  # skip and count unusable rows instead of stopping at the first
-    max_seq_len: int = 3072
-    overlength: str = "truncate"  # truncate | drop: what happens to sequences longer than max_seq_len
-    tokens_per_batch: int = 32768
-    cache_dir: str = ""  # tokenized data cache; default OUTPUT_DIR/cache
-    num_proc: int = 1  # tokenization processes
+    data: list[str] = setting(
+        [],
+        "data",
+        "training conversations (messages or ShareGPT conversations); needs --target_model",
+        allowed="jsonl/json/parquet files, globs, a save_to_disk directory, or a hub dataset org/name[:split]",
+    )
+    chat_template: str = setting(
+        "", "data", "a jinja file replacing the tokenizer's chat template", allowed="a file"
+    )
+    chat_template_kwargs: dict = setting(
+        {},
+        "data",
+        "extra arguments of the chat template",
+        allowed="a JSON object, e.g. '{\"enable_thinking\": false}'",
+    )
+    train_last_turn_only: bool = setting(
+        False, "data", "the loss covers only the last assistant turn of each conversation"
+    )
+    skip_bad_rows: bool = setting(
+        False, "data", "skip and count unusable rows instead of stopping at the first one"
+    )
+    max_seq_len: int = setting(3072, "data", "longest tokenized conversation", minimum=1, overridable=True)
+    overlength: str = setting(
+        "truncate", "data", "what happens to longer conversations", choices=("truncate", "drop")
+    )
+    tokens_per_batch: int = setting(
+        32768,
+        "data",
+        "token budget of one batch (one target forward); >= --max_seq_len",
+        minimum=1,
+        overridable=True,
+    )
+    cache_dir: str = setting(
+        "", "data", "tokenized-data cache; unset: OUTPUT_DIR/cache", allowed="a directory"
+    )
+    num_proc: int = setting(1, "data", "tokenization processes", minimum=1)
     # optimisation
-    num_epochs: int = 6
-    max_steps: int = -1
-    learning_rate: float = 6e-4
-    # muon (Muon for the drafter's weight matrices, AdamW for its norms) | adamw; Muon trains drafters that
-    # accept far more tokens at equal steps (docs/benchmarks.md (g))
-    optimizer: str = "muon"
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    # topology: the last drafter_ranks ranks train the drafter, the others run the target
-    drafter_ranks: int = 1
-    # target ranks per tensor-parallel group: each group of N consecutive target ranks holds one sharded copy
-    target_tp_size: int = 1
-    gradient_accumulation_steps: int = 1
-    max_inflight: int = 2
-    dist_timeout: float = 300.0
-    # how hidden states travel: auto (NCCL between GPUs, gloo on CPU) | nccl | gloo (through host memory:
-    # GPUs without peer-to-peer, or several ranks sharing one GPU, which NCCL refuses)
-    channel_backend: str = "auto"
-    # compute
-    device: str = "auto"
-    attention: str = "auto"  # auto (flex on CUDA, sparse elsewhere) | sparse | flex | dense (the reference)
-    # draft positions (anchors x block size, summed over sequences) per drafter forward/backward: bounds the
-    # drafter's activation memory; 8192 is one sequence of the paper's recipe (512 anchors x 16)
-    drafter_chunk_tokens: int = 8192
-    # per-layer activation checkpointing of the drafter (recomputes each layer in backward, about a third
-    # more compute); unset: on exactly when --plan predicts the run does not fit without it
-    gradient_checkpointing: bool | None = None
-    memory_check: bool = True  # refuse at start a run whose predicted peak memory exceeds the machine's
-    loss_chunk_size: int = 1024
-    # bookkeeping
-    save_steps: int = 1000
-    save_total_limit: int = 3
-    logging_steps: int = 10
-    # experiment trackers, as in Hugging Face: none | all (every installed one) | tensorboard, wandb, mlflow
-    report_to: list[str] = field(default_factory=lambda: ["none"])
-    run_name: str = ""  # the run's name in the trackers; empty: the output directory's name
-    plan: bool = False
-    calibrate: bool = False  # with --plan: measure one target and one drafter rank, recommend a split
-    resume: str = "auto"  # auto | never | PATH of a checkpoint directory
-    resume_override: list[str] = field(default_factory=list)  # optimisation settings allowed to change
-    # evaluation with real speculative decoding at the end of training (skipped when eval_data is empty)
-    eval_data: str = ""
-    eval_prompts: int = 50
-    eval_max_new_tokens: int = 128
-    # also at every checkpoint whose step is a multiple of eval_steps (0: off), by a background process on
-    # the drafter leader's device: eval.jsonl and checkpoints/best (see evaluation/watch.py)
-    eval_steps: int = 0
+    num_anchors: int = setting(
+        512, "optimisation", "draft blocks sampled per conversation and step", minimum=1, overridable=True
+    )
+    anchor_rule: str = setting(
+        "response",
+        "optimisation",
+        "where anchors may sit: on response tokens followed by a response token (as at inference), or also on the last prompt token before each response",
+        choices=ANCHOR_RULES,
+        overridable=True,
+    )
+    loss_gamma: float | None = setting(
+        None,
+        "optimisation",
+        "with --position_weighting decay: the loss's position decay exp(-(k-1)/gamma); unset: 7 for blocks of 16, 5 for 10, 4 for 8",
+        in_range=(lambda v: v > 0, "a finite number > 0 (the position-decay scale)"),
+        overridable=True,
+    )
+    loss_gamma_start: float | None = setting(
+        None,
+        "optimisation",
+        "with --position_weighting decay: the decay's gamma at the first step, moving linearly to --loss_gamma at the last (a schedule); unset: --loss_gamma throughout",
+        in_range=(lambda v: v > 0, "a finite number > 0 (the position-decay scale at the first step)"),
+        overridable=True,
+    )
+    position_weighting: str = setting(
+        "dpace",
+        "optimisation",
+        "how block positions weigh in the loss: D-PACE (weights from the drafter's own confidence on the labels), the paper's fixed decay, or Spec-AUF (weight 1 up to the drafter's first wrong position, 0 after); D-PACE and AUF are normalised by the blocks with a label",
+        choices=POSITION_WEIGHTINGS,
+        overridable=True,
+    )
+    dpace_smoothing: float = setting(
+        0.5,
+        "optimisation",
+        "D-PACE's a: q~ = (1 - a) q + a for the label probability q",
+        in_range=(lambda v: 0 <= v <= 1, "in [0, 1] (D-PACE's smoothing of the label probability)"),
+        overridable=True,
+    )
+    loss: str = setting(
+        "ce",
+        "optimisation",
+        "what a block position is scored against: the data's token (ce), or the target's top-k next-token distribution by KL divergence or total variation (needs --target_topk)",
+        choices=LOSSES,
+        overridable=True,
+    )
+    target_topk: int = setting(
+        0,
+        "optimisation",
+        "soft targets: the target ranks run every layer and the LM head and send the top-k next-token probabilities with the features (k x 6 bytes more a token); 0: none",
+        allowed="0 or an integer >= 1",
+        minimum=0,
+        overridable=True,
+    )
+    ce_weight: float = setting(
+        0.0,
+        "optimisation",
+        "share of the token's CE mixed into --loss kl or tv (DSpark trains 0.1 with tv)",
+        in_range=(lambda v: 0 <= v <= 1, "in [0, 1] (the share of the token's CE in the loss)"),
+        overridable=True,
+    )
+    num_epochs: int = setting(
+        6, "optimisation", "passes over the data (when --max_steps is -1)", minimum=1, overridable=True
+    )
+    max_steps: int = setting(
+        -1,
+        "optimisation",
+        "optimizer steps; -1: --num_epochs passes",
+        allowed="-1 or an integer >= 1",
+        overridable=True,
+    )
+    learning_rate: float = setting(
+        6e-4,
+        "optimisation",
+        "peak learning rate (linear warm-up, cosine decay)",
+        in_range=(lambda v: v > 0, "a finite number > 0"),
+        overridable=True,
+    )
+    optimizer: str = setting(
+        "muon",
+        "optimisation",
+        "Muon for the drafter's weight matrices (its rate scaled to AdamW's update size) with AdamW for the norms, or AdamW for all; a checkpoint resumes only with the optimizer it was saved with",
+        choices=OPTIMIZERS,
+    )
+    warmup_ratio: float = setting(
+        0.04,
+        "optimisation",
+        "share of the steps spent warming up",
+        in_range=(lambda v: 0 <= v < 1, "in [0, 1)"),
+        overridable=True,
+    )
+    weight_decay: float = setting(
+        0.0,
+        "optimisation",
+        "decoupled weight decay (Muon and AdamW alike)",
+        in_range=(lambda v: v >= 0, "a finite number >= 0"),
+        overridable=True,
+    )
+    max_grad_norm: float = setting(
+        1.0,
+        "optimisation",
+        "gradient clipping threshold",
+        in_range=(lambda v: v > 0, "a finite number > 0 (the clipping threshold)"),
+        overridable=True,
+    )
+    seed: int = setting(
+        0,
+        "optimisation",
+        "seed of the data order, anchors and drafter initialisation",
+        allowed="an integer in [0, 2^63)",
+        overridable=True,
+    )
+    gradient_accumulation_steps: int = setting(
+        1, "optimisation", "batches per drafter rank and optimizer step", minimum=1
+    )
+    # distributed
+    drafter_ranks: int = setting(
+        1,
+        "distributed",
+        "the last N ranks train the drafter (data-parallel); the others run the target",
+        minimum=1,
+    )
+    target_tp_size: int = setting(
+        1,
+        "distributed",
+        "target ranks per tensor-parallel group (one sharded copy of the target per group, inside a node)",
+        minimum=1,
+    )
+    max_inflight: int = setting(
+        2, "distributed", "sends a target rank keeps outstanding before it waits (backpressure)", minimum=1
+    )
+    dist_timeout: float = setting(
+        300.0,
+        "distributed",
+        "seconds a transfer or collective may take before the job names the lost rank",
+        in_range=(lambda v: 0 < v <= 1e7, "a finite number of seconds in (0, 1e7]"),
+    )
+    channel_backend: str = setting(
+        "auto",
+        "distributed",
+        "how hidden states travel: NCCL between GPUs, gloo through host memory",
+        allowed="auto (NCCL on GPUs, gloo on CPU) | nccl | gloo",
+        choices=("auto", "nccl", "gloo"),
+    )
+    # memory and compute
+    device: str = setting(
+        "auto", "memory and compute", "where each rank computes", choices=("auto", "cpu", "cuda")
+    )
+    attention: str = setting(
+        "auto",
+        "memory and compute",
+        "the drafter's attention kernel",
+        allowed="auto (flex on CUDA, sparse elsewhere) | sparse | flex | dense (the slow reference)",
+        choices=("auto", "sparse", "flex", "dense"),
+    )
+    drafter_chunk_tokens: int = setting(
+        8192,
+        "memory and compute",
+        "draft positions per drafter forward/backward: bounds activation memory",
+        minimum=1,
+    )
+    gradient_checkpointing: bool | None = setting(
+        None,
+        "memory and compute",
+        "recompute each drafter layer in backward; unset: on exactly when --plan predicts it is needed",
+        allowed="true | false | unset",
+    )
+    memory_check: bool = setting(
+        True, "memory and compute", "refuse at start a run whose predicted peak memory exceeds the machine's"
+    )
+    loss_chunk_size: int = setting(
+        1024, "memory and compute", "rows of the LM-head loss computed at once", minimum=1
+    )
+    # checkpoints
+    output_dir: str = setting(
+        "runs/dflash",
+        "checkpoints",
+        "checkpoints, metrics.jsonl, config and tracker logs",
+        allowed="a directory",
+    )
+    save_steps: int = setting(
+        1000, "checkpoints", "save a checkpoint every N steps (and at the last one)", minimum=1
+    )
+    save_total_limit: int = setting(3, "checkpoints", "checkpoints kept; 0 keeps all", minimum=0)
+    resume: str = setting(
+        "auto",
+        "checkpoints",
+        "where to resume from",
+        allowed="auto (newest valid checkpoint) | never | PATH of a checkpoint",
+    )
+    resume_override: list[str] = setting(
+        [],
+        "checkpoints",
+        "optimisation settings a resumed run may change",
+        allowed=lambda: "any of " + ", ".join(RESUME_OVERRIDABLE),
+    )
+    # evaluation
+    eval_data: str = setting(
+        "",
+        "evaluation",
+        "held-out conversations for real speculative decoding at the end; empty: no evaluation",
+        allowed="a jsonl file, a hub dataset org/name[:split], or empty",
+    )
+    eval_prompts: int = setting(50, "evaluation", "prompts taken from --eval_data", minimum=1)
+    eval_max_new_tokens: int = setting(128, "evaluation", "tokens generated per prompt", minimum=1)
+    eval_steps: int = setting(
+        0,
+        "evaluation",
+        "also evaluate the checkpoint of every N-th step during training (a multiple of --save_steps); 0: off",
+        minimum=0,
+    )
+    # logging
+    logging_steps: int = setting(10, "logging", "log metrics every N steps", minimum=1)
+    report_to: list[str] = setting(
+        ["none"],
+        "logging",
+        "experiment trackers, as in Hugging Face (all: every installed one)",
+        allowed=" | ".join(REPORT_TO_CHOICES) + "; several: tensorboard,wandb",
+    )
+    run_name: str = setting(
+        "", "logging", "the run's name in the trackers; empty: the output directory's name", allowed="text"
+    )
+    # planning
+    plan: bool = setting(False, "planning", "print topology, sizes and the memory estimate, then exit")
+    calibrate: bool = setting(
+        False, "planning", "with --plan: measure one target and one drafter rank, recommend a split"
+    )
 
     def validate(self) -> None:
         """Reject impossible settings with the flag name, the value and what to pass instead."""
@@ -155,14 +419,8 @@ class TrainConfig:
             )
         if not self.data:
             raise ValueError("--data is required (one or more jsonl/json/parquet files)")
-        for name, low in INT_MINIMUM.items():
-            if getattr(self, name) < low:
-                wanted = "a positive integer" if low == 1 else f"at least {low}"
-                raise ValueError(f"--{name} {getattr(self, name)}: must be {wanted}")
-        for name, (in_range, what) in FLOAT_RANGES.items():
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and in_range(value)):
-                raise ValueError(f"--{name} {value}: must be {what}")
+        for f in dataclasses.fields(self):
+            check_setting(f.name, getattr(self, f.name), f.metadata["setting"])
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed {self.seed}: must be in [0, 2^63)")
         if self.tokens_per_batch < self.max_seq_len:
@@ -178,13 +436,6 @@ class TrainConfig:
             raise ValueError(f"--mask_token_id {self.mask_token_id}: must be a token id >= 0")
         check_template_kwargs(self.chat_template_kwargs)
         resolve_report_to(self.report_to)  # unknown names, and packages not installed, refused now
-        if self.overlength not in ("truncate", "drop"):
-            raise ValueError(f"--overlength {self.overlength}: choose truncate or drop")
-        if self.position_weighting not in POSITION_WEIGHTINGS:
-            raise ValueError(
-                f"--position_weighting {self.position_weighting}: choose "
-                f"{', '.join(POSITION_WEIGHTINGS[:-1])} or {POSITION_WEIGHTINGS[-1]}"
-            )
         self._check_loss()
         for name in ("loss_gamma", "loss_gamma_start"):
             if getattr(self, name) is not None and self.position_weighting != "decay":
@@ -192,24 +443,8 @@ class TrainConfig:
                     f"--{name} {getattr(self, name)} sets the decay of --position_weighting decay, and D-PACE "
                     "(the default) has no decay: pass --position_weighting decay with it, or drop it"
                 )
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer {self.optimizer}: choose {' or '.join(OPTIMIZERS)}")
-        if self.anchor_rule not in ANCHOR_RULES:
-            raise ValueError(f"--anchor_rule {self.anchor_rule}: choose {' or '.join(ANCHOR_RULES)}")
-        if self.attention not in ("auto", "sparse", "flex", "dense"):
-            raise ValueError(
-                f"--attention {self.attention}: choose auto, sparse (block-sparse, CPU and GPU), flex (compiled, "
-                "CUDA) or dense (boolean-mask SDPA, the slow reference)"
-            )
         if self.calibrate and not self.plan:
             raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
-        if self.channel_backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(
-                f"--channel_backend {self.channel_backend}: choose auto (NCCL between GPUs, gloo on CPU), nccl "
-                "or gloo (through host memory)"
-            )
         if self.channel_backend == "nccl" and self.device == "cpu":
             raise ValueError(
                 "--channel_backend nccl needs GPUs: use --device cuda, or --channel_backend gloo"
@@ -235,8 +470,6 @@ class TrainConfig:
 
     def _check_loss(self) -> None:
         """--loss, --target_topk and --ce_weight together: each soft-target setting needs the others."""
-        if self.loss not in LOSSES:
-            raise ValueError(f"--loss {self.loss}: choose {', '.join(LOSSES)}")
         if self.loss != "ce" and not self.target_topk:
             raise ValueError(
                 f"--loss {self.loss} trains against the target's top-k next-token distribution: pass "
@@ -266,71 +499,17 @@ class TrainConfig:
                 raise ValueError(f"{flag} {path}: {existing} is a file, not a directory; pass another path")
 
 
-# Integer settings and their smallest valid value (none has an upper bound of its own).
-INT_MINIMUM = {
-    "num_draft_layers": 1,
-    "block_size": 2,  # the anchor + at least one drafted token
-    "num_anchors": 1,
-    "max_seq_len": 1,
-    "tokens_per_batch": 1,
-    "num_proc": 1,
-    "num_epochs": 1,
-    "drafter_ranks": 1,
-    "target_tp_size": 1,
-    "gradient_accumulation_steps": 1,
-    "max_inflight": 1,
-    "loss_chunk_size": 1,
-    "drafter_chunk_tokens": 1,
-    "save_steps": 1,
-    "save_total_limit": 0,  # 0 keeps every checkpoint
-    "logging_steps": 1,
-    "eval_prompts": 1,
-    "eval_max_new_tokens": 1,
-    "eval_steps": 0,
-    "target_topk": 0,  # 0: no soft targets
-}
-
-
-# Float settings: (whether a value is in range, the range in words). Every one must also be finite.
-FLOAT_RANGES = {
-    "learning_rate": (lambda v: v > 0, "a finite number > 0"),
-    "warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
-    "max_grad_norm": (lambda v: v > 0, "a finite number > 0 (the clipping threshold)"),
-    "loss_gamma": (lambda v: v > 0, "a finite number > 0 (the position-decay scale)"),
-    "loss_gamma_start": (lambda v: v > 0, "a finite number > 0 (the position-decay scale at the first step)"),
-    "dpace_smoothing": (lambda v: 0 <= v <= 1, "in [0, 1] (D-PACE's smoothing of the label probability)"),
-    "ce_weight": (lambda v: 0 <= v <= 1, "in [0, 1] (the share of the token's CE in the loss)"),
-    "dist_timeout": (lambda v: 0 < v <= 1e7, "a finite number of seconds in (0, 1e7]"),
-}
-
-
 # Settings a resumed run may change when named in --resume_override (a change of any other setting that
-# the checkpoint records either belongs to another run or is followed automatically).
+# the checkpoint records either belongs to another run or is followed automatically); global_batch is not a
+# setting but what tokens_per_batch, the drafter ranks and accumulation make together.
 RESUME_OVERRIDABLE = (
-    "learning_rate",
-    "warmup_ratio",
-    "weight_decay",
-    "max_grad_norm",
-    "num_anchors",
-    "anchor_rule",
-    "loss_gamma",
-    "loss_gamma_start",
-    "position_weighting",
-    "dpace_smoothing",
-    "loss",
-    "target_topk",
-    "ce_weight",
-    "tokens_per_batch",
-    "max_seq_len",
-    "seed",
-    "max_steps",
-    "num_epochs",
+    *(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["setting"].overridable),
     "global_batch",
 )
 
 
-def _field_types(cls) -> dict[str, typing.Any]:
+def field_types(cls) -> dict[str, typing.Any]:
+    """{field name: its type} of a config dataclass, as the flags and the YAML loader convert to."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -380,7 +559,8 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
         raise ValueError(f"{where}: expected {name}, got {value!r}") from None
 
 
-def _load_yaml(path: str, types_: dict) -> dict:
+def load_yaml(path: str, types_: dict) -> dict:
+    """The settings of a --config YAML file, converted to the fields' types; unknown keys are errors."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--config {path}: file not found")
@@ -398,7 +578,7 @@ def _load_yaml(path: str, types_: dict) -> dict:
     return values
 
 
-def _parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
+def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
     """`--key value`, `--key=value`, `--key v1 v2` for lists, bare `--flag` for booleans."""
     config_file, values, i = None, {}, 0
     while i < len(argv):
@@ -433,9 +613,9 @@ def _parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
 
 def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     """Build and validate the config from argv. Returns it and whether the embedded preset was used."""
-    types_ = _field_types(TrainConfig)
-    config_file, flags = _parse_flags(argv, types_)
-    file_values = _load_yaml(config_file, types_) if config_file else {}
+    types_ = field_types(TrainConfig)
+    config_file, flags = parse_flags(argv, types_)
+    file_values = load_yaml(config_file, types_) if config_file else {}
     merged = {**file_values, **flags}
     named = merged.get("target_model") == EMBEDDED_NAME  # the embedded default, asked for by name
     if named:

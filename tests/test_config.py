@@ -48,7 +48,7 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--num_proc", "0"], "--num_proc 0: must be a positive integer"),
         (["--chat_template_kwargs", '{"tokenize": true}'], "--chat_template_kwargs: tokenize cannot be set"),
         (["stray"], "unexpected argument 'stray'"),
-        (["--loss", "jsd"], "--loss jsd: choose ce, kl, tv"),
+        (["--loss", "jsd"], "--loss jsd: choose ce, kl or tv"),
         (["--loss", "tv"], "--loss tv trains against the target's top-k .* pass --target_topk K"),
         (["--target_topk", "8"], "--target_topk 8 makes the target ranks run every layer .* --loss kl"),
         (["--ce_weight", "0.1"], "--ce_weight 0.1 mixes the token's CE into --loss kl or tv"),
