@@ -18,9 +18,10 @@ from pathlib import Path
 import yaml
 
 from dflash_ddp.data.chat_template import check_template_kwargs
+from dflash_ddp.drafter.blocks import ANCHOR_RULES
 from dflash_ddp.drafter.distillation import LOSSES
-from dflash_ddp.drafter.objective import ANCHOR_RULES, POSITION_WEIGHTINGS
 from dflash_ddp.drafter.optimizer import OPTIMIZERS
+from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
 

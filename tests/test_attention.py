@@ -5,15 +5,20 @@ import torch
 import torch.nn.functional as F
 
 import dflash_ddp.drafter.attention as attention
-from dflash_ddp.drafter.attention import block_layout, block_sparse_attention, dense_attention
+from dflash_ddp.drafter.attention import (
+    block_layout,
+    block_sparse_attention,
+    dense_attention,
+    dense_block_mask,
+)
+from dflash_ddp.drafter.blocks import build_block_inputs
 from dflash_ddp.drafter.flex import flex_block_mask
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.drafter.objective import build_block_inputs, dense_block_mask
 
 from helpers import small_draft_config
 
 
-def random_case(seed, batch, slots, seq, bs, heads, kv_heads, dim=8, dtype=torch.float64):
+def random_case(seed, batch, slots, seq, bs, heads, kv_heads, dim=8, dtype=torch.float64):  # noqa: PLR0913
     """Anchors per row (sorted, some rows padded with -1 slots, some near the end, some closer than a
     block so that blocks overlap later anchors' positions) and q/k/v/grad tensors."""
     g = torch.Generator().manual_seed(seed)

@@ -14,8 +14,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from dflash_ddp.bench.flops import draft_work, drafter_flops, target_forward_flops
 from dflash_ddp.bench.gpu_shapes import SCALES, add_arguments, build_target, qwen3_config, run
 from dflash_ddp.data.batch import Batch
-from dflash_ddp.drafter.objective import block_loss_terms, dense_block_mask, sample_anchors
+from dflash_ddp.drafter.attention import dense_block_mask
+from dflash_ddp.drafter.blocks import sample_anchors
+from dflash_ddp.drafter.objective import block_loss_terms
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.target_model.features import tapped_features
 from dflash_ddp.target_model.head import SharedTargetHead
 
@@ -64,7 +67,7 @@ def test_drafter_flops_match_torch_flop_counter(checkpointing, one_thread):
     head = SharedTargetHead(*(torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2)))
     drafter = build_drafter(c, 0, torch.device("cpu"))
     drafter.gradient_checkpointing = checkpointing
-    settings = StepSettings(6, 0, 1.0, 16, "dense", 8192)
+    settings = StepSettings(6, 0, 1.0, "dense", 8192, LossSettings(chunk_rows=16))
     trainer = DrafterTrainer(drafter, head, settings, OptimizerSettings(1e-3, 0.0, 0.0, 10))
     batch, features = _two_rows(c)
     work = draft_work(batch, settings, c.block_size, epoch=0)
@@ -85,7 +88,7 @@ def test_drafter_flops_match_torch_flop_counter(checkpointing, one_thread):
         with torch.no_grad():
             embeds = head.embed_tokens(chunk.inputs.block_ids)
             out = drafter(embeds, chunk.features, chunk.inputs.position_ids, chunk.mask).last_hidden_state
-            block_loss_terms(out, head.lm_head_weight, chunk.inputs, 16)
+            block_loss_terms(out, head.lm_head_weight, chunk.inputs, LossSettings(chunk_rows=16))
 
     counted = count_flops(forward)
     weights = sum(v for k, v in formula.forward.items() if k != "attention")

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from dflash_ddp.data.batch import SoftTargets
+from dflash_ddp.drafter.blocks import build_block_inputs
 from dflash_ddp.drafter.distillation import logit_gradients, renormalised, row_losses
-from dflash_ddp.drafter.objective import build_block_inputs, chunked_weighted_ce
+from dflash_ddp.drafter.objective import chunked_weighted_ce
+from dflash_ddp.drafter.weighting import LossSettings
 
 V = 37
 
@@ -77,7 +79,15 @@ def test_chunked_lm_head_loss_against_soft_targets_matches_autograd(loss):
     labels = torch.randint(0, V, (10,))
     weights = torch.rand(10, dtype=torch.float32)
     ids, probs = top_k(torch.softmax(torch.randn(10, V, dtype=torch.float32), -1), 5)
-    got, _ = chunked_weighted_ce(hidden, head, labels, weights, 3, None, ids, probs, loss, 0.1)
+    got, _ = chunked_weighted_ce(
+        hidden,
+        head,
+        labels,
+        weights,
+        LossSettings(loss=loss, ce_weight=0.1, chunk_rows=3),
+        None,
+        (ids, probs),
+    )
     (grad_got,) = torch.autograd.grad(got, hidden)
     expected = (dense_loss(hidden @ head.T, labels, scatter_dense(ids, probs), loss, 0.1) * weights).sum()
     (grad_expected,) = torch.autograd.grad(expected, hidden)

@@ -6,9 +6,11 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 
 import dflash_ddp.drafter.flex as flex
+from dflash_ddp.drafter.attention import dense_block_mask
+from dflash_ddp.drafter.blocks import build_block_inputs, sample_anchors
 from dflash_ddp.drafter.flex import compiled_flex, flex_block_mask, min_anchor_slots
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.drafter.objective import build_block_inputs, dense_block_mask, sample_anchors
+from dflash_ddp.drafter.weighting import LossSettings
 
 from helpers import small_draft_config
 
@@ -76,7 +78,7 @@ def test_compiled_flex_keeps_few_graphs_over_a_varied_schedule(monkeypatch):
             anchors,
             config.block_size,
             config.mask_token_id,
-            7.0,
+            LossSettings(gamma=7.0),
             min_anchor_slots(config.block_size),
         )
         embeds = torch.randn(*inputs.block_ids.shape, config.hidden_size)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from dflash_ddp.drafter.attention import block_layout
+from dflash_ddp.drafter.blocks import build_block_inputs
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.memory import saved_per_context_token, saved_per_position
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.drafter.objective import build_block_inputs
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.train import main
 

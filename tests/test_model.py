@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from dflash_ddp.drafter.attention import block_layout
+from dflash_ddp.drafter.attention import block_layout, dense_block_mask
+from dflash_ddp.drafter.blocks import build_block_inputs
 from dflash_ddp.drafter.flex import flex_block_mask
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.drafter.objective import build_block_inputs, dense_block_mask
 
 from helpers import small_draft_config
 

@@ -5,14 +5,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dflash_ddp.drafter.objective import (
-    block_loss_terms,
-    build_block_inputs,
-    chunked_weighted_ce,
+from dflash_ddp.drafter.blocks import build_block_inputs, sample_anchors
+from dflash_ddp.drafter.objective import block_loss_terms, chunked_weighted_ce
+from dflash_ddp.drafter.weighting import (
+    LossSettings,
     dpace_weights,
     loss_gamma,
     position_weights,
-    sample_anchors,
     scheduled_gamma,
     until_fail_weights,
 )
@@ -89,7 +88,7 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient():
     head = torch.randn(50, 16)
     labels = torch.randint(0, 50, (37,))
     weights = torch.rand(37)
-    loss, correct = chunked_weighted_ce(hidden, head, labels, weights, chunk=8)
+    loss, correct = chunked_weighted_ce(hidden, head, labels, weights, LossSettings(chunk_rows=8))
     loss.backward()
     grad_chunked = hidden.grad.clone()
     hidden.grad = None
@@ -107,12 +106,17 @@ def test_metrics_count_a_perfect_prediction_as_full_acceptance():
     ids = torch.randint(2, vocab, (1, 30))
     inputs = build_block_inputs(ids, torch.ones_like(ids), [torch.tensor([2, 9, 20])], bs, mask_token_id=1)
     hidden = F.one_hot(inputs.labels, vocab).float().view(1, -1, vocab) * 10
-    terms = block_loss_terms(hidden, torch.eye(vocab), inputs, chunk=5)
+    terms = block_loss_terms(hidden, torch.eye(vocab), inputs, LossSettings(chunk_rows=5))
     metrics = terms.metrics()
     assert metrics["accuracy"] == 1.0
     assert metrics["tau_estimate"] == bs
     shifted = torch.roll(hidden, shifts=1, dims=-1)  # wrong everywhere: only the bonus token is accepted
-    assert block_loss_terms(shifted, torch.eye(vocab), inputs, chunk=5).metrics()["tau_estimate"] == 1.0
+    assert (
+        block_loss_terms(shifted, torch.eye(vocab), inputs, LossSettings(chunk_rows=5)).metrics()[
+            "tau_estimate"
+        ]
+        == 1.0
+    )
 
 
 def test_dpace_weights_equal_the_closed_form():
@@ -141,7 +145,7 @@ def test_dpace_weights_are_constants_of_the_gradient():
     def reweight(nll, correct=None):
         return dpace_weights(nll, scored, 4, 4, 0.5)
 
-    loss, _ = chunked_weighted_ce(hidden, head, labels, torch.zeros(10), chunk=3, reweight=reweight)
+    loss, _ = chunked_weighted_ce(hidden, head, labels, torch.zeros(10), LossSettings(chunk_rows=3), reweight)
     loss.backward()
     ce = F.cross_entropy(hidden @ head.T, labels, reduction="none")
     reference = (reweight(ce.detach()) * ce).sum()
@@ -175,12 +179,13 @@ def test_auf_trains_only_up_to_the_first_failure_with_the_weights_held_constant(
     torch.manual_seed(0)
     ids = torch.randint(2, 30, (1, 24))
     mask = torch.ones_like(ids)
-    inputs = build_block_inputs(ids, mask, [torch.tensor([2, 8, 14])], 5, mask_token_id=1, until_fail=True)
+    auf = LossSettings(weighting="auf", chunk_rows=4)
+    inputs = build_block_inputs(ids, mask, [torch.tensor([2, 8, 14])], 5, mask_token_id=1, settings=auf)
     assert float(inputs.weight_sum) == 3.0
     vocab = 30
     hidden = torch.randn(1, 3 * 5, vocab, requires_grad=True)
     hidden.data[0, 1, ids[0, 3]] = 50.0  # block 0: position 1 right, so position 2 is kept too
-    terms = block_loss_terms(hidden, torch.eye(vocab), inputs, chunk=4)
+    terms = block_loss_terms(hidden, torch.eye(vocab), inputs, auf)
     terms.loss_sum.backward()
     rows = hidden.detach()[0]
     labels = inputs.labels.flatten()
@@ -199,7 +204,8 @@ def test_dpace_normalises_by_the_blocks_with_a_label():
     mask[0, 5:18] = 1
     anchors = [torch.tensor([5, 9, 16])]  # the last block has labels at positions 1 only (17)
     decay = build_block_inputs(ids, mask, anchors, 4, mask_token_id=1, min_slots=5)
-    dpace = build_block_inputs(ids, mask, anchors, 4, mask_token_id=1, min_slots=5, dpace_smoothing=0.5)
+    dpace_settings = LossSettings(weighting="dpace", dpace_smoothing=0.5, chunk_rows=4)
+    dpace = build_block_inputs(ids, mask, anchors, 4, mask_token_id=1, settings=dpace_settings, min_slots=5)
     assert float(dpace.weight_sum) == 3.0  # 3 anchors with a label; the 2 padding slots have none
     torch.testing.assert_close(decay.weight_sum, decay.weights.sum())
     assert torch.equal(dpace.weights > 0, decay.weights > 0) and set(dpace.weights.unique().tolist()) == {
@@ -208,5 +214,5 @@ def test_dpace_normalises_by_the_blocks_with_a_label():
     }
     vocab = 30
     hidden = torch.randn(1, 5 * 4, vocab)
-    terms = block_loss_terms(hidden, torch.eye(vocab), dpace, chunk=4)
+    terms = block_loss_terms(hidden, torch.eye(vocab), dpace, dpace_settings)
     assert float(terms.weight_sum) == 3.0 and torch.isfinite(terms.loss_sum)

@@ -39,14 +39,19 @@ def test_chunked_steps_train_the_weights_of_unchunked_steps(tiny_target, chat_da
         torch.testing.assert_close(chunked[k], whole[k], rtol=1e-4, atol=1e-6)
 
 
-def small_trainer(lazy_checks: bool, learning_rate: float = 1e-3, **objective):
+def small_trainer(
+    lazy_checks: bool, learning_rate: float = 1e-3, loss_gamma: float | None = None, loss_gamma_start=None
+):
     from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
     from dflash_ddp.target_model.head import SharedTargetHead
 
     config = small_draft_config(vocab_size=64, mask_token_id=63)
     drafter = build_drafter(config, 0, torch.device("cpu"))
     head = SharedTargetHead(torch.randn(64, 32), torch.randn(64, 32))
-    settings = StepSettings(8, 0, 1.0, 16, "sparse", 24, **objective)
+    from dflash_ddp.drafter.weighting import LossSettings
+
+    loss = LossSettings(gamma=loss_gamma, chunk_rows=16)
+    settings = StepSettings(8, 0, 1.0, "sparse", 24, loss, loss_gamma_start=loss_gamma_start)
     return DrafterTrainer(
         drafter, head, settings, OptimizerSettings(learning_rate, 0.0, 0.0, 10), None, lazy_checks
     )

@@ -56,7 +56,7 @@ def run_point(point: dict) -> dict:
     head = SharedTargetHead(
         *(torch.randn(config.vocab_size, config.hidden_size, generator=g) * 0.02 for _ in range(2))
     )
-    settings = StepSettings(point["anchors"], 0, 1.0, 1024, point["attention"], point["chunk_tokens"], None)
+    settings = StepSettings(point["anchors"], 0, 1.0, point["attention"], point["chunk_tokens"])
     trainer = DrafterTrainer(drafter, head, settings, OptimizerSettings(6e-4, 0.0, 0.0, 100))
     first = 0 if point["warmup"] else 1  # batch 0 is the warm-up step's
     batches = [

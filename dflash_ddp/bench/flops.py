@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dflash_ddp.data.batch import Batch
+from dflash_ddp.drafter.blocks import plan_draft_chunks
 from dflash_ddp.drafter.config import DFlashDraftConfig
-from dflash_ddp.drafter.objective import plan_draft_chunks
 from dflash_ddp.drafter.trainer import StepSettings, batch_anchors
 
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, TFLOP/s; the first name contained in

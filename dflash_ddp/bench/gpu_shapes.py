@@ -41,9 +41,10 @@ from dflash_ddp.drafter.config import (
     drafter_config_for,
     resolve_attention,
 )
-from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.drafter.trainer import DrafterTrainer, build_drafter
 from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.parallel.topology import Topology, compute_dtype, select_device
+from dflash_ddp.roles.drafter import optimizer_settings, step_settings
 from dflash_ddp.setup.calibrate import Measurement, Rates, recommend, report, warmup_steps
 from dflash_ddp.setup.plan import plan_memory
 from dflash_ddp.target_model.features import tapped_features
@@ -69,7 +70,7 @@ class Scale:
     mask_token_id: int
 
 
-def _qwen3(hidden, intermediate, heads, kv_heads, head_dim, vocab, layers, max_positions, rope_theta) -> dict:
+def _qwen3(hidden, intermediate, heads, kv_heads, head_dim, vocab, layers, max_positions, rope_theta) -> dict:  # noqa: PLR0913 - a config's fields
     return dict(
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -210,17 +211,8 @@ def build_trainer(cfg: TrainConfig, c: DFlashDraftConfig, checkpointing: bool, d
     del embed, head
     drafter = build_drafter(c, cfg.seed, device)
     drafter.gradient_checkpointing = checkpointing
-    settings = StepSettings(
-        cfg.num_anchors,
-        cfg.seed,
-        cfg.max_grad_norm,
-        cfg.loss_chunk_size,
-        resolve_attention(cfg.attention, device),
-        cfg.drafter_chunk_tokens,
-        cfg.loss_gamma,
-    )
-    optim = OptimizerSettings(cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, 1000)
-    return DrafterTrainer(drafter, shared, settings, optim)
+    settings = step_settings(cfg, resolve_attention(cfg.attention, device))
+    return DrafterTrainer(drafter, shared, settings, optimizer_settings(cfg, 1000))
 
 
 def measure_drafter(trainer: DrafterTrainer, batches: list[Batch], steps: int, base: int):

@@ -233,7 +233,7 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
     return notes
 
 
-def save_checkpoint(
+def save_checkpoint(  # noqa: PLR0913 - each stateful part of a checkpoint is its own argument
     output_dir,
     step,
     drafter,

@@ -221,3 +221,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     if BlockMask is not None and isinstance(mask, BlockMask):
         return flex_attend(q, k, v, mask)
     return dense_attention(q, k, v, mask)
+
+
+def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Boolean visibility [B, 1, A*bs, S + A*bs] for the SDPA path (True = may attend)."""
+    device = anchors.device
+    num_q = anchors.shape[1] * block_size
+    q_block = torch.arange(num_q, device=device) // block_size
+    q_anchor = anchors[:, q_block]  # [B, Q]
+    valid = (q_anchor >= 0)[:, :, None]
+    ctx = torch.arange(context_len, device=device)[None, None, :] < q_anchor[:, :, None]
+    same_block = (q_block[:, None] == q_block[None, :])[None]
+    mask = torch.cat([ctx, same_block.expand(anchors.shape[0], -1, -1)], dim=-1) & valid
+    return mask[:, None]

@@ -17,7 +17,7 @@ class DFlashDraftConfig(PretrainedConfig):
 
     model_type = "dflash_draft"
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - a transformers config: its fields are keyword arguments
         self,
         vocab_size: int = 151936,
         hidden_size: int = 4096,

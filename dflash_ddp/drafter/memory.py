@@ -36,7 +36,7 @@ def backward_per_position(c: DFlashDraftConfig) -> int:
     return 4 * c.hidden_size + 4 * q_width + 6 * kv_width
 
 
-def drafter_memory(
+def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each one named
     c: DFlashDraftConfig,
     num_params: int,
     optimizer_state: int,

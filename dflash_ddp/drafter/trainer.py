@@ -6,30 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_ddp.data.batch import Batch, SoftTargets
-from dflash_ddp.drafter.attention import block_layout
+from dflash_ddp.drafter.attention import block_layout, dense_block_mask
+from dflash_ddp.drafter.blocks import BlockInputs, build_block_inputs, plan_draft_chunks, sample_anchors
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.flex import flex_block_mask, min_anchor_slots
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.drafter.objective import (
-    BlockInputs,
-    LossTerms,
-    block_loss_terms,
-    build_block_inputs,
-    dense_block_mask,
-    loss_gamma,
-    plan_draft_chunks,
-    sample_anchors,
-    scheduled_gamma,
-)
+from dflash_ddp.drafter.objective import LossTerms, block_loss_terms
 from dflash_ddp.drafter.optimizer import build_optimizer
 from dflash_ddp.drafter.step_timer import StepTimer
+from dflash_ddp.drafter.weighting import LossSettings, loss_gamma, scheduled_gamma
 from dflash_ddp.parallel.topology import compute_dtype
 from dflash_ddp.target_model.head import SharedTargetHead
 
@@ -41,16 +33,11 @@ class StepSettings:
     num_anchors: int
     seed: int
     max_grad_norm: float
-    loss_chunk_size: int
     attention: str  # "sparse", "flex" or "dense" (see attention.py)
     chunk_tokens: int  # draft positions per drafter forward/backward (--drafter_chunk_tokens)
-    loss_gamma: float | None = None
-    loss_gamma_start: float | None = None  # the decay constant moves from this to loss_gamma over the steps
-    position_weighting: str = "decay"  # decay | dpace | auf (see objective.py)
-    dpace_smoothing: float = 0.5
-    loss: str = "ce"  # ce | kl | tv (see distillation.py); kl and tv read the target's soft targets
-    ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
-    anchor_rule: str = "response"  # response | prompt_end (see objective.sample_anchors)
+    loss: LossSettings = field(default_factory=LossSettings)
+    loss_gamma_start: float | None = None  # the decay constant moves from this to loss.gamma over the steps
+    anchor_rule: str = "response"  # response | prompt_end (see blocks.sample_anchors)
 
 
 @dataclass
@@ -147,6 +134,7 @@ class DrafterTrainer:
         lengths = batch.attention_mask.sum(dim=1).tolist()
         anchors = batch_anchors(batch, settings, epoch)
         min_slots = min_anchor_slots(cfg.block_size) if settings.attention == "flex" else 1
+        loss = self._loss_settings()
         chunks = []
         for pieces in plan_draft_chunks(anchors, lengths, cfg.block_size, settings.chunk_tokens):
             rows = [row for row, _ in pieces]
@@ -157,11 +145,9 @@ class DrafterTrainer:
                 [part for _, part in pieces],
                 cfg.block_size,
                 cfg.mask_token_id,
-                self._gamma(),
+                loss,
                 min_slots,
-                settings.dpace_smoothing if settings.position_weighting == "dpace" else None,
-                soft_rows(soft, rows, context_len) if settings.loss != "ce" else None,
-                until_fail=settings.position_weighting == "auf",
+                soft_rows(soft, rows, context_len) if loss.loss != "ce" else None,
             )
             rows_t = torch.tensor(rows, device=features.device)
             chunks.append(
@@ -175,15 +161,16 @@ class DrafterTrainer:
             )
         return chunks
 
-    def _gamma(self) -> float | None:
-        """This step's decay constant for --position_weighting decay (None: the paper's for the block)."""
+    def _loss_settings(self) -> LossSettings:
+        """The loss settings of this step: the decay's constant on its schedule when it has one."""
         settings = self.settings
         if settings.loss_gamma_start is None:
-            return settings.loss_gamma
+            return settings.loss
         end = (
-            loss_gamma(self.drafter.config.block_size) if settings.loss_gamma is None else settings.loss_gamma
+            loss_gamma(self.drafter.config.block_size) if settings.loss.gamma is None else settings.loss.gamma
         )
-        return scheduled_gamma(settings.loss_gamma_start, end, self.global_step, self.total_steps)
+        gamma = scheduled_gamma(settings.loss_gamma_start, end, self.global_step, self.total_steps)
+        return replace(settings.loss, gamma=gamma)
 
     def _forward_backward(self, chunk: DraftChunk, weight_sum: torch.Tensor) -> LossTerms:
         """One chunk's forward and backward (gradients accumulate); its loss terms, detached."""
@@ -194,14 +181,7 @@ class DrafterTrainer:
                     self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
                 ).last_hidden_state
             with timer.part("loss"):
-                terms = block_loss_terms(
-                    out,
-                    self.head.lm_head_weight,
-                    inputs,
-                    self.settings.loss_chunk_size,
-                    self.settings.loss,
-                    self.settings.ce_weight,
-                )
+                terms = block_loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss)
         with timer.part("backward"):
             (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
         # detached, so the next chunk's activations never meet this one's
@@ -221,7 +201,7 @@ class DrafterTrainer:
             features = torch.zeros(rows, length, width, dtype=compute_dtype(self.device), device=self.device)
             weight_sum = torch.ones((), device=self.device)
             soft = None
-            if self.settings.loss != "ce":  # made-up soft targets: the top 2 tokens, equally likely
+            if self.settings.loss.loss != "ce":  # made-up soft targets: the top 2 tokens, equally likely
                 soft = SoftTargets(
                     torch.stack([ids, ids + 1], -1).remainder(config.vocab_size).int(),
                     torch.full((rows, length, 2), 0.5, dtype=torch.bfloat16),

@@ -22,6 +22,7 @@ from dflash_ddp.config import TrainConfig
 from dflash_ddp.data.schedule import ScheduledBatch
 from dflash_ddp.drafter.config import resolve_attention
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.files import describe_error
 from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.parallel.channel import ChannelError, ChannelReceiver, Message
@@ -71,26 +72,37 @@ def build_trainer(
     head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
     drafter = build_drafter(setup.drafter_config, cfg.seed, device)
     drafter.gradient_checkpointing = setup.memory.checkpointing
-    attention = resolve_attention(cfg.attention, device)
-    settings = StepSettings(
-        cfg.num_anchors,
-        cfg.seed,
-        cfg.max_grad_norm,
-        cfg.loss_chunk_size,
-        attention,
-        cfg.drafter_chunk_tokens,
-        loss_gamma=cfg.loss_gamma,
-        loss_gamma_start=cfg.loss_gamma_start,
-        position_weighting=cfg.position_weighting,
+    settings = step_settings(cfg, resolve_attention(cfg.attention, device))
+    return DrafterTrainer(drafter, head, settings, optimizer_settings(cfg, total_steps), group)
+
+
+def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
+    """What a drafter step reads of the run's config (`attention`: the resolved kernel)."""
+    loss = LossSettings(
+        weighting=cfg.position_weighting,
+        gamma=cfg.loss_gamma,
         dpace_smoothing=cfg.dpace_smoothing,
         loss=cfg.loss,
         ce_weight=cfg.ce_weight,
+        chunk_rows=cfg.loss_chunk_size,
+    )
+    return StepSettings(
+        cfg.num_anchors,
+        cfg.seed,
+        cfg.max_grad_norm,
+        attention,
+        cfg.drafter_chunk_tokens,
+        loss,
+        loss_gamma_start=cfg.loss_gamma_start,
         anchor_rule=cfg.anchor_rule,
     )
-    optim = OptimizerSettings(
+
+
+def optimizer_settings(cfg: TrainConfig, total_steps: int) -> OptimizerSettings:
+    """The optimizer and schedule of the run's config over `total_steps`."""
+    return OptimizerSettings(
         cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps, cfg.optimizer
     )
-    return DrafterTrainer(drafter, head, settings, optim, group)
 
 
 def restore(run: Run, trainer: DrafterTrainer, drafter_index: int) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
-from dflash_ddp.drafter.objective import loss_gamma
+from dflash_ddp.drafter.weighting import loss_gamma
 from dflash_ddp.hub import hub_model_name
 
 OBJECTIVE_SETTINGS = (

@@ -27,6 +27,7 @@ def _child(rows: int, vocab: int, hidden: int, chunk: int, mode: str) -> None:
     import torch.nn.functional as F
 
     from dflash_ddp.drafter.objective import chunked_weighted_ce
+    from dflash_ddp.drafter.weighting import LossSettings
 
     torch.manual_seed(0)
     h = torch.randn(rows, hidden, requires_grad=True)
@@ -36,7 +37,7 @@ def _child(rows: int, vocab: int, hidden: int, chunk: int, mode: str) -> None:
     baseline = _peak_rss_bytes()
     start = time.perf_counter()
     if mode == "chunked":
-        loss, _ = chunked_weighted_ce(h, head, labels, weights, chunk)
+        loss, _ = chunked_weighted_ce(h, head, labels, weights, LossSettings(chunk_rows=chunk))
     else:
         loss = (F.cross_entropy(h @ head.T, labels, reduction="none") * weights).sum()
     loss.backward()
