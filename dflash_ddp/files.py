@@ -9,6 +9,11 @@ import os
 from pathlib import Path
 
 
+class SaveError(RuntimeError):
+    """Writing a checkpoint or the run's records failed (disk full, permissions); every earlier checkpoint
+    is untouched."""
+
+
 def file_sha256(path: Path) -> str:
     """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
     h = hashlib.sha256()

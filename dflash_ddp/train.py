@@ -21,9 +21,10 @@ import torch
 
 from dflash_ddp.checkpoint.evaluations import prune_evaluations
 from dflash_ddp.checkpoint.resume import RestoreError
-from dflash_ddp.checkpoint.writer import SaveError, remove_leftovers
+from dflash_ddp.checkpoint.writer import remove_leftovers
 from dflash_ddp.cli_help import usage
 from dflash_ddp.config import TrainConfig, config_to_dict, parse_config
+from dflash_ddp.files import SaveError
 from dflash_ddp.observe.trackers import Trackers, resolve_report_to
 from dflash_ddp.parallel.channel import ChannelError, PeerLost
 from dflash_ddp.parallel.exits import fail, lost_peer, refuse

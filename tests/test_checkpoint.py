@@ -16,8 +16,9 @@ from dflash_ddp.checkpoint.layout import read_latest
 from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dflash_ddp.checkpoint.reader import read_tensor_file
 from dflash_ddp.checkpoint.resume import find_checkpoint, load_trainer_state
-from dflash_ddp.checkpoint.writer import SaveError, remove_leftovers, save_checkpoint
+from dflash_ddp.checkpoint.writer import remove_leftovers, save_checkpoint
 from dflash_ddp.config import TrainConfig
+from dflash_ddp.files import SaveError
 from dflash_ddp.setup.start import check_same_run
 from dflash_ddp.train import main
 

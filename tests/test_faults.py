@@ -218,7 +218,7 @@ def test_a_failing_metrics_append_is_a_save_error(tmp_path):
     code = (
         "import sys\n"
         "from dflash_ddp.observe.progress import TrainingMonitor\n"
-        "from dflash_ddp.checkpoint.writer import SaveError\n"
+        "from dflash_ddp.files import SaveError\n"
         "monitor = TrainingMonitor(sys.argv[1], 10)\n"
         "record = {'step': 1, 'loss': 1.0, 'accuracy': 0.0, 'tau_estimate': 1.0, 'pad': 'x' * 3000}\n"
         "try:\n"

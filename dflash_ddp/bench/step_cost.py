@@ -22,6 +22,7 @@ import torch
 
 from dflash_ddp.bench.speed import SEQ_LEN, long_conversations, plain_seconds_per_step
 from dflash_ddp.config import EMBEDDED_TARGET, parse_config
+from dflash_ddp.data.batch import padding_id
 from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.parallel.channel import pack, padded_feature_buffer, unpack_tokens
 from dflash_ddp.parallel.topology import Topology, compute_dtype
@@ -80,7 +81,7 @@ def trainer_parts(
     window = LoggingWindow(source, 1, device)
     monitor = TrainingMonitor(out, schedule.total_steps)
     monitor.console.quiet = True  # the table is the output; metrics.jsonl is still written
-    timer, pad_id = trainer.timer, setup.tokenizer.pad_token_id or 0
+    timer, pad_id = trainer.timer, padding_id(setup.tokenizer)
     totals = dict.fromkeys(PARTS, 0.0)
     tokens_seen = 0
     for step, item in enumerate(schedule.batches(0, schedule.total_steps)):

@@ -36,12 +36,7 @@ from dflash_ddp.checkpoint.layout import (
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, write_json, write_manifest
 from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
 from dflash_ddp.drafter.zlab import to_zlab_config
-from dflash_ddp.files import describe_error, fsync_dir
-
-
-class SaveError(RuntimeError):
-    """Writing a checkpoint or the run's records failed (disk full, permissions); every earlier checkpoint
-    is untouched."""
+from dflash_ddp.files import SaveError, describe_error, fsync_dir
 
 
 def rng_state() -> dict:

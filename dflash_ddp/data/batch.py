@@ -34,3 +34,9 @@ class SoftTargets:
     @property
     def k(self) -> int:
         return self.ids.shape[-1]
+
+
+def padding_id(tokenizer) -> int:
+    """The token id batches are padded with: the tokenizer's pad token, or 0 when it has none (padding is
+    masked out of attention and the loss, so any id will do)."""
+    return tokenizer.pad_token_id or 0

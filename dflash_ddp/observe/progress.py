@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from dflash_ddp.checkpoint.evaluations import read_evaluations
-from dflash_ddp.checkpoint.writer import SaveError
+from dflash_ddp.files import SaveError
 
 TAU_LEGEND = (
     "tau~ is estimated on the training batches, teacher-forced: for blocks at random response positions, 1 + "

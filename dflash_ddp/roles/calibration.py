@@ -10,6 +10,7 @@ import json
 import torch
 
 from dflash_ddp.config import TrainConfig
+from dflash_ddp.data.batch import padding_id
 from dflash_ddp.drafter.trainer import DrafterTrainer
 from dflash_ddp.parallel.topology import (
     Topology,
@@ -54,7 +55,7 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
 
 def calibration_schedule(cfg: TrainConfig, setup: RunSetup, data, device: torch.device):
     """The (batch, epoch) pairs a calibration times: the first of the run's own schedule."""
-    pad_id = setup.tokenizer.pad_token_id or 0
+    pad_id = padding_id(setup.tokenizer)
     return calibration_batches(
         data,
         cfg.tokens_per_batch,

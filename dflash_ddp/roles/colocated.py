@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from dflash_ddp.data.batch import padding_id
 from dflash_ddp.parallel.channel import Message
 from dflash_ddp.parallel.topology import DistributedContext, compute_dtype
 from dflash_ddp.roles.drafter import train_drafter
@@ -16,7 +17,7 @@ class LocalTarget:
 
     def __init__(self, extractor: TargetFeatureExtractor, run: Run):
         self.extractor, self.data = extractor, run.data
-        self.pad_id = run.setup.tokenizer.pad_token_id or 0
+        self.pad_id = padding_id(run.setup.tokenizer)
         self.items = run.schedule.batches(run.first_batch, run.end_batch)
         self.wait_s = 0.0
         self.bytes_received = 0

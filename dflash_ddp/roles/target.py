@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dflash_ddp.data.batch import padding_id
 from dflash_ddp.parallel.channel import ChannelSender
 from dflash_ddp.parallel.signals import GracefulStop, StopFlag
 from dflash_ddp.parallel.topology import DistributedContext, compute_dtype, job_barrier, tp_group
@@ -35,7 +36,7 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
     sends = topo.rank in topo.sender_ranks
     sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device) if sends else None
     group = tp_group(ctx.target_meshes) if ctx.target_meshes is not None else None
-    pad_id = run.setup.tokenizer.pad_token_id or 0
+    pad_id = padding_id(run.setup.tokenizer)
     job_barrier("channel-open")  # every drafter rank has built, restored and warmed up its drafter
     for item in run.schedule.batches(run.first_batch, run.end_batch):
         if topo.group_of(item.g) != topo.group:

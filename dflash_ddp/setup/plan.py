@@ -17,7 +17,7 @@ from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.optimizer import optimizer_state_bytes
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
-from dflash_ddp.target_model.info import TargetInfo, truncated_parameter_count
+from dflash_ddp.target_model.info import TargetInfo, layers_run, truncated_parameter_count
 from dflash_ddp.target_model.memory import target_memory
 
 
@@ -88,7 +88,7 @@ def plan_memory(
 
     target = target_memory(
         info,
-        truncated_parameter_count(info, info.num_layers if cfg.target_topk else max(c.target_layer_ids) + 1),
+        truncated_parameter_count(info, layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)),
         c.target_layer_ids,
         cfg.tokens_per_batch,
         dtype_bytes,

@@ -31,6 +31,7 @@ from dflash_ddp.setup.plan import RunMemory, plan_memory, run_device
 from dflash_ddp.target_model.info import (
     TargetInfo,
     inspect_target,
+    layers_run,
     soft_target_compute_share,
     target_fingerprint,
 )
@@ -90,7 +91,7 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
 
 def target_layers_run(cfg: TrainConfig, info: TargetInfo, taps: list[int]) -> int:
     """How many of the target's layers its ranks run: up to the last tap, or all with soft targets."""
-    return info.num_layers if cfg.target_topk else max(taps) + 1
+    return layers_run(info.num_layers, taps, cfg.target_topk)
 
 
 def load_data(

@@ -14,7 +14,7 @@ from transformers import logging as hf_logging
 
 from dflash_ddp.data.batch import SoftTargets
 from dflash_ddp.target_model.head import load_shared_embeddings
-from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
 from dflash_ddp.target_model.tensor_parallel import load_sharded
 
@@ -110,7 +110,7 @@ class TargetFeatureExtractor:
     ):
         self.target_layer_ids = list(target_layer_ids)
         self.topk = topk
-        keep = info.num_layers if topk else max(self.target_layer_ids) + 1
+        keep = layers_run(info.num_layers, self.target_layer_ids, topk)
         # Load only the layers that run: later layers, the norm's use and the LM head are skipped.
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()

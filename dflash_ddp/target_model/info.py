@@ -97,6 +97,12 @@ def target_info_from_config(config, path: Path) -> TargetInfo:
     )
 
 
+def layers_run(num_layers: int, target_layer_ids: list[int], topk: int) -> int:
+    """How many of the target's layers its ranks run: up to the last tapped one, or all of them when they
+    also compute soft targets (--target_topk), which need the final norm and the LM head."""
+    return num_layers if topk else max(target_layer_ids) + 1
+
+
 def truncated_parameter_count(info: TargetInfo, layers: int) -> int:
     """Parameters of the target cut after `layers` decoder layers (what a target rank loads), counted on the
     meta device from its own config: exact for any architecture transformers builds (biases, experts)."""
