@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from dflash_ddp.checkpoint.layout import read_latest
 from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dflash_ddp.checkpoint.reader import read_tensor_file
-from dflash_ddp.checkpoint.resume import find_checkpoint, load_trainer_state
+from dflash_ddp.checkpoint.resume import find_checkpoint
+from dflash_ddp.checkpoint.trainer_state import load_trainer_state
 from dflash_ddp.checkpoint.writer import remove_leftovers, save_checkpoint
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.files import SaveError

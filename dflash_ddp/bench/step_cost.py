@@ -24,9 +24,10 @@ from dflash_ddp.bench.speed import SEQ_LEN, long_conversations, plain_seconds_pe
 from dflash_ddp.config import EMBEDDED_TARGET, parse_config
 from dflash_ddp.data.batch import padding_id
 from dflash_ddp.observe.progress import TrainingMonitor
+from dflash_ddp.observe.window import LoggingWindow
 from dflash_ddp.parallel.channel import pack, padded_feature_buffer, unpack_tokens
 from dflash_ddp.parallel.topology import Topology, compute_dtype
-from dflash_ddp.roles.drafter import LoggingWindow, build_trainer
+from dflash_ddp.roles.drafter import build_trainer
 from dflash_ddp.setup.run import build_schedule, load_data, prepare
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 

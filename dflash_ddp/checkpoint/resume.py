@@ -13,19 +13,8 @@ from pathlib import Path
 import torch
 
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, verify_checkpoint
-from dflash_ddp.checkpoint.reader import read_json, read_tensor_file, read_weights
+from dflash_ddp.checkpoint.reader import read_tensor_file, read_weights
 from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
-
-REQUIRED_STATE = (
-    "global_step",
-    "epoch",
-    "batches_consumed",
-    "tokens_seen",
-    "topology",
-    "config",
-    "fingerprints",
-    "drafter",
-)
 
 
 class RestoreError(ValueError):
@@ -63,21 +52,6 @@ def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
             "restore one, or pass --resume never with a new --output_dir"
         )
     return None
-
-
-def load_trainer_state(path: Path) -> dict:
-    """trainer_state.json with every required field present (a missing field is an error, never a default)."""
-    state = read_json(path, "trainer_state.json")
-    missing = [k for k in REQUIRED_STATE if k not in state]
-    missing += [
-        f"fingerprints.{k}" for k in ("target", "tokenizer", "data") if k not in state.get("fingerprints", {})
-    ]
-    missing += [
-        f"topology.{k}" for k in ("target_ranks", "drafter_ranks") if k not in state.get("topology", {})
-    ]
-    if missing:
-        raise ValueError(f"{path}/trainer_state.json: missing field(s) {missing}")
-    return state
 
 
 def load_weights(path: Path, drafter: DFlashDraftModel) -> None:

@@ -90,6 +90,7 @@ class DrafterTrainer:
         self.scheduler = get_cosine_schedule_with_warmup(
             self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps
         )
+        self.optim = optim
         self.total_steps = optim.total_steps
         self.global_step = 0
         self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)

@@ -13,7 +13,7 @@ from dflash_ddp.target_model.features import TargetFeatureExtractor
 
 
 class LocalTarget:
-    """The colocated batch source: the target runs in this process; its compute time is the 'wait'."""
+    """The colocated `BatchSource`: the target runs in this process; its compute time is the 'wait'."""
 
     def __init__(self, extractor: TargetFeatureExtractor, run: Run):
         self.extractor, self.data = extractor, run.data
@@ -31,7 +31,16 @@ class LocalTarget:
         self.wait_s += time.perf_counter() - start
         return Message(g=item.g, epoch=item.epoch, batch=batch, features=features, soft=soft)
 
+    def sender_stats(self, messages: list[Message]) -> dict[int, tuple[float, int]]:
+        return {}  # nothing is sent in one process
+
+    def stop_requested(self) -> str:
+        return ""  # the only rank: a signal here is this process's own
+
     def drain(self) -> None:
+        pass
+
+    def release_targets(self) -> None:
         pass
 
     def close(self) -> None:
@@ -47,4 +56,4 @@ def run_colocated(ctx: DistributedContext, run: Run) -> bool:
         compute_dtype(ctx.device),
         topk=run.cfg.target_topk,
     )
-    return train_drafter(ctx, run, lambda: LocalTarget(extractor, run))
+    return train_drafter(ctx, run, lambda trainer: LocalTarget(extractor, run))

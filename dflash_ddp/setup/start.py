@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_ddp.checkpoint.layout import checkpoint_name
-from dflash_ddp.checkpoint.resume import find_checkpoint, load_trainer_state
+from dflash_ddp.checkpoint.resume import find_checkpoint
+from dflash_ddp.checkpoint.trainer_state import load_trainer_state
 from dflash_ddp.checkpoint.writer import set_aside_later
 from dflash_ddp.config import RESUME_OVERRIDABLE
 from dflash_ddp.files import atomic_write_text
