@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 from dflash_ddp.checkpoint.layout import read_latest
 from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
+from dflash_ddp.checkpoint.parts import model_parts
 from dflash_ddp.checkpoint.reader import read_tensor_file
-from dflash_ddp.checkpoint.resume import find_checkpoint
+from dflash_ddp.checkpoint.resume import RestoreError, find_checkpoint
 from dflash_ddp.checkpoint.trainer_state import load_trainer_state
 from dflash_ddp.checkpoint.writer import remove_leftovers, save_checkpoint
 from dflash_ddp.config import TrainConfig
@@ -251,7 +252,9 @@ def test_a_failed_save_leaves_earlier_checkpoints_and_latest_intact(finished_run
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(SaveError, match="saving checkpoint step-00000009 failed .*No space left.*intact"):
-        save_checkpoint(finished_run, 9, drafter, optimizer, scheduler, {}, {0: {}}, 5)
+        save_checkpoint(
+            finished_run, 9, model_parts(drafter, optimizer, scheduler), drafter.config, {}, {0: {}}, 5
+        )
     root = finished_run / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000006"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003", "step-00000006"]
@@ -377,7 +380,9 @@ def test_a_failed_rotation_is_a_save_error_naming_the_complete_checkpoint(finish
     with pytest.raises(
         SaveError, match="removing old checkpoints after saving step-00000009 failed .*Permission"
     ):
-        save_checkpoint(finished_run, 9, drafter, optimizer, scheduler, state, {0: {}}, 1)
+        save_checkpoint(
+            finished_run, 9, model_parts(drafter, optimizer, scheduler), drafter.config, state, {0: {}}, 1
+        )
     assert (finished_run / "checkpoints" / "latest").read_text().strip() == "step-00000009"
     assert verify_checkpoint(finished_run / "checkpoints" / "step-00000009") == []
 
@@ -415,7 +420,11 @@ def test_snapshots_reuse_host_buffers_and_write_the_same_files(tmp_path):
 
     def tensors(snap):
         found = []
-        for part in (snap.weights, snap.optimizer["state"], snap.rng_states):
+        for part in (
+            snap.parts["model.safetensors"][1],
+            snap.parts["optimizer.pt"][1]["state"],
+            snap.rng_states,
+        ):
             stack = [part]
             while stack:
                 item = stack.pop()
@@ -427,12 +436,13 @@ def test_snapshots_reuse_host_buffers_and_write_the_same_files(tmp_path):
 
     staging, state, rng = HostStaging(), {"tokens_seen": 0}, {0: {"torch": torch.get_rng_state()}}
     train_one_step()
-    first = snapshot(1, drafter, optimizer, scheduler, state, rng, staging)  # kept alive: no address reuse
+    parts = model_parts(drafter, optimizer, scheduler)
+    first = snapshot(1, parts, drafter.config, state, rng, staging)  # kept alive: no address reuse
     train_one_step()
-    second = snapshot(2, drafter, optimizer, scheduler, state, rng, staging)
+    second = snapshot(2, parts, drafter.config, state, rng, staging)
     assert [t.data_ptr() for t in tensors(second)] == [t.data_ptr() for t in tensors(first)]
     reused = write_checkpoint(tmp_path / "reused", second, 2)
-    fresh = save_checkpoint(tmp_path / "fresh", 2, drafter, optimizer, scheduler, state, rng, 2)
+    fresh = save_checkpoint(tmp_path / "fresh", 2, parts, drafter.config, state, rng, 2)
     for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng-rank0.pt", "manifest.json"):
         assert (reused / name).read_bytes() == (fresh / name).read_bytes(), name
 
@@ -457,3 +467,57 @@ def test_muon_and_soft_targets_resume_exactly_and_the_optimizer_cannot_change(
         main(args(tiny_target, chat_data, out, *method[2:], "--optimizer", "adamw", "--max_steps", "9")) == 2
     )
     assert "optimizer: checkpoint 'muon', now 'adamw'" in capsys.readouterr().err
+
+
+class _Counter:
+    """A stand-in for a new stateful part (an EMA of the weights, say): tensors and a plain number."""
+
+    def __init__(self):
+        self.value, self.updates = torch.zeros(3), 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value.clone(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.updates = state["value"].clone(), state["updates"]
+
+
+def test_a_new_stateful_part_is_one_registration_and_resumes_exactly(tmp_path):
+    from test_trainer import random_batch, small_trainer
+
+    from dflash_ddp.checkpoint.parts import StatefulPart
+    from dflash_ddp.checkpoint.trainer_state import restore_training, trainer_parts, trainer_state
+    from dflash_ddp.checkpoint.writer import rng_state
+    from dflash_ddp.parallel.topology import Topology
+
+    def registered(trainer, counter):  # the one registration a new part takes
+        return [
+            *trainer_parts(trainer),
+            StatefulPart("counter.pt", counter.state_dict, counter.load_state_dict),
+        ]
+
+    torch.manual_seed(0)  # the trainers' made-up target head (the frozen target's, not in the checkpoint)
+    trained, counter = small_trainer(lazy_checks=False), _Counter()
+    trained.step(random_batch(0))
+    counter.value, counter.updates = torch.tensor([1.5, -2.0, 3.25]), 7
+    cursor = {"global_step": 1, "epoch": 0, "batches_consumed": 1, "tokens_seen": 87}
+    identity = {"config": {}, "fingerprints": {"target": "t", "tokenizer": "k", "data": "d"}, "drafter": {}}
+    state = trainer_state(identity, Topology(1, 0, 1), cursor, 10)
+    parts = registered(trained, counter)
+    ckpt = save_checkpoint(tmp_path, 1, parts, trained.drafter.config, state, {0: rng_state()}, 3)
+    assert verify_checkpoint(ckpt) == [] and (ckpt / "counter.pt").is_file()  # saved and in the manifest
+
+    torch.manual_seed(0)
+    resumed, restored = small_trainer(lazy_checks=False), _Counter()
+    assert restore_training(ckpt, resumed, 0, 1, registered(resumed, restored)) == 87
+    assert torch.equal(restored.value, counter.value) and restored.updates == 7
+    for a, b in zip(trained.drafter.parameters(), resumed.drafter.parameters(), strict=True):
+        assert torch.equal(a, b)
+    trained.step(random_batch(1))  # the next step is the same step
+    resumed.step(random_batch(1))
+    for a, b in zip(trained.drafter.parameters(), resumed.drafter.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    (ckpt / "counter.pt").write_bytes(b"not a torch file")  # a damaged part is named, like every other
+    with pytest.raises(RestoreError, match="counter.pt: size or sha256 does not match the manifest"):
+        restore_training(ckpt, resumed, 0, 1, registered(resumed, _Counter()))

@@ -8,6 +8,7 @@ import torch
 import dflash_ddp.evaluation.watch as watch_module
 from dflash_ddp.checkpoint.evaluations import best_record, prune_evaluations, read_evaluations
 from dflash_ddp.checkpoint.layout import read_best, resolve_checkpoint, write_best
+from dflash_ddp.checkpoint.parts import model_parts
 from dflash_ddp.checkpoint.writer import save_checkpoint
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.watch import Evaluator, WatchSettings, watch
@@ -121,7 +122,8 @@ def test_rotation_keeps_the_best_checkpoint_and_latest_moves_on(tmp_path):
 
     def save(step):
         state = {"global_step": step, "topology": {"drafter_ranks": 1}}
-        save_checkpoint(tmp_path, step, drafter, optimizer, scheduler, state, {0: {}}, save_total_limit=2)
+        parts = model_parts(drafter, optimizer, scheduler)
+        save_checkpoint(tmp_path, step, parts, drafter.config, state, {0: {}}, save_total_limit=2)
 
     save(1)
     assert write_best(root, "step-00000001")

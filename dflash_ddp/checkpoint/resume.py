@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, verify_checkpoint
-from dflash_ddp.checkpoint.reader import read_tensor_file, read_weights
-from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
+from dflash_ddp.checkpoint.reader import read_tensor_file
 
 
 class RestoreError(ValueError):
@@ -52,26 +51,6 @@ def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
             "restore one, or pass --resume never with a new --output_dir"
         )
     return None
-
-
-def load_weights(path: Path, drafter: DFlashDraftModel) -> None:
-    """Strict load: missing or unexpected keys, or wrong shapes, are an error listing them."""
-    state = read_weights(path)
-    own = trainable_state_dict(drafter)
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    wrong = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
-        for k in own
-        if k in state and state[k].shape != own[k].shape
-    ]
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"{path}/model.safetensors does not fit the drafter: missing {missing}, unexpected {unexpected}, "
-            f"shape mismatches {wrong}"
-        )
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            p.copy_(state[name])
 
 
 def restore_rng(path: Path, index: int) -> None:

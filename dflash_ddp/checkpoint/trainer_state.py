@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_ddp.checkpoint.reader import read_json, read_tensor_file
-from dflash_ddp.checkpoint.resume import RestoreError, load_weights, restore_rng
+from dflash_ddp.checkpoint.parts import StatefulPart, model_parts, restore_parts
+from dflash_ddp.checkpoint.reader import read_json
+from dflash_ddp.checkpoint.resume import RestoreError, restore_rng
 from dflash_ddp.drafter.trainer import DrafterTrainer
 from dflash_ddp.files import describe_error
 from dflash_ddp.parallel.topology import Topology
@@ -58,17 +59,26 @@ def load_trainer_state(path: Path) -> dict:
     return state
 
 
-def restore_training(path: Path, trainer: DrafterTrainer, drafter_index: int, start_step: int) -> int:
-    """Load weights, optimizer, scheduler and RNG from checkpoint `path` into `trainer`; returns the tokens
-    seen. The rank's RNG file is chosen by its index among the drafter ranks, not its global rank: a resume
+def trainer_parts(trainer: DrafterTrainer) -> list[StatefulPart]:
+    """The registered checkpoint parts of a trainer (parts.py)."""
+    return model_parts(trainer.drafter, trainer.optimizer, trainer.scheduler)
+
+
+def restore_training(
+    path: Path,
+    trainer: DrafterTrainer,
+    drafter_index: int,
+    start_step: int,
+    parts: list[StatefulPart] | None = None,
+) -> int:
+    """Give every registered part (`parts`, default the trainer's) and the RNG their state from checkpoint
+    `path`; returns the tokens seen. The rank's RNG file is chosen by its index among the drafter ranks, not its global rank: a resume
     with another number of target ranks moves the drafters' global ranks. Any failure is a RestoreError.
 
     The loaded states carry the checkpoint's learning rate and weight decay; the trainer's own settings
     win (they differ only when the user accepted the change with --resume_override)."""
     try:
-        load_weights(path, trainer.drafter)
-        trainer.optimizer.load_state_dict(read_tensor_file(path, "optimizer.pt"))
-        trainer.scheduler.load_state_dict(read_tensor_file(path, "scheduler.pt"))
+        restore_parts(path, trainer_parts(trainer) if parts is None else parts)
         restore_rng(path, drafter_index)
         tokens_seen = int(load_trainer_state(path)["tokens_seen"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:  # a state that does not fit the objects

@@ -1,7 +1,7 @@
 """Checkpoints in the contract layout of design.md, written so that none is ever half-visible.
 
-output_dir/checkpoints/step-00000500/ holds model.safetensors (fp32 trainable weights), optimizer.pt,
-scheduler.pt, rng-rank{i}.pt (the CPU and CUDA generator states of drafter rank i, i = 0..M-1 within the
+output_dir/checkpoints/step-00000500/ holds the registered parts (parts.py: model.safetensors with the fp32
+trainable weights, optimizer.pt, scheduler.pt), rng-rank{i}.pt (the CPU and CUDA generator states of drafter rank i, i = 0..M-1 within the
 drafter group; tensors and plain containers only: loadable with weights_only=True), trainer_state.json,
 config.json (the drafter, z-lab layout) and manifest.json (sha256 + size of every file, written last).
 The directory is written under a temporary name, fsynced, then renamed; `checkpoints/latest` is
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from dflash_ddp.checkpoint.layout import (
     LEFTOVER_PREFIXES,
@@ -34,7 +33,8 @@ from dflash_ddp.checkpoint.layout import (
     write_latest,
 )
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, write_json, write_manifest
-from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
+from dflash_ddp.checkpoint.parts import StatefulPart, write_part
+from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.zlab import to_zlab_config
 from dflash_ddp.files import SaveError, describe_error, fsync_dir
 
@@ -70,9 +70,7 @@ class Snapshot:
     """Everything a checkpoint holds, copied to CPU at a step boundary (training may go on meanwhile)."""
 
     step: int
-    weights: dict[str, torch.Tensor]
-    optimizer: dict
-    scheduler: dict
+    parts: dict[str, tuple[str, object]]  # file: (format, host copy of the state)
     trainer_state: dict
     drafter_config: dict
     rng_states: dict[int, dict]
@@ -128,22 +126,23 @@ class HostStaging:
 
 
 def snapshot(
-    step, drafter: DFlashDraftModel, optimizer, scheduler, trainer_state: dict, rng_states, staging=None
+    step: int,
+    parts: list[StatefulPart],
+    drafter_config: DFlashDraftConfig,
+    trainer_state: dict,
+    rng_states: dict[int, dict],
+    staging: HostStaging | None = None,
 ) -> Snapshot:
-    """Copy the trainable weights, optimizer, scheduler and RNG states to CPU memory (into `staging`'s
-    reused buffers when given)."""
+    """Copy every registered part's state and the RNG states to CPU memory (into `staging`'s reused
+    buffers when given)."""
     staging = staging or HostStaging()
-    weights = staging.copy(trainable_state_dict(drafter), ("weights",))
-    optimizer_state = staging.copy(optimizer.state_dict(), ("optimizer",))
-    scheduler_state = staging.copy(scheduler.state_dict(), ("scheduler",))
+    states = {p.file: (p.format, staging.copy(p.state_dict(), (p.file,))) for p in parts}
     rng = staging.copy(rng_states, ("rng",))
     return Snapshot(
         step,
-        weights,
-        optimizer_state,
-        scheduler_state,
+        states,
         json.loads(json.dumps(trainer_state)),
-        to_zlab_config(drafter.config),
+        to_zlab_config(drafter_config),
         rng,
         staging.finish(),
     )
@@ -167,12 +166,8 @@ def write_checkpoint(
     snap.wait_copied()
     try:
         tmp.mkdir()
-        weights = {
-            k: v.float().contiguous() for k, v in snap.weights.items()
-        }  # fp32 whatever the training dtype
-        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        torch.save(snap.optimizer, tmp / "optimizer.pt")
-        torch.save(snap.scheduler, tmp / "scheduler.pt")
+        for file, (format, state) in snap.parts.items():
+            write_part(tmp, file, format, state)
         for index, state in sorted(snap.rng_states.items()):
             torch.save(state, tmp / f"rng-rank{index}.pt")
         write_json(tmp / "trainer_state.json", snap.trainer_state)
@@ -228,19 +223,18 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
     return notes
 
 
-def save_checkpoint(  # noqa: PLR0913 - each stateful part of a checkpoint is its own argument
+def save_checkpoint(
     output_dir,
-    step,
-    drafter,
-    optimizer,
-    scheduler,
-    trainer_state,
-    rng_states,
-    save_total_limit,
+    step: int,
+    parts: list[StatefulPart],
+    drafter_config: DFlashDraftConfig,
+    trainer_state: dict,
+    rng_states: dict[int, dict],
+    save_total_limit: int,
     protect=frozenset(),
 ) -> Path:
     """Snapshot and write in the calling thread (the simple, blocking form of `CheckpointWriter`)."""
-    snap = snapshot(step, drafter, optimizer, scheduler, trainer_state, rng_states)
+    snap = snapshot(step, parts, drafter_config, trainer_state, rng_states)
     return write_checkpoint(output_dir, snap, save_total_limit, protect)
 
 
@@ -261,11 +255,13 @@ class CheckpointWriter:
         self.staging = HostStaging()
         self.stall_s = 0.0  # total time training waited for snapshots (and for a previous write to end)
 
-    def save(self, step, drafter, optimizer, scheduler, trainer_state: dict, rng_states) -> None:
+    def save(
+        self, step: int, parts: list[StatefulPart], drafter_config, trainer_state: dict, rng_states
+    ) -> None:
         """Snapshot now (after the previous save has finished), write in the background."""
         start = time.perf_counter()
         self.wait()
-        snap = snapshot(step, drafter, optimizer, scheduler, trainer_state, rng_states, self.staging)
+        snap = snapshot(step, parts, drafter_config, trainer_state, rng_states, self.staging)
         stall = time.perf_counter() - start
         self.stall_s += stall
         self._thread = threading.Thread(target=self._write, args=(snap, stall), name="checkpoint-writer")

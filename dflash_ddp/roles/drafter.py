@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_ddp.checkpoint.trainer_state import restore_training, trainer_state
+from dflash_ddp.checkpoint.trainer_state import restore_training, trainer_parts, trainer_state
 from dflash_ddp.checkpoint.writer import CheckpointWriter, drafter_rng_states
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.data.schedule import ScheduledBatch
@@ -149,8 +149,8 @@ class DrafterLeader:
         trainer.check_finite()
         if self.writer:
             state = trainer_state(self.run.identity, self.topo, cursor, self.run.schedule.total_steps)
-            parts = (trainer.drafter, trainer.optimizer, trainer.scheduler)
-            self.writer.save(cursor["global_step"], *parts, state, rng_states)
+            parts, config = trainer_parts(trainer), trainer.drafter.config
+            self.writer.save(cursor["global_step"], parts, config, state, rng_states)
 
     def finish(self) -> None:
         """The last checkpoint is on disk before the job reports success."""
