@@ -24,17 +24,17 @@ from dflash_ddp.checkpoint.resume import RestoreError
 from dflash_ddp.checkpoint.writer import remove_leftovers
 from dflash_ddp.cli_help import usage
 from dflash_ddp.config import TrainConfig, config_to_dict, parse_config
+from dflash_ddp.evaluation.in_job import finish_watcher, run_final_evaluation, start_watcher
 from dflash_ddp.files import SaveError
-from dflash_ddp.observe.trackers import Trackers, resolve_report_to
+from dflash_ddp.observe.trackers import Trackers, close_trackers, resolve_report_to
 from dflash_ddp.parallel.channel import ChannelError, PeerLost
 from dflash_ddp.parallel.exits import fail, lost_peer, refuse
 from dflash_ddp.parallel.run_lock import OutputDirLock
 from dflash_ddp.parallel.topology import DistributedContext, Topology, env_world, init_distributed, shutdown
-from dflash_ddp.roles.calibration import calibrate_split
 from dflash_ddp.roles.colocated import run_colocated
 from dflash_ddp.roles.drafter import run_drafter
-from dflash_ddp.roles.evaluation import close_trackers, finish_watcher, run_final_evaluation, start_watcher
 from dflash_ddp.roles.target import run_target
+from dflash_ddp.setup.calibrate_job import calibrate_split
 from dflash_ddp.setup.plan import check_memory
 from dflash_ddp.setup.run import Run, build_schedule, load_data, prepare, print_plan, run_identity
 from dflash_ddp.setup.start import check_same_data, decide_start, prune_metrics, share_start

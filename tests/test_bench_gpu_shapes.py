@@ -141,7 +141,8 @@ def test_tiny_benchmark_writes_its_figures(tmp_path, capsys, one_thread):
     assert drafter["flops_per_step"]["executed"] > drafter["flops_per_step"]["model"] > 0
     assert 0 < drafter["mfu"] < drafter["hfu"] < 1
     for part in (target, drafter):
-        assert part["peak_gib"] > 0 and part["predicted_peak_gib"] > 0
+        # on the CPU the peak is resident growth: 0 when the process already holds freed memory to reuse
+        assert part["peak_gib"] >= 0 and part["predicted_peak_gib"] > 0
     t, m = (int(x) for x in split["recommended"].split(" + "))
     assert t >= 1 and m >= 1 and t + m <= 8
     assert any(line.startswith("recommended split:") for line in split["lines"])

@@ -148,7 +148,7 @@ def test_evaluation_results_go_to_the_trackers(tmp_path):
 
 @needs_tensorboard
 def test_evaluations_that_arrive_after_training_are_sent_before_the_trackers_close(tmp_path):
-    from dflash_ddp.roles.evaluation import close_trackers
+    from dflash_ddp.observe.trackers import close_trackers
 
     trackers = Trackers.start(["tensorboard"], "late", tmp_path)
     trackers.log({"step": 20, "loss": 1.0})

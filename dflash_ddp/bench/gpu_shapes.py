@@ -44,9 +44,9 @@ from dflash_ddp.drafter.config import (
 from dflash_ddp.drafter.trainer import DrafterTrainer, build_drafter
 from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.parallel.topology import Topology, compute_dtype, select_device
-from dflash_ddp.roles.drafter import optimizer_settings, step_settings
 from dflash_ddp.setup.calibrate import Measurement, Rates, recommend, report, warmup_steps
 from dflash_ddp.setup.plan import plan_memory
+from dflash_ddp.setup.trainer import optimizer_settings, step_settings
 from dflash_ddp.target_model.features import tapped_features
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import TargetInfo, target_info_from_config

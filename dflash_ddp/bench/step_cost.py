@@ -27,8 +27,8 @@ from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.observe.window import LoggingWindow
 from dflash_ddp.parallel.channel import pack, padded_feature_buffer, unpack_tokens
 from dflash_ddp.parallel.topology import Topology, compute_dtype
-from dflash_ddp.roles.drafter import build_trainer
 from dflash_ddp.setup.run import build_schedule, load_data, prepare
+from dflash_ddp.setup.trainer import build_trainer
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 
 TOKENS_PER_STEP = (512, 4096, 32768)

@@ -26,6 +26,8 @@ import os
 import sys
 from pathlib import Path
 
+from dflash_ddp.checkpoint.evaluations import read_evaluations
+
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # each one is also the name of its pyproject extra
 
 
@@ -218,3 +220,15 @@ class Trackers:
             except Exception as e:  # closing must not hide the run's own outcome
                 print(f"warning: closing the {tracker.name} tracker failed: {e}", file=sys.stderr)
         self._started = {}
+
+
+def close_trackers(trackers: Trackers, out: Path, report: dict | None) -> None:
+    """Send what arrived after the last logged step (the background evaluation of the final checkpoint, the
+    final evaluation's report as final_eval/...) at that step, then close the trackers."""
+
+    for record in read_evaluations(out)[0]:
+        if record["step"] not in trackers.evaluated:
+            trackers.log_eval(trackers.last_step, record)
+    if report:
+        trackers.log(report, step=trackers.last_step, prefix="final_eval/")
+    trackers.finish()

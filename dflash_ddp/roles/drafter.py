@@ -13,19 +13,16 @@ import torch.distributed as dist
 
 from dflash_ddp.checkpoint.trainer_state import restore_training, trainer_parts, trainer_state
 from dflash_ddp.checkpoint.writer import CheckpointWriter, drafter_rng_states
-from dflash_ddp.config import TrainConfig
 from dflash_ddp.data.schedule import ScheduledBatch
-from dflash_ddp.drafter.config import resolve_attention
-from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
-from dflash_ddp.drafter.weighting import LossSettings
+from dflash_ddp.drafter.trainer import DrafterTrainer
 from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.observe.window import LoggingWindow
 from dflash_ddp.parallel.channel import ChannelError, ChannelReceiver, Message
 from dflash_ddp.parallel.signals import GracefulStop
 from dflash_ddp.parallel.topology import DistributedContext, Topology, compute_dtype, job_barrier
 from dflash_ddp.roles.batch_source import BatchSource, ChannelSource
-from dflash_ddp.setup.run import Run, RunSetup
-from dflash_ddp.target_model.head import SharedTargetHead
+from dflash_ddp.setup.run import Run
+from dflash_ddp.setup.trainer import build_trainer
 
 
 def run_drafter(ctx: DistributedContext, run: Run) -> bool:
@@ -189,43 +186,3 @@ def check_batch(message: Message, item: ScheduledBatch, rank: int) -> Message:
             "the ranks disagree about the data (different --data files or settings per rank?)"
         )
     return message
-
-
-def build_trainer(
-    cfg: TrainConfig, setup: RunSetup, device: torch.device, total_steps: int, group=None
-) -> DrafterTrainer:
-    """A freshly initialised drafter with the target's shared head, the optimizer and the schedule."""
-    head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
-    drafter = build_drafter(setup.drafter_config, cfg.seed, device)
-    drafter.gradient_checkpointing = setup.memory.checkpointing
-    settings = step_settings(cfg, resolve_attention(cfg.attention, device))
-    return DrafterTrainer(drafter, head, settings, optimizer_settings(cfg, total_steps), group)
-
-
-def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
-    """What a drafter step reads of the run's config (`attention`: the resolved kernel)."""
-    loss = LossSettings(
-        weighting=cfg.position_weighting,
-        gamma=cfg.loss_gamma,
-        dpace_smoothing=cfg.dpace_smoothing,
-        loss=cfg.loss,
-        ce_weight=cfg.ce_weight,
-        chunk_rows=cfg.loss_chunk_size,
-    )
-    return StepSettings(
-        cfg.num_anchors,
-        cfg.seed,
-        cfg.max_grad_norm,
-        attention,
-        cfg.drafter_chunk_tokens,
-        loss,
-        loss_gamma_start=cfg.loss_gamma_start,
-        anchor_rule=cfg.anchor_rule,
-    )
-
-
-def optimizer_settings(cfg: TrainConfig, total_steps: int) -> OptimizerSettings:
-    """The optimizer and schedule of the run's config over `total_steps`."""
-    return OptimizerSettings(
-        cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps, cfg.optimizer
-    )

@@ -1,5 +1,6 @@
-"""`--plan --calibrate`: time one target rank's (or group's) and one drafter rank's work on this machine with
-the run's own first batches, then print the split that trains fastest.
+"""`--plan --calibrate` as a job: the ranks time one target rank's (or group's) and one drafter rank's work
+on this machine with the run's own first batches, then the leader prints the split that trains fastest
+(the figures and the recommendation are calibrate.py's).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dflash_ddp.parallel.topology import (
     job_store,
     shutdown,
 )
-from dflash_ddp.roles.drafter import build_trainer
 from dflash_ddp.setup.calibrate import (
     RandomFeatures,
     Rates,
@@ -31,6 +31,7 @@ from dflash_ddp.setup.calibrate import (
     time_target_forward,
 )
 from dflash_ddp.setup.run import RunSetup, load_data, run_device
+from dflash_ddp.setup.trainer import build_trainer
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 
 

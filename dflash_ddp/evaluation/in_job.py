@@ -1,5 +1,5 @@
-"""The drafter leader's evaluations around training: the background watcher of --eval_steps, the final real-tau
-evaluation on --eval_data, and what reaches the trackers after the last step.
+"""The drafter leader's evaluations around training: the background watcher of --eval_steps and the final
+real-tau evaluation on --eval_data.
 """
 
 from __future__ import annotations
@@ -7,18 +7,30 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
-from dflash_ddp.config import TrainConfig
 from dflash_ddp.evaluation.evaluate import evaluate, print_report
 from dflash_ddp.evaluation.watch import LOG_FILE, start_in_job
-from dflash_ddp.observe.trackers import Trackers
 
 
-def start_watcher(cfg: TrainConfig, device: torch.device) -> subprocess.Popen:
+class EvaluationSettings(Protocol):
+    """What these evaluations read of the run's settings (TrainConfig has them all)."""
+
+    output_dir: str
+    target_model: str
+    eval_data: str
+    eval_prompts: int
+    eval_max_new_tokens: int
+    eval_steps: int
+    chat_template: str
+    chat_template_kwargs: dict
+
+
+def start_watcher(cfg: EvaluationSettings, device: torch.device) -> subprocess.Popen:
     """--eval_steps: the evaluation watcher as a background process of the drafter leader (see watch.py)."""
 
     out = Path(cfg.output_dir)
@@ -47,7 +59,7 @@ def finish_watcher(watcher: subprocess.Popen, stopped: bool, out: Path) -> None:
         print(f"real tau per evaluated step: {taus}" + (f"; best {best['checkpoint']}" if best else ""))
 
 
-def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> dict:
+def run_final_evaluation(cfg: EvaluationSettings, device: torch.device) -> dict:
     """Measure tau with real speculative decoding on held-out conversations, against baselines."""
 
     checkpoint = resolve_checkpoint(Path(cfg.output_dir))
@@ -64,15 +76,3 @@ def run_final_evaluation(cfg: TrainConfig, device: torch.device) -> dict:
     print_report(report)
     (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
-
-
-def close_trackers(trackers: Trackers, out: Path, report: dict | None) -> None:
-    """Send what arrived after the last logged step (the background evaluation of the final checkpoint, the
-    final evaluation's report as final_eval/...) at that step, then close the trackers."""
-
-    for record in read_evaluations(out)[0]:
-        if record["step"] not in trackers.evaluated:
-            trackers.log_eval(trackers.last_step, record)
-    if report:
-        trackers.log(report, step=trackers.last_step, prefix="final_eval/")
-    trackers.finish()

@@ -1,0 +1,55 @@
+"""The drafter's trainer as the run's config sets it up: the one mapping from `TrainConfig` to the step's
+and the optimizer's settings, used by the drafter ranks, the calibration and the benchmarks alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_ddp.config import TrainConfig
+from dflash_ddp.drafter.config import resolve_attention
+from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.drafter.weighting import LossSettings
+from dflash_ddp.parallel.topology import compute_dtype
+from dflash_ddp.setup.run import RunSetup
+from dflash_ddp.target_model.head import SharedTargetHead
+
+
+def build_trainer(
+    cfg: TrainConfig, setup: RunSetup, device: torch.device, total_steps: int, group=None
+) -> DrafterTrainer:
+    """A freshly initialised drafter with the target's shared head, the optimizer and the schedule."""
+    head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
+    drafter = build_drafter(setup.drafter_config, cfg.seed, device)
+    drafter.gradient_checkpointing = setup.memory.checkpointing
+    settings = step_settings(cfg, resolve_attention(cfg.attention, device))
+    return DrafterTrainer(drafter, head, settings, optimizer_settings(cfg, total_steps), group)
+
+
+def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
+    """What a drafter step reads of the run's config (`attention`: the resolved kernel)."""
+    loss = LossSettings(
+        weighting=cfg.position_weighting,
+        gamma=cfg.loss_gamma,
+        dpace_smoothing=cfg.dpace_smoothing,
+        loss=cfg.loss,
+        ce_weight=cfg.ce_weight,
+        chunk_rows=cfg.loss_chunk_size,
+    )
+    return StepSettings(
+        cfg.num_anchors,
+        cfg.seed,
+        cfg.max_grad_norm,
+        attention,
+        cfg.drafter_chunk_tokens,
+        loss,
+        loss_gamma_start=cfg.loss_gamma_start,
+        anchor_rule=cfg.anchor_rule,
+    )
+
+
+def optimizer_settings(cfg: TrainConfig, total_steps: int) -> OptimizerSettings:
+    """The optimizer and schedule of the run's config over `total_steps`."""
+    return OptimizerSettings(
+        cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps, cfg.optimizer
+    )
