@@ -23,7 +23,7 @@ class _StopForward(Exception):
     """Raised after the last tapped layer so that later layers, the final norm and the head never run."""
 
 
-def _layer_output(output) -> torch.Tensor:
+def layer_output(output) -> torch.Tensor:
     """A decoder layer's hidden states as a whole local tensor. Under tensor parallelism transformers'
     plans leave them replicated (plain tensors); a plan that leaves them sharded returns a DTensor, gathered
     here once, on the device."""
@@ -65,7 +65,7 @@ def capture_layer_outputs(
 
     def make_hook(idx):
         def hook(_module, _inputs, output):
-            out = _layer_output(output)
+            out = layer_output(output)
             captured[idx] = final_norm(out) if idx == normed else out
             if stop_after_last and idx == last:
                 raise _StopForward

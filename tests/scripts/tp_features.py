@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from dflash_ddp.parallel.topology import group_meshes
-from dflash_ddp.target_model.features import TargetFeatureExtractor, _layer_output
+from dflash_ddp.target_model.features import TargetFeatureExtractor, layer_output
 from dflash_ddp.target_model.info import inspect_target
 
 dist.init_process_group("gloo")
@@ -44,7 +44,7 @@ for target in sys.argv[2:] if rank < 2 else []:
     # a plan that left a layer's output sharded: the tap gathers it
     tp_mesh = meshes.get_mesh("tp")
     part = whole.chunk(2, dim=-1)[tp_mesh.get_local_rank()].contiguous()
-    gathered = _layer_output((DTensor.from_local(part, tp_mesh, [Shard(2)]),))
+    gathered = layer_output((DTensor.from_local(part, tp_mesh, [Shard(2)]),))
     found[target] = {
         "relative_differences": differences,
         "q_proj_rows": [(q.to_local() if isinstance(q, DTensor) else q).shape[0], q.shape[0]],
