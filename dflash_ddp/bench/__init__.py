@@ -3,5 +3,6 @@
 (a)-(c) the split job on CPU/gloo (channel.py); (d) the trainer against a plain loop around transformers'
 DFlash drafter (speed.py, plain_loop.py); (e)-(f) the drafter's step: dense vs block-sparse attention,
 and the paper's recipe in chunks with its predicted memory (drafter.py); (g) the objective variants by real
-tau on two targets (method.py, `--method`).
+tau on two targets (method.py, `--method`); (h) a step's cost by part for the defaults, the paper's recipe
+and the plain loop (step_cost.py, `--only steps`).
 """
