@@ -73,6 +73,26 @@ def plain_seconds_per_step(spec: dict) -> float:
     return json.loads(result.stdout.strip().splitlines()[-1])["s_per_step"]
 
 
+def plain_spec(cfg, setup, data, schedule, warmup: int) -> dict:
+    """The plain loop's input: the schedule's batches of `data` as lists of sequences, and the drafter's
+    shape and anchors as `cfg` and `setup` give them, so that both loops do the same work."""
+    c = setup.drafter_config
+    return {
+        "steps": [
+            [[torch.as_tensor(x).tolist() for x in data.sample(m)] for m in item.members]
+            for item in schedule.batches(0, schedule.total_steps)
+        ],
+        "target_dir": str(EMBEDDED_TARGET),
+        "layer_ids": c.target_layer_ids,
+        "mask_id": c.mask_token_id,
+        "num_anchors": cfg.num_anchors,
+        "block_size": c.block_size,
+        "num_layers": c.num_hidden_layers,
+        "warmup": warmup,
+        "threads": 1,
+    }
+
+
 def bench_plain_loop(steps: int, anchor_counts: tuple[int, ...] = (64, 512), rounds: int = 2) -> None:
     """Print seconds per step of the trainer and of the plain loop, and their ratio, per anchor count."""
     work = Path(tempfile.mkdtemp(prefix="dflash-speed-"))
@@ -94,7 +114,6 @@ def bench_plain_loop(steps: int, anchor_counts: tuple[int, ...] = (64, 512), rou
     setup = prepare(cfg, Topology(1, 0, 1))
     long_conversations(data, setup.tokenizer)
     tokenized, _ = load_data(cfg, setup, "")
-    c = setup.drafter_config
     for anchors in anchor_counts:
         n = steps if anchors <= 64 else max(12, steps // 8)
         warmup = max(2, n // 10)
@@ -105,20 +124,10 @@ def bench_plain_loop(steps: int, anchor_counts: tuple[int, ...] = (64, 512), rou
             "--logging_steps": str(warmup),
             "--save_steps": str(n),
         }
-        schedule = build_schedule(dataclasses.replace(cfg, max_steps=n), tokenized, Topology(1, 0, 1))
-        batches = [item.members for item in schedule.batches(0, n)]
-        assert all(len(m) == 1 for m in batches), "one sequence per step, as in the plain loop"
-        spec = {
-            "steps": [[[torch.as_tensor(x).tolist() for x in tokenized.sample(m[0])]] for m in batches],
-            "target_dir": str(EMBEDDED_TARGET),
-            "layer_ids": c.target_layer_ids,
-            "mask_id": c.mask_token_id,
-            "num_anchors": anchors,
-            "block_size": c.block_size,
-            "num_layers": c.num_hidden_layers,
-            "warmup": warmup,
-            "threads": 1,
-        }
+        run_cfg = dataclasses.replace(cfg, max_steps=n, num_anchors=anchors)
+        schedule = build_schedule(run_cfg, tokenized, Topology(1, 0, 1))
+        assert all(len(item.members) == 1 for item in schedule.batches(0, n)), "one sequence per step"
+        spec = plain_spec(run_cfg, setup, tokenized, schedule, warmup)
         ours, plain = [], []
         for r in range(rounds):  # alternate: the machine is noisy; keep each one's best round
             flags = [x for kv in settings.items() for x in kv] + [

@@ -12,7 +12,6 @@ loop is `plain_loop.py` on the same sequences, in its own process.
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dflash_ddp.bench.speed import SEQ_LEN, long_conversations, plain_seconds_per_step
+from dflash_ddp.bench.speed import SEQ_LEN, long_conversations, plain_seconds_per_step, plain_spec
 from dflash_ddp.config import EMBEDDED_TARGET, parse_config
 from dflash_ddp.data.batch import padding_id
 from dflash_ddp.observe.progress import TrainingMonitor
@@ -62,15 +61,20 @@ def channel_round_trip(batch, features, g: int, epoch: int) -> torch.Tensor:
     return buffer
 
 
+def load_run(flags: list[str], steps: int, out: Path):
+    """(config, setup, tokenized data, schedule) of a one-process run of `flags` over `steps` steps."""
+    cfg, _ = parse_config([*flags, "--output_dir", str(out), "--max_steps", str(steps)])
+    topology = Topology(1, 0, 1)
+    setup = prepare(cfg, topology)
+    data, _ = load_data(cfg, setup, "")
+    return cfg, setup, data, build_schedule(cfg, data, topology)
+
+
 def trainer_parts(
     flags: list[str], ortho_dtype: torch.dtype | None, steps: int, warmup: int, out: Path
 ) -> dict[str, float]:
     """Seconds per step of each part, over `steps` steps after `warmup` untimed ones."""
-    cfg, _ = parse_config([*flags, "--output_dir", str(out), "--max_steps", str(steps + warmup)])
-    topology = Topology(1, 0, 1)
-    setup = prepare(cfg, topology)
-    data, _ = load_data(cfg, setup, "")
-    schedule = build_schedule(cfg, data, topology)
+    cfg, setup, data, schedule = load_run(flags, steps + warmup, out)
     device = torch.device("cpu")
     trainer = build_trainer(cfg, setup, device, schedule.total_steps)
     if ortho_dtype is not None:
@@ -83,10 +87,10 @@ def trainer_parts(
     monitor = TrainingMonitor(out, schedule.total_steps)
     monitor.console.quiet = True  # the table is the output; metrics.jsonl is still written
     timer, pad_id = trainer.timer, padding_id(setup.tokenizer)
+    timer.enabled = True
     totals = dict.fromkeys(PARTS, 0.0)
     tokens_seen = 0
     for step, item in enumerate(schedule.batches(0, schedule.total_steps)):
-        timer.enabled = True
         batch = data.batch(item.members, pad_id)
         with timer.part("target forward"):
             features, _ = extractor(batch.input_ids, batch.attention_mask)
@@ -134,7 +138,7 @@ def bench_step_cost(steps: int = 20, tokens_per_step: tuple[int, ...] = TOKENS_P
         rows = {}
         for i, (name, (extra, ortho_dtype)) in enumerate(RECIPES.items()):
             rows[name] = trainer_parts([*flags, *extra], ortho_dtype, n, warmup, work / f"{i}-{tokens}")
-        plain = plain_seconds_per_step(plain_spec([*flags], n + warmup, warmup, work))
+        plain = plain_seconds_per_step(plain_spec(*load_run(flags, n + warmup, work / "plain"), warmup))
         paper_total = sum(rows["paper"].values())
         for name, parts in rows.items():
             total = sum(parts.values())
@@ -144,30 +148,6 @@ def bench_step_cost(steps: int = 20, tokens_per_step: tuple[int, ...] = TOKENS_P
                 + f" | {total / paper_total:.2f} | {total / plain:.2f} |"
             )  # fmt: skip
         print(f"| {tokens} | plain loop | {plain * 1e3:.1f} |" + " |" * len(PARTS) + " | 1.00 |")
-
-
-def plain_spec(flags: list[str], steps: int, warmup: int, work: Path) -> dict:
-    """The plain loop's input: the trainer's batches of the same settings, as lists of sequences."""
-    cfg, _ = parse_config([*flags, "--output_dir", str(work / "plain"), "--max_steps", str(steps)])
-    topology = Topology(1, 0, 1)
-    setup = prepare(cfg, topology)
-    data, _ = load_data(cfg, setup, "")
-    schedule = build_schedule(dataclasses.replace(cfg, max_steps=steps), data, topology)
-    c = setup.drafter_config
-    return {
-        "steps": [
-            [[torch.as_tensor(x).tolist() for x in data.sample(m)] for m in item.members]
-            for item in schedule.batches(0, steps)
-        ],
-        "target_dir": str(EMBEDDED_TARGET),
-        "layer_ids": c.target_layer_ids,
-        "mask_id": c.mask_token_id,
-        "num_anchors": cfg.num_anchors,
-        "block_size": c.block_size,
-        "num_layers": c.num_hidden_layers,
-        "warmup": warmup,
-        "threads": 1,
-    }
 
 
 def cpu_has_bf16() -> bool:

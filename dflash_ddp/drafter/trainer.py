@@ -91,7 +91,6 @@ class DrafterTrainer:
             self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps
         )
         self.optim = optim
-        self.total_steps = optim.total_steps
         self.global_step = 0
         self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
         self.timer = StepTimer(self.device, enabled=False)  # the step-cost benchmark turns it on
@@ -170,7 +169,7 @@ class DrafterTrainer:
         end = (
             loss_gamma(self.drafter.config.block_size) if settings.loss.gamma is None else settings.loss.gamma
         )
-        gamma = scheduled_gamma(settings.loss_gamma_start, end, self.global_step, self.total_steps)
+        gamma = scheduled_gamma(settings.loss_gamma_start, end, self.global_step, self.optim.total_steps)
         return replace(settings.loss, gamma=gamma)
 
     def _forward_backward(self, chunk: DraftChunk, weight_sum: torch.Tensor) -> LossTerms:
