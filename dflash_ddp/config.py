@@ -20,6 +20,7 @@ import yaml
 from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.blocks import ANCHOR_RULES
 from dflash_ddp.drafter.distillation import LOSSES
+from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.optimizer import OPTIMIZERS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
@@ -146,6 +147,33 @@ class TrainConfig:
     )
     block_size: int = setting(
         16, "model", "tokens per draft block: the anchor plus the positions drafted in parallel", minimum=2
+    )
+    drafter: str = setting(
+        "dflash",
+        "model",
+        "the drafter family: dflash drafts a block's positions independently; dflash2 adds convolutions "
+        "inside the block and a candidate selector that drafts each position given the one before it",
+        choices=tuple(FAMILIES),
+    )
+    conv_kernel_size: int = setting(
+        2,
+        "dflash2",
+        "taps of each dynamic convolution (the token and the ones before it in the block)",
+        minimum=1,
+    )
+    conv_group_size: int = setting(
+        16, "dflash2", "channels sharing one dynamic kernel delta; must divide the hidden size", minimum=1
+    )
+    selector_rank: int = setting(256, "dflash2", "rank of the selector's codebooks", minimum=1)
+    selector_top_k: int = setting(
+        16, "dflash2", "candidates per drafted position: the LM head's best tokens", minimum=1
+    )
+    selector_loss_alpha: float = setting(
+        1.0,
+        "dflash2",
+        "weight of the selector's loss beside the LM head's (0: the selector stays as initialised, a "
+        "no-op, to measure the convolutions alone)",
+        in_range=(lambda x: x >= 0, "a number >= 0"),
     )
     # data
     data: list[str] = setting(
@@ -444,6 +472,7 @@ class TrainConfig:
                     f"--{name} {getattr(self, name)} sets the decay of --position_weighting decay, and D-PACE "
                     "(the default) has no decay: pass --position_weighting decay with it, or drop it"
                 )
+        self._check_family()
         if self.calibrate and not self.plan:
             raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
         if self.channel_backend == "nccl" and self.device == "cpu":
@@ -468,6 +497,21 @@ class TrainConfig:
                 "are what is evaluated"
             )
         self._check_paths()
+
+    def _check_family(self) -> None:
+        """A setting of another drafter family (its --help group) would be silently ignored: refuse it."""
+        for f in dataclasses.fields(self):
+            family = f.metadata["setting"].group
+            if family in FAMILIES and family != self.drafter and getattr(self, f.name) != f.default:
+                raise ValueError(
+                    f"--{f.name} {getattr(self, f.name)} sets the {family} drafter, and this run trains "
+                    f"--drafter {self.drafter}: pass --drafter {family} with it, or drop it"
+                )
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(
+                f"--conv_kernel_size {self.conv_kernel_size}: a convolution looks back inside a block only, so "
+                f"at most --block_size {self.block_size} taps"
+            )
 
     def _check_loss(self) -> None:
         """--loss, --target_topk and --ce_weight together: each soft-target setting needs the others."""

@@ -88,6 +88,7 @@ OBJECTIVES = {
     "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 4, "ce_weight": 0.1},
     "dpace-muon": {"position_weighting": "dpace", "optimizer": "muon"},
     "auf": {"position_weighting": "auf"},
+    "dflash2": {"drafter": "dflash2", "selector_rank": 16, "selector_top_k": 8},
 }
 
 
@@ -95,7 +96,8 @@ OBJECTIVES = {
 def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, name):
     """2+2 (data-parallel drafter) trains the same function as 1+1 accumulating 2 batches per step, with
     every position weighting, with soft targets and with Muon: the loss is normalised over every rank's
-    blocks, not per rank, and every optimizer steps on the summed gradient."""
+    blocks, not per rank, and every optimizer steps on the summed gradient; and a DFlash2 drafter (its
+    selector's loss is normalised with the rest)."""
     objective = OBJECTIVES[name]
     one = torchrun(
         2, train_args(tiny_target, chat_data, tmp_path / "1+1", gradient_accumulation_steps=2, **objective)
@@ -107,6 +109,27 @@ def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data
     a, b = final_weights(tmp_path / "1+1"), final_weights(tmp_path / "2+2")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_dflash2_trains_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):
+    """A DFlash2 drafter trained colocated and by a 2+1 job, in chunks that split sequences, is the same
+    drafter bit for bit, convolutions and selector included."""
+    from dflash_ddp.train import main
+
+    settings = {**OBJECTIVES["dflash2"], "drafter_chunk_tokens": 24}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's workers (see above)
+    try:
+        assert main(train_args(tiny_target, chat_data, tmp_path / "colocated", **settings)[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    split = torchrun(3, train_args(tiny_target, chat_data, tmp_path / "2+1", **settings))
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert losses(tmp_path / "2+1") == losses(tmp_path / "colocated")
+    reference, weights = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
+    assert "candidate_selector.successor_codebook" in reference
+    assert reference["candidate_selector.successor_codebook"].abs().sum() > 0  # the selector trained
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
 def test_soft_targets_train_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):

@@ -146,6 +146,8 @@ class OracleDrafter(nn.Module):
         self.sequence = torch.tensor(sequence)
         self.wrong_at = wrong_at
 
+    draft_tokens = DFlashDraftModel.draft_tokens  # each position's argmax under the LM head
+
     def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None):
         anchor_pos = int(position_ids[0, -BLOCK])
         truth = self.sequence[anchor_pos : anchor_pos + BLOCK].clone()

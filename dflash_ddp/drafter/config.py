@@ -16,6 +16,9 @@ class DFlashDraftConfig(PretrainedConfig):
     """Shape of a DFlash drafter. Width follows the target; depth, taps, mask and block are DFlash's own."""
 
     model_type = "dflash_draft"
+    family = "dflash"  # the --drafter value (families.py)
+    run_settings: tuple[str, ...] = ()  # the family's own fields, set by the run's settings of those names
+    serving_fields: tuple[str, ...] = ()  # the family's own fields of the serving config's dflash_config
 
     def __init__(  # noqa: PLR0913 - a transformers config: its fields are keyword arguments
         self,
@@ -55,6 +58,20 @@ class DFlashDraftConfig(PretrainedConfig):
         self.block_size = block_size
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+
+    def shape_errors(self) -> list[str]:
+        """What makes this shape unservable, each naming the setting to change (empty when it is sound)."""
+        return []
+
+    def extra_saved_per_position(self) -> int:
+        """Elements a layer of this family keeps for backward per draft position beyond a DFlash layer's
+        (memory.saved_per_position)."""
+        return 0
+
+    def extra_backward_per_position(self) -> int:
+        """Elements that exist only during one layer's backward, per draft position, beyond a DFlash layer's
+        (memory.backward_per_position)."""
+        return 0
 
 
 def resolve_attention(requested: str, device: torch.device) -> str:
@@ -103,11 +120,20 @@ def resolve_target_layer_ids(info: TargetInfo, requested: list[int] | None) -> l
     return ids
 
 
-def drafter_config_for(
-    info: TargetInfo, num_layers: int, target_layer_ids: list[int], mask_token_id: int, block_size: int
+def drafter_config_for(  # noqa: PLR0913 - the run's choices a drafter's shape reads, each one named
+    info: TargetInfo,
+    num_layers: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    block_size: int,
+    config_class: type[DFlashDraftConfig] = DFlashDraftConfig,
+    family_fields: dict | None = None,
 ) -> DFlashDraftConfig:
-    """A drafter as wide as the target (hidden, MLP, heads, head_dim) with DFlash's own depth and settings."""
-    return DFlashDraftConfig(
+    """A drafter as wide as the target (hidden, MLP, heads, head_dim) with DFlash's own depth and settings;
+    `config_class` and `family_fields` (its `run_settings`) choose the family. A shape the engines could not
+    serve is refused, naming the flag to change."""
+    config = config_class(
+        **(family_fields or {}),
         vocab_size=info.vocab_size,
         hidden_size=info.hidden_size,
         intermediate_size=info.intermediate_size,
@@ -123,3 +149,7 @@ def drafter_config_for(
         mask_token_id=mask_token_id,
         block_size=block_size,
     )
+    errors = config.shape_errors()
+    if errors:
+        raise ValueError(f"the {config.family} drafter for {info.path}: --" + "; --".join(errors))
+    return config

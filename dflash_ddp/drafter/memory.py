@@ -18,9 +18,11 @@ def saved_per_position(c: DFlashDraftConfig) -> int:
 
     The layer's input (H; the norm, projections, q/k norms and rope are recomputed from it in backward),
     q, k and v after rope and the attention output, which o_proj reads as a view (2 q-width + 2 kv-width),
-    one log-sum-exp per head, and the MLP's input (H; the MLP recomputes itself in backward)."""
+    one log-sum-exp per head, and the MLP's input (H; the MLP recomputes itself in backward); plus what a
+    family's layer keeps beyond that (DFlash2: its convolutions)."""
     q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return 2 * c.hidden_size + 2 * q_width + 2 * kv_width + c.num_attention_heads
+    dflash = 2 * c.hidden_size + 2 * q_width + 2 * kv_width + c.num_attention_heads
+    return dflash + c.extra_saved_per_position()
 
 
 def saved_per_context_token(c: DFlashDraftConfig) -> int:
@@ -73,7 +75,8 @@ def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each 
         shared, last_rest = (c.num_hidden_layers - 1) * per_layer + last_input, per_layer - last_input
     activations = (shared + once) * dtype_bytes
     # backward of one layer, next to the saved tensors; the MLP and the norms work in pieces of rows
-    backward = positions * backward_per_position(c) * 4 + 5 * MLP_ROWS * c.intermediate_size * 4
+    backward = positions * (backward_per_position(c) + c.extra_backward_per_position()) * 4
+    backward += 5 * MLP_ROWS * c.intermediate_size * 4
     loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
     if attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
         # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the

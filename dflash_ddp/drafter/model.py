@@ -24,6 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from dflash_ddp.drafter.attention import BlockLayout, attend
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.flex import BlockMask
+from dflash_ddp.drafter.objective import block_loss_terms
 
 
 def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -242,6 +243,10 @@ class DFlashMLP(nn.Module):
             weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
             return _MLPResidual.apply(h, norm.weight, norm.eps, *weights, dtype)
 
+    def transform(self, n: torch.Tensor) -> torch.Tensor:
+        """mlp(n) alone, with plain autograd: for layers that change the MLP's input and output (DFlash2)."""
+        return self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
 
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm layer; the context enters only as extra keys/values, never through the MLP or o_proj."""
@@ -262,15 +267,19 @@ class DFlashDraftModel(PreTrainedModel):
     """The trainable drafter: decoder layers, context fusion (`fc` + `hidden_norm`) and the final norm."""
 
     config_class = DFlashDraftConfig
+    layer_class = DFlashDecoderLayer
     base_model_prefix = ""
     main_input_name = "noise_embeds"
     _no_split_modules = ["DFlashDecoderLayer"]
     supports_gradient_checkpointing = True
+    embedding_tables: tuple[
+        str, ...
+    ] = ()  # parameters that are lookup tables (the optimizer keeps them on AdamW)
 
     def __init__(self, config: DFlashDraftConfig):
         super().__init__(config)
         num_taps = len(config.target_layer_ids)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(num_taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -324,6 +333,16 @@ class DFlashDraftModel(PreTrainedModel):
             else:
                 hidden = layer(hidden, context, cos, sin, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    def loss_terms(self, last_hidden: torch.Tensor, head_weight: torch.Tensor, inputs, settings):
+        """The training loss sums of one chunk's output (objective.py): DFlash scores each block position
+        through the target's LM head on its own."""
+        return block_loss_terms(last_hidden, head_weight, inputs, settings)
+
+    def draft_tokens(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor) -> torch.Tensor:
+        """The block's drafted tokens [1, block_size - 1] from its output `hidden` [1, block_size, H]: DFlash
+        takes each position's argmax under the target's LM head `head`; `anchor` [1, 1] is unused here."""
+        return head(hidden[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
 
 
 def _padding_mask_to_visibility(attention_mask):

@@ -22,14 +22,16 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
 
     Full-vocabulary logits for all block positions never exist at once: the peak is chunk x vocab. The
     row loss is the hard label's CE or a loss against soft targets (distillation.py). Returns the weighted
-    loss sum and, without gradient, whether each row's argmax equals its label.
+    loss sum and, without gradient, whether each row's argmax equals its label, the weights used and each
+    row's `top_k` highest-scoring tokens (best first; none when top_k is 0).
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, soft, settings, reweight):
+    def forward(ctx, hidden, head_weight, labels, weights, soft, settings, reweight, top_k):  # noqa: PLR0913 - autograd passes inputs positionally
         chunk, loss, ce_weight = settings.chunk_rows, settings.loss, settings.ce_weight
         soft_ids, soft_probs = soft if soft is not None else (None, None)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        candidates = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
@@ -41,6 +43,8 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             nlls.append(nll)
             row_loss.append(loss_rows)
             correct[rows] = logits.argmax(dim=-1) == labels[rows]
+            if top_k:
+                candidates[rows] = logits.topk(top_k, dim=-1).indices
         if reweight is not None:  # weights from the rows' own label CE and argmax: constants for backward
             weights = reweight(torch.cat(nlls), correct)
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
@@ -48,11 +52,11 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             loss_sum += (loss_rows * weights[i * chunk : (i + 1) * chunk]).sum()
         ctx.save_for_backward(hidden, head_weight, labels, weights, soft_ids, soft_probs)
         ctx.chunk, ctx.loss, ctx.ce_weight = chunk, loss, ce_weight
-        ctx.mark_non_differentiable(correct)
-        return loss_sum, correct
+        ctx.mark_non_differentiable(correct, weights, candidates)
+        return loss_sum, correct, weights, candidates
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
+    def backward(ctx, grad_loss, *_grad_flags):
         hidden, head_weight, labels, weights, soft_ids, soft_probs = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         for start in range(0, hidden.shape[0], ctx.chunk):
@@ -68,7 +72,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             )
             scale = (weights[rows] * grad_loss)[:, None]
             grad_hidden[rows] = ((grad_logits * scale).to(h.dtype) @ head_weight).to(hidden.dtype)
-        return grad_hidden, *([None] * 6)
+        return grad_hidden, *([None] * 7)
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -88,7 +92,10 @@ def chunked_weighted_ce(
     time, against `labels` (`settings.loss` "ce"), or against the soft targets `soft` = (ids, probs) [rows, k]
     ("kl" or "tv", with `settings.ce_weight` of the hard label's CE mixed in). `reweight`, when given, maps
     the rows' detached label CE and argmax-correct flags to the weights used instead of `weights`."""
-    return _ChunkedLMHeadCE.apply(hidden, head_weight, labels, weights, soft, settings, reweight)
+    loss_sum, correct, _, _ = _ChunkedLMHeadCE.apply(
+        hidden, head_weight, labels, weights, soft, settings, reweight, 0
+    )
+    return loss_sum, correct
 
 
 @dataclass
@@ -101,22 +108,98 @@ class LossTerms:
     count_per_pos: torch.Tensor  # [bs] scored predictions at block position k
     accepted_sum: torch.Tensor  # sum over blocks of the estimated accepted length (bonus included)
     num_blocks: torch.Tensor
+    # a candidate selector's share (DFlash2, selector.py); zeros for a drafter without one
+    selector_loss_sum: torch.Tensor  # detached: loss_sum already holds it, times its weight
+    selector_rows: torch.Tensor  # scored positions the selector chose for
+    candidate_hits: torch.Tensor  # of those, the ones whose label was among the candidates
+    unary_correct: torch.Tensor  # of those, the ones whose LM-head argmax alone was right
 
     @classmethod
     def zeros(cls, block_size: int, device: torch.device) -> LossTerms:
         """The sums of nothing: where a step's totals start."""
-        return cls(*(torch.zeros(n, device=device) for n in ((), (), block_size, block_size, (), ())))
+        shapes = ((), (), block_size, block_size, (), (), (), (), (), ())
+        return cls(*(torch.zeros(n, device=device) for n in shapes))
 
     def metrics(self) -> dict[str, float]:
         """Loss, accuracy and estimated tau from (possibly all-reduced) sums."""
         count = self.count_per_pos[1:].sum().clamp(min=1)
         per_pos = self.correct_per_pos[1:] / self.count_per_pos[1:].clamp(min=1)
-        return {
+        metrics = {
             "loss": float(self.loss_sum.detach() / self.weight_sum.clamp(min=1e-12)),
             "accuracy": float(self.correct_per_pos[1:].sum() / count),
             "tau_estimate": float(self.accepted_sum / self.num_blocks.clamp(min=1)),
             "accuracy_per_position": [round(float(x), 4) for x in per_pos],
         }
+        if self.selector_rows > 0:  # accuracy and tau above are the selector's, as it drafts in serving
+            rows = self.selector_rows
+            metrics["selector_loss"] = float(self.selector_loss_sum / self.weight_sum.clamp(min=1e-12))
+            metrics["unary_accuracy"] = float(self.unary_correct / rows)
+            metrics["candidate_recall"] = float(self.candidate_hits / rows)
+        return metrics
+
+
+@dataclass
+class ScoredRows:
+    """The scored block positions of a chunk, flattened, with the LM-head loss over them."""
+
+    hidden: torch.Tensor  # [N, H] the drafter's outputs at those positions
+    index: torch.Tensor  # [N] their flat indices into [B * A * bs] (inputs.scored)
+    labels: torch.Tensor  # [N]
+    weights: torch.Tensor  # [N] as the loss weighed them (D-PACE and AUF set them from the rows)
+    correct: torch.Tensor  # [N] the LM head's argmax equals the label
+    candidates: torch.Tensor  # [N, top_k] the LM head's best tokens, best first
+    loss_sum: torch.Tensor  # differentiable
+
+
+def scored_rows(
+    last_hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    inputs: BlockInputs,
+    settings: LossSettings,
+    top_k: int = 0,
+) -> ScoredRows:
+    """The LM-head loss of the drafter's output `last_hidden` [B, A*bs, H] at the scored positions (kl and tv
+    read the inputs' soft targets), and each position's `top_k` best tokens."""
+    flat_idx = inputs.scored
+    hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).index_select(0, flat_idx)
+    num_blocks = inputs.weights.shape[0] * inputs.weights.shape[1]
+    reweight = reweighting(settings, flat_idx, num_blocks, inputs.block_size)
+    if settings.loss != "ce" and inputs.soft_ids is None:
+        raise ValueError(f"loss {settings.loss} needs the target's soft targets (--target_topk)")
+    soft = None
+    if settings.loss != "ce":
+        soft = tuple(t.flatten(0, 2)[flat_idx] for t in (inputs.soft_ids, inputs.soft_probs))
+    labels = inputs.labels.flatten()[flat_idx]
+    loss_sum, correct, weights, candidates = _ChunkedLMHeadCE.apply(
+        hidden, head_weight, labels, inputs.weights.flatten()[flat_idx], soft, settings, reweight, top_k
+    )
+    return ScoredRows(hidden, flat_idx, labels, weights, correct, candidates, loss_sum)
+
+
+def loss_terms(inputs: BlockInputs, rows: ScoredRows, correct_rows: torch.Tensor, **selector) -> LossTerms:
+    """The chunk's LossTerms from its scored rows, `correct_rows` deciding the accuracy and the estimated
+    acceptance; `selector`: the selector's sums (LossTerms' selector fields)."""
+    weights = inputs.weights
+    scored = weights > 0
+    correct = torch.zeros(scored.numel(), dtype=torch.bool, device=weights.device)
+    correct[rows.index] = correct_rows
+    correct = correct.view_as(scored)
+    # Estimated acceptance: the anchor's bonus token plus the prefix of correct, scored positions.
+    prefix = torch.cumprod(correct[:, :, 1:].long(), dim=-1).sum(-1)
+    blocks = inputs.anchors >= 0
+    zero = torch.zeros((), device=weights.device)
+    return LossTerms(
+        loss_sum=rows.loss_sum,
+        weight_sum=inputs.weight_sum.detach(),
+        correct_per_pos=correct.sum(dim=(0, 1)).float(),
+        count_per_pos=scored.sum(dim=(0, 1)).float(),
+        accepted_sum=((1 + prefix) * blocks).sum().float(),
+        num_blocks=blocks.sum().float(),
+        selector_loss_sum=selector.get("selector_loss_sum", zero),
+        selector_rows=selector.get("selector_rows", zero),
+        candidate_hits=selector.get("candidate_hits", zero),
+        unary_correct=selector.get("unary_correct", zero),
+    )
 
 
 def block_loss_terms(
@@ -125,39 +208,7 @@ def block_loss_terms(
     inputs: BlockInputs,
     settings: LossSettings = LossSettings(),  # noqa: B008 - frozen: one shared default is safe
 ) -> LossTerms:
-    """Loss sums and metric counts for the drafter's output `last_hidden` [B, A*bs, H] (kl and tv read the
-    inputs' soft targets)."""
-    weights = inputs.weights
-    scored = weights > 0
-    flat_idx = inputs.scored
-    hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).index_select(0, flat_idx)
-    num_blocks = weights.shape[0] * weights.shape[1]
-    reweight = reweighting(settings, flat_idx, num_blocks, inputs.block_size)
-    if settings.loss != "ce" and inputs.soft_ids is None:
-        raise ValueError(f"loss {settings.loss} needs the target's soft targets (--target_topk)")
-    soft = None
-    if settings.loss != "ce":
-        soft = tuple(t.flatten(0, 2)[flat_idx] for t in (inputs.soft_ids, inputs.soft_probs))
-    loss_sum, correct_rows = chunked_weighted_ce(
-        hidden,
-        head_weight,
-        inputs.labels.flatten()[flat_idx],
-        weights.flatten()[flat_idx],
-        settings,
-        reweight,
-        soft,
-    )
-    correct = torch.zeros(scored.numel(), dtype=torch.bool, device=weights.device)
-    correct[flat_idx] = correct_rows
-    correct = correct.view_as(scored)
-    # Estimated acceptance: the anchor's bonus token plus the prefix of correct, scored positions.
-    prefix = torch.cumprod(correct[:, :, 1:].long(), dim=-1).sum(-1)
-    blocks = inputs.anchors >= 0
-    return LossTerms(
-        loss_sum=loss_sum,
-        weight_sum=inputs.weight_sum.detach(),
-        correct_per_pos=correct.sum(dim=(0, 1)).float(),
-        count_per_pos=scored.sum(dim=(0, 1)).float(),
-        accepted_sum=((1 + prefix) * blocks).sum().float(),
-        num_blocks=blocks.sum().float(),
-    )
+    """DFlash's loss sums and metric counts for the drafter's output `last_hidden` [B, A*bs, H]: each block
+    position scored through the LM head on its own (kl and tv read the inputs' soft targets)."""
+    rows = scored_rows(last_hidden, head_weight, inputs, settings)
+    return loss_terms(inputs, rows, rows.correct)

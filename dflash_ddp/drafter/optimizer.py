@@ -2,8 +2,9 @@
 
 Muon (torch.optim.Muon) orthogonalises each 2-D weight's momentum update by Newton-Schulz iterations; its
 learning rate is scaled to match AdamW's update RMS (`adjust_lr_fn="match_rms_adamw"`), so one
---learning_rate serves both. Norm weights (1-D) stay with AdamW. The drafter has no embedding and no LM head
-of its own (both are the target's, frozen), so every matrix it trains goes to Muon.
+--learning_rate serves both. Norm weights (1-D), DFlash2's base kernels (3-D) and its selector's codebooks
+(lookup tables, as embeddings are) stay with AdamW. The drafter has no embedding and no LM head of its own
+(both are the target's, frozen), so every other matrix it trains goes to Muon.
 
 torch runs the Newton-Schulz iterations in bf16, the fast path on GPUs. On a CPU they run in fp32 here
 (`orthogonalisation_dtype`): a CPU without bf16 instructions multiplies bf16 matrices about 15x slower than
@@ -120,10 +121,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._share_groups()  # loading replaced the inner optimizers' group dicts
 
 
-def optimizer_state_bytes(parameters: list[nn.Parameter], name: str) -> int:
-    """Bytes of fp32 state the optimizer --optimizer names keeps for `parameters` (meta tensors will do):
-    AdamW two moments per parameter; Muon one momentum per weight matrix, and AdamW's two for the rest."""
-    return sum(4 * (1 if name == "muon" and p.ndim == 2 else 2) * p.numel() for p in parameters)
+def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters Muon orthogonalises: the weight matrices, not the lookup tables the model names in
+    `embedding_tables` (a row of a table moves only when its token occurs; Muon's authors keep embeddings,
+    like every non-matrix parameter, on AdamW)."""
+    tables = set(getattr(model, "embedding_tables", ()))
+    return [p for name, p in model.named_parameters() if p.ndim == 2 and name not in tables]
+
+
+def optimizer_state_bytes(model: nn.Module, name: str) -> int:
+    """Bytes of fp32 state the optimizer --optimizer names keeps for `model` (meta tensors will do): AdamW
+    two moments per parameter; Muon one momentum per weight matrix, and AdamW's two for the rest."""
+    matrices = {id(p) for p in muon_matrices(model)} if name == "muon" else set()
+    return sum(4 * (1 if id(p) in matrices else 2) * p.numel() for p in model.parameters())
 
 
 def build_optimizer(
@@ -135,6 +145,6 @@ def build_optimizer(
         return torch.optim.AdamW(
             model.parameters(), lr=lr, weight_decay=weight_decay, betas=BETAS, fused=fused
         )
-    params = list(model.parameters())
-    matrices = [p for p in params if p.ndim == 2]
-    return MuonWithAdamW(matrices, [p for p in params if p.ndim != 2], lr, weight_decay)
+    matrices = muon_matrices(model)
+    chosen = {id(p) for p in matrices}
+    return MuonWithAdamW(matrices, [p for p in model.parameters() if id(p) not in chosen], lr, weight_decay)

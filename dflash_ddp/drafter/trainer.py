@@ -16,9 +16,10 @@ from dflash_ddp.data.batch import Batch, SoftTargets
 from dflash_ddp.drafter.attention import block_layout, dense_block_mask
 from dflash_ddp.drafter.blocks import BlockInputs, build_block_inputs, plan_draft_chunks, sample_anchors
 from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.flex import flex_block_mask, min_anchor_slots
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.drafter.objective import LossTerms, block_loss_terms
+from dflash_ddp.drafter.objective import LossTerms
 from dflash_ddp.drafter.optimizer import build_optimizer
 from dflash_ddp.drafter.step_timer import StepTimer
 from dflash_ddp.drafter.weighting import LossSettings, loss_gamma, scheduled_gamma
@@ -181,7 +182,7 @@ class DrafterTrainer:
                     self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
                 ).last_hidden_state
             with timer.part("loss"):
-                terms = block_loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss)
+                terms = self.drafter.loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss)
         with timer.part("backward"):
             (terms.loss_sum / weight_sum.clamp(min=1e-12)).backward()
         # detached, so the next chunk's activations never meet this one's
@@ -319,8 +320,9 @@ def batch_anchors(batch: Batch, settings: StepSettings, epoch: int) -> list[torc
 
 
 def build_drafter(config: DFlashDraftConfig, seed: int, device: torch.device) -> DFlashDraftModel:
-    """A freshly initialised drafter; the init depends only on the seed (the same on every rank)."""
+    """A freshly initialised drafter of the config's family; the init depends only on the seed (the same on
+    every rank)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DFlashDraftModel(config)
+        model = build_model(config)
     return model.to(device).train()

@@ -19,7 +19,7 @@ POSITION_WEIGHTINGS = ("decay", "dpace", "auf")
 @dataclass(frozen=True)
 class LossSettings:
     """What the loss scores against and how it weighs block positions (--loss, --ce_weight,
-    --position_weighting, --loss_gamma, --dpace_smoothing, --loss_chunk_size)."""
+    --position_weighting, --loss_gamma, --dpace_smoothing, --loss_chunk_size, --selector_loss_alpha)."""
 
     weighting: str = "decay"  # decay | dpace | auf
     gamma: float | None = None  # the decay's constant; None: the paper's for the block size
@@ -27,6 +27,7 @@ class LossSettings:
     loss: str = "ce"  # ce | kl | tv (see distillation.py); kl and tv read the target's soft targets
     ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
     chunk_rows: int = 1024  # rows of the LM-head loss computed at once
+    selector_weight: float = 1.0  # the candidate selector's loss beside the LM head's (DFlash2, selector.py)
 
     @property
     def reweighted(self) -> bool:

@@ -1,10 +1,12 @@
 """The z-lab serving layout of the drafter (what SGLang, vLLM, speculators and transformers load): its config
-and exact tensor names, to and from DFlashDraftConfig. A pure adapter, used by checkpoints and the export.
+and exact tensor names, to and from DFlashDraftConfig (and DFlash2DraftConfig, `DFlash2DraftModel` to the
+engines). A pure adapter, used by checkpoints and the export.
 """
 
 from __future__ import annotations
 
 from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.families import architecture, config_class_for
 
 _QWEN3_FIELDS = (
     "vocab_size",
@@ -22,8 +24,8 @@ _QWEN3_FIELDS = (
 )
 
 
-def zlab_keys(num_layers: int) -> set[str]:
-    """The exact tensor names of a z-lab DFlash drafter with `num_layers` layers."""
+def zlab_keys(num_layers: int, family: str = "dflash") -> set[str]:
+    """The exact tensor names of a z-lab drafter of `family` with `num_layers` layers."""
     per_layer = [
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
@@ -37,13 +39,25 @@ def zlab_keys(num_layers: int) -> set[str]:
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
     ]
+    extra = ()
+    if family == "dflash2":  # the codebooks are bare parameters: no ".weight"
+        per_layer += [f"{conv}.{k}" for conv in ("attention_conv", "mlp_conv") for k in DFLASH2_CONV_KEYS]
+        extra = DFLASH2_SELECTOR_KEYS
     keys = {f"layers.{i}.{k}" for i in range(num_layers) for k in per_layer}
-    return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    return keys | {"fc.weight", "hidden_norm.weight", "norm.weight", *extra}
+
+
+DFLASH2_CONV_KEYS = ("base_kernel", "kernel_projection.weight")
+DFLASH2_SELECTOR_KEYS = (
+    "candidate_selector.hidden_projection.weight",
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+)
 
 
 def to_zlab_config(config: DFlashDraftConfig) -> dict:
     """The serving config.json: Qwen3 fields plus block_size, num_target_layers and dflash_config."""
-    out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"}
+    out = {"architectures": [architecture(config)], "model_type": "qwen3"}
     out.update({name: getattr(config, name) for name in _QWEN3_FIELDS})
     # Older readers take rope_theta at the top level; newer ones read rope_parameters.
     out["rope_theta"] = config.rope_parameters.get("rope_theta")
@@ -61,6 +75,12 @@ def to_zlab_config(config: DFlashDraftConfig) -> dict:
             "torch_dtype": "float32",
         }
     )
+    if config.serving_fields:
+        # every attention layer sees its whole block (the engines' default for a sliding layer is causal)
+        out["is_causal"] = False
+        # a field left unset (no soft-capping) is left out: the engines read its absence as unset
+        fields = {name: getattr(config, name) for name in config.serving_fields}
+        out["dflash_config"].update({k: v for k, v in fields.items() if v is not None})
     return out
 
 
@@ -76,17 +96,29 @@ def rope_scaling(rope_parameters: dict) -> dict | None:
 def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfig:
     """Rebuild the drafter config from a z-lab config.json (or from our own saved config)."""
     dflash = data.get("dflash_config", {})
+    config_class = config_class_for(data.get("architectures"), where)
     try:
         kwargs = {name: data[name] for name in _QWEN3_FIELDS if name in data}
         if "rope_parameters" not in data:
             kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": data["rope_theta"]}
         kwargs["mask_token_id"] = dflash.get("mask_token_id", data.get("mask_token_id"))
         kwargs["target_layer_ids"] = dflash.get("target_layer_ids", data.get("target_layer_ids"))
-        kwargs["block_size"] = dflash.get("block_size", data["block_size"])
+        kwargs["block_size"] = dflash["block_size"] if "block_size" in dflash else data["block_size"]
         kwargs["num_target_layers"] = data["num_target_layers"]
+        for name in config_class.serving_fields:  # the engines look in dflash_config first, then the top
+            value = dflash.get(name, data.get(name, _OPTIONAL_FIELDS.get(name, KeyError)))
+            if value is KeyError:
+                raise KeyError(f"dflash_config.{name}")
+            kwargs[name] = value
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
     for name in ("mask_token_id", "target_layer_ids", "hidden_size", "num_hidden_layers"):
         if kwargs.get(name) is None:
             raise ValueError(f"{where}: missing field '{name}'")
-    return DFlashDraftConfig(**kwargs)
+    if not kwargs.get("final_logit_softcapping"):  # the engines read none, 0 or less as no soft-capping
+        kwargs.pop("final_logit_softcapping", None)
+    return config_class(**kwargs)
+
+
+# serving fields the engines default when a config leaves them out
+_OPTIONAL_FIELDS = {"output_multiplier": 1.0, "final_logit_softcapping": None}

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
 
@@ -81,13 +82,14 @@ def speculative_generate(
     The target prefills the prompt; the outputs of its tapped layers at every prompt position are the first
     context. Each cycle the drafter sees the new context features (positions not yet in its cache) and the block
     `[anchor, MASK, ...]` at positions anchor_pos.. anchor_pos+block_size-1, where the anchor is the last committed
-    token; the target's LM head over outputs 1.. gives block_size-1 draft tokens. One target forward verifies
+    token; the drafter's `draft_tokens` turns outputs 1.. into block_size-1 draft tokens (DFlash: the target
+    LM head's argmax at each; DFlash2: its selector's greedy walk from the anchor). One target forward verifies
     `[anchor, drafts]`; the longest prefix of drafts equal to the target's own greedy choices is accepted, plus the
     target's next token (the bonus). Both KV caches are cropped back to the committed prefix, and the tapped
     outputs of the committed verified positions (anchor and accepted drafts) become the next new context.
 
     `drafter` is called as transformers' DFlash candidate generator calls it and needs `config.block_size`,
-    `config.mask_token_id` and `config.target_layer_ids`. Returns the generated tokens, the number of tokens
+    `config.mask_token_id`, `config.target_layer_ids` and `draft_tokens` (DFlashDraftModel's). Returns the generated tokens, the number of tokens
     committed by each verify step (bonus included, cut at EOS / max_new_tokens like the tokens) and wall time.
     """
     if max_new_tokens < 1:
@@ -122,7 +124,7 @@ def speculative_generate(
             ).last_hidden_state
             # The cache must hold context only: the next block is written at new positions with a new anchor.
             drafter_cache.crop(-block_size)
-            drafts = head(hidden[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
+            drafts = drafter.draft_tokens(hidden, head, anchor)
             verified = target(
                 input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True
             )
@@ -196,7 +198,7 @@ def as_transformers_assistant(drafter: DFlashDraftModel, target: nn.Module) -> D
 
 
 def untrained_drafter(config: DFlashDraftConfig, seed: int = 0) -> DFlashDraftModel:
-    """A freshly initialised drafter of the same shape (seeded, without touching the global RNG)."""
+    """A freshly initialised drafter of the same family and shape (seeded, without touching the global RNG)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return DFlashDraftModel(copy.deepcopy(config)).eval()
+        return build_model(copy.deepcopy(config)).eval()

@@ -1,4 +1,4 @@
-"""Real speculative decoding with a DFlash drafter: acceptance length, speed, and the lossless check.
+"""Real speculative decoding with a DFlash or DFlash2 drafter: acceptance length, speed, and the lossless check.
 
 `python -m dflash_ddp.evaluate --target_model DIR --drafter DIR --data FILE` decodes the first prompts of a
 jsonl/json conversation file greedily in five ways, in one run and on the same prompts:
@@ -7,7 +7,8 @@ jsonl/json conversation file greedily in five ways, in one run and on the same p
 - our own block-draft/verify loop (`speculative_generate`) with the given drafter;
 - the same loop with an UNTRAINED drafter of the same shape (what training must beat);
 - transformers' prompt-lookup decoding (a drafter-free baseline);
-- transformers' own DFlash support, `target.generate(assistant_model=drafter, speculation_type="dflash")`.
+- transformers' own DFlash support, `target.generate(assistant_model=drafter, speculation_type="dflash")`
+  (DFlash drafters only: transformers runs no DFlash2 drafter, and the report says so).
 
 Every speculative output must equal the greedy output token for token; the CLI exits 1 otherwise and 2 on
 bad input. tau is the mean number of tokens committed per target verify step, bonus token included.
@@ -47,6 +48,10 @@ from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 
 METHODS = ("dflash", "dflash_untrained", "prompt_lookup", "transformers_dflash")
+# transformers' generate drafts with a DFlash drafter only (speculation_type="dflash"): a drafter of another
+# family has no transformers row, and the report says so
+TRANSFORMERS_FAMILIES = ("dflash",)
+NO_TRANSFORMERS_ROW = "transformers' generate runs DFlash drafters only: no transformers row for a {} drafter"
 
 
 METHOD_LABELS = {
@@ -154,6 +159,7 @@ def run_evaluation(
     target, eos = setup.target, setup.eos
     block_size = setup.drafter.config.block_size
     lookup_tokens = block_size - 1  # the same largest step as the drafter: block_size tokens per verify
+    family = setup.drafter.config.family
     runs: dict[str, Callable[[list[int], int], DecodeResult]] = {
         "greedy": lambda p, n: greedy_generate(target, p, n, eos),
         "dflash": lambda p, n: speculative_generate(target, setup.drafter, p, n, eos),
@@ -165,6 +171,8 @@ def run_evaluation(
             target, p, n, eos, assistant_model=setup.drafter, speculation_type="dflash"
         ),
     }
+    if family not in TRANSFORMERS_FAMILIES:
+        del runs["transformers_dflash"]
     # One short untimed pass per method first, so that one-off costs (CUDA kernels, allocator) are not timed.
     for run in runs.values():
         run(setup.prompts[0][1], min(max_new_tokens, 2 * block_size))
@@ -175,7 +183,7 @@ def run_evaluation(
         for name, run in runs.items():
             results[name].append(run(prompt, max_new_tokens))
         truth = results["greedy"][-1].tokens
-        for name in METHODS:
+        for name in methods(results):
             tokens = results[name][-1].tokens
             if tokens != truth:
                 mismatched.append(
@@ -186,11 +194,18 @@ def run_evaluation(
     return _summarise(results, mismatched, setup, max_new_tokens, lookup_tokens)
 
 
+def methods(found: dict) -> list[str]:
+    """The METHODS that `found` (decoding results, or a report) has, in METHODS' order."""
+    return [name for name in METHODS if name in found]
+
+
 def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, lookup_tokens: int) -> dict:
     block_size = setup.drafter.config.block_size
+    family = setup.drafter.config.family
     greedy_tokens = sum(len(r.tokens) for r in results["greedy"])
     greedy_rate = greedy_tokens / sum(r.seconds for r in results["greedy"])
     report = {
+        "drafter": family,
         "num_prompts": len(setup.prompts),
         "max_new_tokens": max_new_tokens,
         "block_size": block_size,
@@ -198,8 +213,11 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
         "device": str(setup.target.device),
         "dtype": str(setup.target.dtype).removeprefix("torch."),
         "greedy": {"tokens": greedy_tokens, "tokens_per_s": greedy_rate},
+        "notes": []
+        if family in TRANSFORMERS_FAMILIES
+        else [NO_TRANSFORMERS_ROW.format(family_label(family))],
     }
-    for name in METHODS:
+    for name in methods(results):
         runs = results[name]
         tokens = sum(len(r.tokens) for r in runs)
         # Our loop and transformers' DFlash prefill without drafting (the first token is not a verify step);
@@ -240,8 +258,9 @@ def evaluate(
     """Real speculative decoding of the first `num_prompts` prompts of `data_path` with `drafter` (a model,
     which is not modified, or an exported directory) on the target in `target_dir`.
 
-    Returns a JSON-ready dict: `greedy` {tokens, tokens_per_s}; for each of `dflash`, `dflash_untrained`,
-    `prompt_lookup`, `transformers_dflash`: {tau, verify_steps, tokens, tokens_per_s, speedup, mismatches}
+    Returns a JSON-ready dict: `drafter` (its family), `greedy` {tokens, tokens_per_s}; for each of `dflash`
+    (this drafter, whatever its family), `dflash_untrained`, `prompt_lookup`, `transformers_dflash` (DFlash
+    drafters only; `notes` says so for another): {tau, verify_steps, tokens, tokens_per_s, speedup, mismatches}
     (plus `accept_histogram` for the first two); `mismatched` (method, prompt, first differing token index);
     `lossless` (every output equals greedy); and the settings used. Bad input raises ValueError.
     """
@@ -257,21 +276,22 @@ def print_report(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
+    family = report.get("drafter", "dflash")
     table = Table(
         title=(
-            f"DFlash evaluation: {report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
+            f"{family_label(family)} evaluation: {report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
             f"block_size {report['block_size']}, {report['device']} {report['dtype']}"
         )
     )
     for column in ("method", "tau", "tokens/s", "speedup", "equals greedy"):
         table.add_column(column, justify="left" if column == "method" else "right")
     table.add_row(METHOD_LABELS["greedy"], "1.00", f"{report['greedy']['tokens_per_s']:.1f}", "1.00x", "-")
-    for name in METHODS:
+    for name in methods(report):
         entry = report[name]
         ok = report["num_prompts"] - entry["mismatches"]
         verdict = f"{ok}/{report['num_prompts']}" + ("" if entry["mismatches"] == 0 else " MISMATCH")
         table.add_row(
-            METHOD_LABELS[name],
+            method_label(name, family),
             "-" if entry["tau"] is None else f"{entry['tau']:.2f}",
             f"{entry['tokens_per_s']:.1f}",
             f"{entry['speedup']:.2f}x",
@@ -279,11 +299,13 @@ def print_report(report: dict, console=None) -> None:
             style=None if entry["mismatches"] == 0 else "bold red",
         )
     console.print(table)
+    for note in report.get("notes", []):
+        console.print(note)
 
     histogram = Table(title="tokens committed per verify step (bonus included)")
     histogram.add_column("accepted", justify="right")
     for name in ("dflash", "dflash_untrained"):
-        histogram.add_column(METHOD_LABELS[name], justify="right")
+        histogram.add_column(method_label(name, family), justify="right")
     totals = {name: max(1, sum(report[name]["accept_histogram"])) for name in ("dflash", "dflash_untrained")}
     for length in range(1, report["block_size"] + 1):
         cells = []
@@ -298,6 +320,17 @@ def print_report(report: dict, console=None) -> None:
             f"[bold red]{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}"
         )
     console.print("lossless: every output equals greedy" if report["lossless"] else "[bold red]NOT lossless")
+
+
+def family_label(family: str) -> str:
+    """A drafter family's name as people write it (dflash2 -> DFlash2)."""
+    return family.replace("dflash", "DFlash")
+
+
+def method_label(name: str, family: str) -> str:
+    """The table's label of method `name` for a drafter of `family` (the drafter's rows say its family)."""
+    label = METHOD_LABELS[name]
+    return label if name == "transformers_dflash" else label.replace("DFlash,", f"{family_label(family)},")
 
 
 def _positive_int(text: str) -> int:

@@ -110,7 +110,18 @@ def tau_table(report: dict) -> list[str]:
         entry = report.get(key)
         if entry and entry.get("tau") is not None:
             rows.append(f"| {label} | {entry['tau']:.2f} | {entry['speedup']:.2f}x | {entry['mismatches']} |")
-    return rows
+    return rows + [f"\n{note}" for note in report.get("notes", [])]
+
+
+def dflash2_lines(dflash: dict) -> list[str]:
+    """What a DFlash2 drafter adds to DFlash, with its own numbers."""
+    return [
+        "It is a DFlash2 drafter: per layer two grouped dynamic convolutions inside the block "
+        f"({dflash['conv_kernel_size']} taps, groups of {dflash['conv_group_size']} channels), and a candidate "
+        f"selector that drafts each position from the target LM head's top {dflash['selector_top_k']} tokens "
+        f"given the token before it (codebooks of rank {dflash['selector_rank']} over the target's vocabulary).",
+        "",
+    ]
 
 
 def model_card(
@@ -126,12 +137,20 @@ def model_card(
     state = json.loads(state_file.read_text()) if state_file.is_file() else None
     dflash = config["dflash_config"]
     block = config["block_size"]
+    dflash2 = config["architectures"] == ["DFlash2DraftModel"]
+    family = "DFlash2" if dflash2 else "DFlash"
     hub = hub_model_name(target_name) if target_name else None
     base_model = hub[0] if hub else None
     header = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
-        "tags": ["dflash", "speculative-decoding", "draft-model", "dflash_ddp"],
+        "tags": [
+            "dflash",
+            *(["dflash2"] if dflash2 else []),
+            "speculative-decoding",
+            "draft-model",
+            "dflash_ddp",
+        ],
     }
     if base_model:
         header["base_model"] = base_model
@@ -139,7 +158,9 @@ def model_card(
     if license_name:
         header["license"] = license_name
     target_ref = base_model or target_name or "TARGET_MODEL"
-    title = f"DFlash drafter for {base_model or Path(target_name).name}" if target_name else "DFlash drafter"
+    title = (
+        f"{family} drafter for {base_model or Path(target_name).name}" if target_name else f"{family} drafter"
+    )
     lines = ["---", yaml.safe_dump(header, sort_keys=False).rstrip(), "---", "", f"# {title}", ""]
     lines += [
         "A [DFlash](https://arxiv.org/abs/2602.06036) block-diffusion drafter for speculative decoding: it reads "
@@ -147,6 +168,7 @@ def model_card(
         "verifies in one pass; greedy output is exactly the target's own. Trained with dflash_ddp (one torchrun "
         "job: target ranks stream hidden states to drafter ranks).",
         "",
+        *(dflash2_lines(dflash) if dflash2 else []),
         "## The drafter",
         "",
         f"- block size {block} ({block - 1} drafted tokens per step, plus the target's bonus token)",
@@ -160,6 +182,12 @@ def model_card(
         "- the target's embedding and LM head are shared: this repository holds only the drafter's own weights",
         "",
     ]
+    if dflash2:
+        lines += [
+            "The selector scores the target LM head's own logits: serve the target with its LM head unquantized "
+            "(vLLM refuses a quantized head for DFlash2).",
+            "",
+        ]
     if state:
         cfg, fingerprints = state.get("config", {}), state.get("fingerprints", {})
         settings = {k: cfg[k] for k in OBJECTIVE_SETTINGS if k in cfg}
@@ -198,7 +226,9 @@ def model_card(
     lines += [
         "## Serving",
         "",
-        f"With this export at `{export}` (once uploaded, its hub name works in its place):",
+        f"With this export at `{export}` (once uploaded, its hub name works in its place). The engines count the "
+        f"block differently: SGLang's `--speculative-num-draft-tokens` is the block size ({block}), vLLM's "
+        f"`num_speculative_tokens` the drafted tokens per block, block size - 1 ({block - 1}).",
         "",
         "SGLang:",
         "",
@@ -207,13 +237,27 @@ def model_card(
         f"    --speculative-draft-model-path {export} --speculative-num-draft-tokens {block} --dtype bfloat16",
         "```",
         "",
-        "vLLM:",
+        "vLLM"
+        + (
+            " (v0.28.0 or later, Model Runner V2: the V1 runner silently drafts as DFlash instead):"
+            if dflash2
+            else ":"
+        ),
         "",
         "```bash",
         f"vllm serve {target_ref} --speculative-config "
         f'\'{{"method": "dflash", "model": "{export}", "num_speculative_tokens": {block - 1}}}\'',
         "```",
         "",
+    ]
+    if dflash2:
+        lines += [
+            "transformers' `generate` runs DFlash drafters only; dflash_ddp's own decoding runs this one "
+            f"(`python -m dflash_ddp.evaluate --target_model {target_ref} --drafter {export} --data FILE`).",
+            "",
+        ]
+        return "\n".join(lines)
+    lines += [
         'transformers (`generate(..., speculation_type="dflash")`, with dflash_ddp installed for the drafter class):',
         "",
         "```python",

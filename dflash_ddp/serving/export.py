@@ -24,6 +24,7 @@ from dflash_ddp.checkpoint.reader import read_json, read_weights
 from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.data.sources import data_files
 from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
 from dflash_ddp.drafter.zlab import from_zlab_config, rope_scaling, to_zlab_config
 from dflash_ddp.files import fingerprint_files
@@ -96,7 +97,7 @@ def drafter_from_state(
 ) -> DFlashDraftModel:
     """A drafter from a parsed config.json and model.safetensors tensors (read from `directory`, named in
     errors); keys and shapes must match exactly."""
-    model = DFlashDraftModel(from_zlab_config(config, f"{directory}/config.json"))
+    model = build_model(from_zlab_config(config, f"{directory}/config.json"))
     expected = set(trainable_state_dict(model))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -12,8 +12,8 @@ import torch
 
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig, resolve_attention
+from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.memory import drafter_memory
-from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.optimizer import optimizer_state_bytes
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
@@ -30,8 +30,8 @@ def drafter_sizes(config: DFlashDraftConfig, optimizer: str) -> tuple[int, int]:
     """A drafter of this shape: its trainable parameters and the bytes of `optimizer`'s state for them,
     counted on the meta device (one model built for both)."""
     with torch.device("meta"):  # shapes only, no memory
-        params = list(DFlashDraftModel(config).parameters())
-    return sum(p.numel() for p in params), optimizer_state_bytes(params, optimizer)
+        model = build_model(config)
+    return sum(p.numel() for p in model.parameters()), optimizer_state_bytes(model, optimizer)
 
 
 def node_roles(topology: Topology) -> list[str]:

@@ -20,6 +20,7 @@ from dflash_ddp.drafter.config import (
     resolve_mask_token_id,
     resolve_target_layer_ids,
 )
+from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.zlab import to_zlab_config
 from dflash_ddp.files import fingerprint_files
 from dflash_ddp.hub import ModelSource, weights_summary
@@ -71,7 +72,16 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
     mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
-    drafter_config = drafter_config_for(info, cfg.num_draft_layers, taps, mask_id, cfg.block_size)
+    config_class = FAMILIES[cfg.drafter][0]
+    drafter_config = drafter_config_for(
+        info,
+        cfg.num_draft_layers,
+        taps,
+        mask_id,
+        cfg.block_size,
+        config_class,
+        {name: getattr(cfg, name) for name in config_class.run_settings},
+    )
     if cfg.target_topk > info.vocab_size:
         raise ValueError(
             f"--target_topk {cfg.target_topk} is more than the target's {info.vocab_size} tokens "
@@ -205,7 +215,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,
-        "drafter": f"{c.num_hidden_layers} layers, {memory.drafter_params / 1e6:.1f}M trainable parameters",
+        "drafter": f"{c.family}, {c.num_hidden_layers} layers, {memory.drafter_params / 1e6:.1f}M trainable parameters",
         "message_size": f"up to {cfg.tokens_per_batch * width_bytes / 2**20:.1f} MiB of features per batch "
         f"(--tokens_per_batch {cfg.tokens_per_batch})"
         + (

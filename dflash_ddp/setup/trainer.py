@@ -35,6 +35,7 @@ def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
         loss=cfg.loss,
         ce_weight=cfg.ce_weight,
         chunk_rows=cfg.loss_chunk_size,
+        selector_weight=cfg.selector_loss_alpha,
     )
     return StepSettings(
         cfg.num_anchors,
