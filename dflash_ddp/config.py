@@ -174,6 +174,7 @@ class TrainConfig:
         "weight of the selector's loss beside the LM head's (0: the selector stays as initialised, a "
         "no-op, to measure the convolutions alone)",
         in_range=(lambda x: x >= 0, "a number >= 0"),
+        overridable=True,
     )
     # data
     data: list[str] = setting(

@@ -402,3 +402,32 @@ def test_a_dflash2_run_trains_evaluates_exports_and_decodes_losslessly(
     )
     report = json.loads(report_path.read_text())
     assert report["drafter"] == "dflash2" and report["lossless"] and report["dflash"]["mismatches"] == 0
+
+
+def test_a_dflash2_run_resumes_exactly_and_refuses_another_family(tiny_target, chat_data, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from dflash_ddp.train import main as train_main
+
+    settings = {
+        "drafter": "dflash2",
+        "selector_rank": 16,
+        "selector_top_k": 8,
+        "max_steps": 12,
+        "save_steps": 6,
+    }
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert train_main(train_flags(tiny_target, chat_data, whole, **settings)) == 0
+    middle = whole / "checkpoints" / "step-00000006"
+    assert train_main(train_flags(tiny_target, chat_data, resumed, **settings, resume=middle)) == 0
+    a, b = (
+        load_file(run / "checkpoints" / "step-00000012" / "model.safetensors") for run in (whole, resumed)
+    )
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    other = {k: v for k, v in settings.items() if k not in ("drafter", "selector_rank", "selector_top_k")}
+    assert train_main(train_flags(tiny_target, chat_data, tmp_path / "other", **other, resume=middle)) == 2
+    err = capsys.readouterr().err
+    assert "belongs to a different run: drafter.architectures: checkpoint ['DFlash2DraftModel'], now" in err
+    assert "drafter.dflash_config.conv_group_size: checkpoint 16, now '(absent)'" in err
+    assert "drafter.vocab_size" not in err  # only what differs

@@ -152,6 +152,7 @@ SETTINGS_ADDED_LATER = {
     "ce_weight": 0.0,
     "anchor_rule": "response",
     "optimizer": "adamw",
+    "selector_loss_alpha": 1.0,
 }
 
 
@@ -163,15 +164,29 @@ def _lookup(data: dict, dotted: str):
     return data
 
 
+def _differences(key: str, saved, current) -> list[str]:
+    """'key: checkpoint X, now Y' for each leaf that differs (a drafter's config: only the fields that do)."""
+    if not (isinstance(saved, dict) and isinstance(current, dict)):
+        return [f"{key}: checkpoint {saved!r}, now {current!r}"]
+    absent = "(absent)"
+    return [
+        line
+        for name in sorted(set(saved) | set(current))
+        if saved.get(name, absent) != current.get(name, absent)
+        for line in _differences(f"{key}.{name}", saved.get(name, absent), current.get(name, absent))
+    ]
+
+
 def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path) -> list[str]:
     """Compare a checkpoint's state with this run's; returns the overridden changes, raises on the rest.
 
     Both dicts have the trainer_state layout; `current["config"]` also carries `global_batch`.
     """
     identity = [
-        f"{key}: checkpoint {_lookup(saved, key)!r}, now {_lookup(current, key)!r}"
+        difference
         for key in IDENTITY
         if _lookup(saved, key) != _lookup(current, key)
+        for difference in _differences(key, _lookup(saved, key), _lookup(current, key))
     ]
     if identity:
         moved = _lookup(saved, "fingerprints.target_commit")
