@@ -258,7 +258,9 @@ def test_a_shape_the_engines_cannot_serve_is_refused_naming_the_flag(tiny_target
             drafter_config_for(info, 2, [1, 3], 3, 4, DFlash2DraftConfig, fields)
 
 
-# z-lab/dflash tests/fixtures/dflash2-config.json, as published (the layout the engines load)
+# z-lab/dflash tests/fixtures/dflash2-config.json, as published (the layout the engines load) less its
+# sliding-window fields (layer_types: 5 x sliding_attention, sliding_window 2048, use_sliding_window,
+# max_window_layers, transformers_version), which this project's drafters do not have
 ZLAB_FIXTURE = {
     "architectures": ["DFlash2DraftModel"],
     "attention_bias": False,
@@ -358,6 +360,10 @@ def test_a_config_missing_a_dflash2_field_names_it():
         from_zlab_config(broken)
     with pytest.raises(ValueError, match="architectures \\['DSparkDraftModel'\\]: not a drafter"):
         from_zlab_config({**ZLAB_FIXTURE, "architectures": ["DSparkDraftModel"]})
+    # the published fixture's layers slide (a 2048-token window): refused, not silently run in full
+    sliding = {**ZLAB_FIXTURE, "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048}
+    with pytest.raises(ValueError, match="sliding-window or causal layers cannot be loaded"):
+        from_zlab_config(sliding)
 
 
 def test_a_dflash2_run_trains_evaluates_exports_and_decodes_losslessly(

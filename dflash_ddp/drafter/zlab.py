@@ -97,6 +97,12 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
     """Rebuild the drafter config from a z-lab config.json (or from our own saved config)."""
     dflash = data.get("dflash_config", {})
     config_class = config_class_for(data.get("architectures"), where)
+    if "sliding_attention" in data.get("layer_types", ()) or data.get("is_causal"):
+        raise ValueError(
+            f"{where}: layer_types {data.get('layer_types')} / is_causal {data.get('is_causal')}: this "
+            "project's drafters attend to the whole context and their whole block in every layer; a drafter "
+            "with sliding-window or causal layers cannot be loaded"
+        )
     try:
         kwargs = {name: data[name] for name in _QWEN3_FIELDS if name in data}
         if "rope_parameters" not in data:
