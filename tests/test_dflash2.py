@@ -408,6 +408,8 @@ def test_a_dflash2_run_trains_evaluates_exports_and_decodes_losslessly(
     )
     report = json.loads(report_path.read_text())
     assert report["drafter"] == "dflash2" and report["lossless"] and report["dflash"]["mismatches"] == 0
+    assert report["tau_by_context"] == {"0-2K": pytest.approx(report["tau"])}
+    assert all("tau_by_context" in r for r in records)
 
 
 def test_a_dflash2_run_resumes_exactly_and_refuses_another_family(tiny_target, chat_data, tmp_path, capsys):

@@ -19,9 +19,11 @@ from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluate import main
 from dflash_ddp.evaluation.decoding import (
+    DecodeResult,
     as_transformers_assistant,
     greedy_generate,
     speculative_generate,
+    tau_by_context,
     transformers_generate,
     untrained_drafter,
 )
@@ -342,6 +344,22 @@ def test_evaluate_report(target_dir, data_file, fitted):
         committed = sum(k * c for k, c in enumerate(histogram, start=1))
         assert committed / report[name]["verify_steps"] == pytest.approx(report[name]["tau"])
     assert report["transformers_dflash"]["tau"] == pytest.approx(report["dflash"]["tau"])
+    # the prompts are short: every block has under 2K tokens of context, so one bucket holds tau itself
+    assert report["tau"] == report["dflash"]["tau"]
+    assert report["tau_by_context"] == {"0-2K": pytest.approx(report["tau"])}
+    assert report["dflash"]["verify_steps_by_context"] == {"0-2K": report["dflash"]["verify_steps"]}
+
+
+def test_tau_by_context_buckets_each_verify_step_by_the_tokens_before_its_block():
+    results = [
+        DecodeResult([0] * 9, 1.0, 4, accepted=[3, 1, 4], contexts=[100, 2047, 2048]),
+        DecodeResult([0] * 11, 1.0, 3, accepted=[5, 5], contexts=[9000, 40000]),
+    ]
+    taus, steps = tau_by_context(results)
+    assert list(taus) == ["0-2K", "2K-8K", "8K-32K", "32K+"]  # in order; 2048 tokens is the second bucket
+    assert taus == {"0-2K": 2.0, "2K-8K": 4.0, "8K-32K": 5.0, "32K+": 5.0}
+    assert steps == {"0-2K": 2, "2K-8K": 1, "8K-32K": 1, "32K+": 1}
+    assert tau_by_context([DecodeResult([1], 1.0, 1)]) == ({}, {})  # no verify step: no bucket
 
 
 def test_cli_prints_table_and_writes_json(target_dir, data_file, fitted, tmp_path, capsys):
@@ -359,7 +377,9 @@ def test_cli_prints_table_and_writes_json(target_dir, data_file, fitted, tmp_pat
     assert code == 0
     printed = capsys.readouterr().out
     assert "tau" in printed and "speedup" in printed and "lossless" in printed
-    assert json.loads(out.read_text())["lossless"] is True
+    assert "tau by tokens of context before the block" in printed and "0-2K" in printed
+    report = json.loads(out.read_text())
+    assert report["lossless"] is True and set(report["tau_by_context"]) == {"0-2K"}
 
 
 def _run_cli(capsys, target_dir, drafter_dir, data_file) -> tuple[int, str]:

@@ -42,9 +42,15 @@ def write_run(run_dir, steps=range(1, 11), targets=2):
 def test_the_plot_command_writes_non_empty_pngs(tmp_path, capsys):
     run = write_run(tmp_path / "run")
     (run / "eval.jsonl").write_text(
-        "".join(json.dumps({"step": s, "tau": 1.2 + 0.1 * s, "lossless": True}) + "\n" for s in (5, 10))
+        "".join(
+            json.dumps({"step": s, "tau": 1.2 + 0.1 * s, "lossless": True, "tau_by_context": {"0-2K": 1.3}})
+            + "\n"
+            for s in (5, 10)
+        )
     )
-    (run / "eval.json").write_text(json.dumps({"dflash": {"tau": 2.06}}))
+    (run / "eval.json").write_text(
+        json.dumps({"dflash": {"tau": 2.06}, "tau_by_context": {"0-2K": 2.1, "2K-8K": 1.8}})
+    )
     assert main([str(run)]) == 0
     for name in PLOTS:
         data = (run / f"{name}.png").read_bytes()
@@ -54,8 +60,11 @@ def test_the_plot_command_writes_non_empty_pngs(tmp_path, capsys):
     with (colocated / "metrics.jsonl").open("a") as f:
         f.write('{"time": 16.5, "loss": 5.')
     assert main([str(colocated), "--out", str(tmp_path / "plots")]) == 0
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(f"{n}.png" for n in PLOTS)
-    assert "metrics.jsonl:11: skipped an unreadable last line" in capsys.readouterr().err
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert written == sorted(f"{n}.png" for n in PLOTS if n != "tau_by_context")  # nothing evaluated
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:11: skipped an unreadable last line" in err
+    assert "measured tau by context" in err
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):

@@ -27,6 +27,30 @@ class DecodeResult:
     seconds: float  # wall time, prefill included
     target_forwards: int  # calls of the target's forward
     accepted: list[int] = field(default_factory=list)  # tokens committed per verify step (bonus included)
+    contexts: list[int] = field(default_factory=list)  # tokens before each verify step's block
+
+
+# Context lengths (tokens before a block) that tau is reported by: (first, end or None, name)
+CONTEXT_BUCKETS = ((0, 2048, "0-2K"), (2048, 8192, "2K-8K"), (8192, 32768, "8K-32K"), (32768, None, "32K+"))
+
+
+def context_bucket(tokens_before: int) -> str:
+    """The CONTEXT_BUCKETS name of a block with `tokens_before` tokens of context."""
+    return next(name for first, end, name in CONTEXT_BUCKETS if end is None or tokens_before < end)
+
+
+def tau_by_context(results: Iterable[DecodeResult]) -> tuple[dict[str, float], dict[str, int]]:
+    """tau per context bucket ({bucket: tokens committed per verify step}) over every verify step of
+    `results`, and the verify steps in each; buckets without a step are left out."""
+    committed: dict[str, int] = {}
+    steps: dict[str, int] = {}
+    for result in results:
+        for before, length in zip(result.contexts, result.accepted, strict=True):
+            bucket = context_bucket(before)
+            committed[bucket] = committed.get(bucket, 0) + length
+            steps[bucket] = steps.get(bucket, 0) + 1
+    order = [name for _, _, name in CONTEXT_BUCKETS if name in steps]
+    return {b: committed[b] / steps[b] for b in order}, {b: steps[b] for b in order}
 
 
 def _sync(device: torch.device) -> None:
@@ -89,8 +113,9 @@ def speculative_generate(
     outputs of the committed verified positions (anchor and accepted drafts) become the next new context.
 
     `drafter` is called as transformers' DFlash candidate generator calls it and needs `config.block_size`,
-    `config.mask_token_id`, `config.target_layer_ids` and `draft_tokens` (DFlashDraftModel's). Returns the generated tokens, the number of tokens
-    committed by each verify step (bonus included, cut at EOS / max_new_tokens like the tokens) and wall time.
+    `config.mask_token_id`, `config.target_layer_ids` and `draft_tokens` (DFlashDraftModel's). Returns the
+    generated tokens, the number of tokens committed by each verify step (bonus included, cut at EOS /
+    max_new_tokens like the tokens), the tokens of context before each step's block, and wall time.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -104,6 +129,7 @@ def speculative_generate(
     target_cache, drafter_cache = DynamicCache(config=target.config), DynamicCache()
     target_cache.activate_past_recording()  # lets `crop` roll back sliding-window layers too, as in transformers
     accepted: list[int] = []
+    contexts: list[int] = []
     _sync(device)
     start = time.perf_counter()
     final_norm = last_layer_norm(target, layer_ids, target.config.get_text_config().num_hidden_layers)
@@ -132,6 +158,7 @@ def speculative_generate(
             num_ok = int((drafts[0] == choices[:-1]).long().cumprod(dim=0).sum())
             new = _commit(choices[: num_ok + 1].tolist(), max_new_tokens - len(tokens), eos)
             accepted.append(len(new))
+            contexts.append(anchor_pos)
             tokens += new
             # The anchor and the accepted drafts stay in the target cache; the bonus token is the next anchor.
             target_cache.crop(-(block_size - num_ok - 1))
@@ -139,7 +166,7 @@ def speculative_generate(
             context_start = anchor_pos
     _sync(device)
     return DecodeResult(
-        tokens, time.perf_counter() - start, target_forwards=1 + len(accepted), accepted=accepted
+        tokens, time.perf_counter() - start, 1 + len(accepted), accepted=accepted, contexts=contexts
     )
 
 

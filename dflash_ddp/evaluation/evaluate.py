@@ -34,10 +34,12 @@ from dflash_ddp.data.sources import read_conversations
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.decoding import (
+    CONTEXT_BUCKETS,
     DecodeResult,
     as_transformers_assistant,
     greedy_generate,
     speculative_generate,
+    tau_by_context,
     transformers_generate,
     untrained_drafter,
 )
@@ -239,7 +241,11 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
                 for length in r.accepted:
                     counts[length - 1] += 1
             entry["accept_histogram"] = counts  # entry k-1: verify steps that committed k tokens
+            # tau by the tokens before the block (prompt and generated): where a drafter stops paying off
+            entry["tau_by_context"], entry["verify_steps_by_context"] = tau_by_context(runs)
         report[name] = entry
+    report["tau"] = report["dflash"]["tau"]  # this drafter's, as the eval.jsonl records name it
+    report["tau_by_context"] = report["dflash"]["tau_by_context"]
     report["mismatched"] = mismatched
     report["lossless"] = not mismatched
     return report
@@ -258,10 +264,12 @@ def evaluate(
     """Real speculative decoding of the first `num_prompts` prompts of `data_path` with `drafter` (a model,
     which is not modified, or an exported directory) on the target in `target_dir`.
 
-    Returns a JSON-ready dict: `drafter` (its family), `greedy` {tokens, tokens_per_s}; for each of `dflash`
+    Returns a JSON-ready dict: `drafter` (its family), `tau` and `tau_by_context` (this drafter's: tau per
+    bucket of tokens before the block, decoding.CONTEXT_BUCKETS, buckets without a verify step left out),
+    `greedy` {tokens, tokens_per_s}; for each of `dflash`
     (this drafter, whatever its family), `dflash_untrained`, `prompt_lookup`, `transformers_dflash` (DFlash
     drafters only; `notes` says so for another): {tau, verify_steps, tokens, tokens_per_s, speedup, mismatches}
-    (plus `accept_histogram` for the first two); `mismatched` (method, prompt, first differing token index);
+    (plus `accept_histogram`, `tau_by_context` and `verify_steps_by_context` for the first two); `mismatched` (method, prompt, first differing token index);
     `lossless` (every output equals greedy); and the settings used. Bad input raises ValueError.
     """
     setup = prepare_evaluation(
@@ -314,6 +322,21 @@ def print_report(report: dict, console=None) -> None:
             cells.append(f"{count} ({100 * count / totals[name]:.1f}%)")
         histogram.add_row(str(length), *cells)
     console.print(histogram)
+
+    by_context = Table(title="tau by tokens of context before the block (prompt and generated)")
+    by_context.add_column("context", justify="right")
+    for name in ("dflash", "dflash_untrained"):
+        by_context.add_column(f"{method_label(name, family)}: tau (verify steps)", justify="right")
+    for _, _, bucket in CONTEXT_BUCKETS:
+        cells = [
+            f"{report[n]['tau_by_context'][bucket]:.2f} ({report[n]['verify_steps_by_context'][bucket]})"
+            if bucket in report[n].get("tau_by_context", {})
+            else "-"
+            for n in ("dflash", "dflash_untrained")
+        ]
+        if cells != ["-", "-"]:
+            by_context.add_row(bucket, *cells)
+    console.print(by_context)
 
     for m in report["mismatched"]:
         console.print(

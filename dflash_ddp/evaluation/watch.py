@@ -37,7 +37,12 @@ from dflash_ddp.checkpoint.layout import write_best
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, read_verified
 from dflash_ddp.checkpoint.reader import parse_json, parse_weights
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer
-from dflash_ddp.evaluation.decoding import as_transformers_assistant, greedy_generate, speculative_generate
+from dflash_ddp.evaluation.decoding import (
+    as_transformers_assistant,
+    greedy_generate,
+    speculative_generate,
+    tau_by_context,
+)
 from dflash_ddp.evaluation.evaluate import check_compatibility, load_prompts
 from dflash_ddp.files import atomic_write_text, describe_error
 from dflash_ddp.parallel.topology import resolve_device
@@ -101,8 +106,10 @@ class Evaluator:
         drafter = as_transformers_assistant(drafter, self.target)
         histogram = [0] * drafter.config.block_size
         tokens = verify_steps = mismatches = 0
+        results = []
         for (_, ids), truth in zip(self.prompts, self.greedy, strict=True):
             result = speculative_generate(self.target, drafter, ids, self.max_new_tokens, self.eos)
+            results.append(result)
             mismatches += result.tokens != truth
             tokens += len(result.tokens) - 1  # the prefill's token is not a verify step's
             verify_steps += len(result.accepted)
@@ -111,6 +118,7 @@ class Evaluator:
         return {
             "tau": tokens / verify_steps if verify_steps else None,
             "accept_histogram": histogram,  # entry k-1: verify steps that committed k tokens (bonus included)
+            "tau_by_context": tau_by_context(results)[0],
             "lossless": mismatches == 0,
             "mismatches": mismatches,
             "prompts": len(self.prompts),

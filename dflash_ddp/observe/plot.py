@@ -9,6 +9,8 @@ checkpoint) and RUN_DIR/eval.json (the evaluation at the end of training). Write
 - tau.png         tau~ (a teacher-forced estimate on training batches) and the real tau
 - throughput.png  training tokens per second
 - pipeline.png    the fraction of time the drafter waited for batches, and each target rank's queue depth
+- tau_by_context.png  real tau by the tokens of context before the block (0-2K, 2K-8K, 8K-32K, 32K+), per
+                  evaluated checkpoint and at the end: where the drafter stops paying for itself
 
 matplotlib is an optional extra: `pip install -e ".[plot]"`.
 """
@@ -20,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-PLOTS = ("loss", "accuracy", "tau", "throughput", "pipeline")
+PLOTS = ("loss", "accuracy", "tau", "throughput", "pipeline", "tau_by_context")
 
 
 def read_jsonl(path: Path, required: tuple[str, ...]) -> tuple[list[dict], list[str]]:
@@ -71,6 +73,20 @@ def real_tau(run_dir: Path, last_step: int) -> tuple[list[tuple[int, float]], tu
     return during, final
 
 
+def real_tau_by_context(run_dir: Path, last_step: int) -> list[tuple[int, dict[str, float]]]:
+    """(step, {context bucket: real tau}) per evaluated checkpoint (eval.jsonl) and at the end (eval.json),
+    for the evaluations that measured it."""
+    found = []
+    if (run_dir / "eval.jsonl").is_file():
+        records, _ = read_jsonl(run_dir / "eval.jsonl", ("step", "tau"))
+        found = [(r["step"], r["tau_by_context"]) for r in records if r.get("tau_by_context")]
+    if (run_dir / "eval.json").is_file():
+        final = json.loads((run_dir / "eval.json").read_text()).get("tau_by_context")
+        if final:
+            found.append((last_step, final))
+    return found
+
+
 def series(records: list[dict], key: str) -> tuple[list[int], list]:
     """(steps, values) of the records that hold `key`."""
     kept = [r for r in records if r.get(key) is not None]
@@ -114,6 +130,17 @@ def draw(name: str, records: list[dict], run_dir: Path, figure) -> bool:
             ax.plot(*zip(*during, strict=True), "o-", label="real tau (speculative decoding, eval.jsonl)")
         if final:
             ax.plot(*final, "s", markersize=9, label="real tau at the end (eval.json)")
+        ax.legend(fontsize="small")
+        return True
+    if name == "tau_by_context":
+        measured = real_tau_by_context(run_dir, records[-1]["step"])
+        if not measured:
+            return False
+        ax = _axes(figure, "real tau by tokens of context before the block", "tau")
+        buckets = list(dict.fromkeys(b for _, taus in measured for b in taus))
+        for bucket in buckets:
+            kept = [(step, taus[bucket]) for step, taus in measured if bucket in taus]
+            ax.plot(*zip(*kept, strict=True), "o-", label=f"context {bucket} tokens")
         ax.legend(fontsize="small")
         return True
     if name == "throughput":
@@ -166,6 +193,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[li
         if draw(name, records, run_dir, figure):
             figure.savefig(out / f"{name}.png", dpi=100)
             written.append(out / f"{name}.png")
+        elif name == "tau_by_context":
+            notes.append(
+                f"note: no evaluation in {run_dir} measured tau by context (eval.jsonl, eval.json: --eval_steps, "
+                f"--eval_data); skipped {name}.png"
+            )
         else:
             notes.append(f"note: {metrics} holds nothing for {name}.png; skipped")
     return written, notes

@@ -91,25 +91,34 @@ def run_evaluation(checkpoint: Path, state: dict | None) -> tuple[dict | None, s
     return None, ""
 
 
-def tau_table(report: dict) -> list[str]:
-    """Markdown rows of an evaluation: the full table of eval.json, or the one line of an eval.jsonl record."""
+def tau_table(report: dict, family: str = "DFlash") -> list[str]:
+    """Markdown rows of an evaluation: the full table of eval.json, or the one line of an eval.jsonl record,
+    then tau by context length and the evaluation's notes."""
     if "dflash" not in report:  # an eval.jsonl record
-        return [
+        rows = [
             "| method | tau | output equals greedy |",
             "| --- | --- | --- |",
-            f"| DFlash, this drafter | {report['tau']:.2f} | {'yes' if report.get('lossless') else 'NO'} |",
+            f"| {family}, this drafter | {report['tau']:.2f} | {'yes' if report.get('lossless') else 'NO'} |",
         ]
-    labels = {
-        "dflash": "DFlash, this drafter",
-        "transformers_dflash": "the same drafter in transformers' generate",
-        "dflash_untrained": "an untrained drafter of the same shape",
-        "prompt_lookup": "prompt lookup (transformers)",
-    }
-    rows = ["| method | tau | tokens/s vs greedy | mismatches |", "| --- | --- | --- | --- |"]
-    for key, label in labels.items():
-        entry = report.get(key)
-        if entry and entry.get("tau") is not None:
-            rows.append(f"| {label} | {entry['tau']:.2f} | {entry['speedup']:.2f}x | {entry['mismatches']} |")
+    else:
+        labels = {
+            "dflash": f"{family}, this drafter",
+            "transformers_dflash": "the same drafter in transformers' generate",
+            "dflash_untrained": "an untrained drafter of the same shape",
+            "prompt_lookup": "prompt lookup (transformers)",
+        }
+        rows = ["| method | tau | tokens/s vs greedy | mismatches |", "| --- | --- | --- | --- |"]
+        for key, label in labels.items():
+            entry = report.get(key)
+            if entry and entry.get("tau") is not None:
+                rows.append(
+                    f"| {label} | {entry['tau']:.2f} | {entry['speedup']:.2f}x | {entry['mismatches']} |"
+                )
+    by_context = report.get("tau_by_context") or {}
+    if by_context:
+        rows += ["", "tau by tokens of context before the block:", ""]
+        rows += ["| context | " + " | ".join(by_context) + " |", "| --- |" + " --- |" * len(by_context)]
+        rows.append("| tau | " + " | ".join(f"{tau:.2f}" for tau in by_context.values()) + " |")
     return rows + [f"\n{note}" for note in report.get("notes", [])]
 
 
@@ -212,7 +221,7 @@ def model_card(
         lines += [
             f"tau = tokens committed per target verify step, bonus included; greedy decoding, from {source}:",
             "",
-            *tau_table(report),
+            *tau_table(report, family),
             "",
         ]
     else:
