@@ -148,6 +148,19 @@ class TrainConfig:
     block_size: int = setting(
         16, "model", "tokens per draft block: the anchor plus the positions drafted in parallel", minimum=2
     )
+    sliding_window: int = setting(
+        0,
+        "model",
+        "sliding-window attention of the drafter's layers, in tokens (a query sees the context keys less "
+        "than this many positions before it; at least --block_size); 0: full attention in every layer",
+        minimum=0,
+    )
+    sliding_layers: list[int] | None = setting(
+        None,
+        "model",
+        "the drafter layers that slide with --sliding_window; unset: every layer (as z-lab's DFlash2 drafter)",
+        allowed="layer ids, comma- or space-separated",
+    )
     drafter: str = setting(
         "dflash",
         "model",
@@ -474,6 +487,7 @@ class TrainConfig:
                     "(the default) has no decay: pass --position_weighting decay with it, or drop it"
                 )
         self._check_family()
+        self._check_sliding()
         if self.calibrate and not self.plan:
             raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
         if self.channel_backend == "nccl" and self.device == "cpu":
@@ -512,6 +526,25 @@ class TrainConfig:
             raise ValueError(
                 f"--conv_kernel_size {self.conv_kernel_size}: a convolution looks back inside a block only, so "
                 f"at most --block_size {self.block_size} taps"
+            )
+
+    def _check_sliding(self) -> None:
+        """--sliding_window and --sliding_layers together, the layers among the drafter's."""
+        if self.sliding_layers is not None and not self.sliding_window:
+            raise ValueError(
+                f"--sliding_layers {self.sliding_layers} names the layers that slide, and --sliding_window is 0 "
+                "(full attention everywhere): pass --sliding_window N, or drop --sliding_layers"
+            )
+        if self.sliding_window and self.sliding_window < self.block_size:
+            raise ValueError(
+                f"--sliding_window {self.sliding_window}: a block always sees itself whole, so at least "
+                f"--block_size {self.block_size}"
+            )
+        outside = [i for i in self.sliding_layers or () if not 0 <= i < self.num_draft_layers]
+        if outside:
+            raise ValueError(
+                f"--sliding_layers {self.sliding_layers}: {outside} are not layers of the drafter "
+                f"(--num_draft_layers {self.num_draft_layers}: ids 0..{self.num_draft_layers - 1})"
             )
 
     def _check_loss(self) -> None:

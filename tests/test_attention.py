@@ -48,14 +48,15 @@ CASES = [  # seed, batch, slots, seq, block size, heads, kv heads
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("workspace", [attention.WORKSPACE_BYTES, 1500])  # one chunk, then many
-def test_sparse_equals_dense_reference_values_and_gradients(case, workspace, monkeypatch):
+@pytest.mark.parametrize("window", [None, 8, 13])  # full attention, then sliding windows of 8 and 13 tokens
+def test_sparse_equals_dense_reference_values_and_gradients(case, workspace, window, monkeypatch):
     monkeypatch.setattr(attention, "WORKSPACE_BYTES", workspace)
     seed, batch, slots, seq, bs, heads, kv_heads = case
     anchors, q, k, v, grad = random_case(seed, batch, slots, seq, bs, heads, kv_heads)
-    layout = block_layout(anchors, seq, bs, heads, torch.device("cpu"))
+    layout = block_layout(anchors, seq, bs, heads, torch.device("cpu"), window)
     if workspace < 10_000:
         assert len(layout.chunks) > 1
-    reference = dense_attention(q, k, v, dense_block_mask(anchors, seq, bs))
+    reference = dense_attention(q, k, v, dense_block_mask(anchors, seq, bs, window))
     sparse = block_sparse_attention(q, k, v, layout)
     torch.testing.assert_close(sparse, reference, rtol=0, atol=1e-12)
     for got, want in zip(
@@ -87,7 +88,28 @@ def test_chunk_plan_reads_keys_only_up_to_its_largest_anchor(monkeypatch):
     anchors = torch.tensor([[10, 50, 90, 200, 300, 400]])
     layout = block_layout(anchors, 512, 16, 1, torch.device("cpu"))
     assert [c[:2] for c in layout.chunks] == [(0, 3), (3, 4), (4, 5), (5, 6)]
-    assert [c[2] for c in layout.chunks] == [90, 200, 300, 400]
+    assert [c[2:] for c in layout.chunks] == [(0, 90), (0, 200), (0, 300), (0, 400)]
+    # with a 64-token window a chunk reads from its lowest anchor's window on: fewer keys, more anchors each
+    layout = block_layout(anchors, 512, 16, 1, torch.device("cpu"), window=64)
+    assert [c[:2] for c in layout.chunks] == [(0, 3), (3, 5), (5, 6)]
+    assert [c[2:] for c in layout.chunks] == [(0, 90), (137, 300), (337, 400)]
+
+
+def test_a_sliding_window_block_never_sees_context_older_than_its_window():
+    """Mask and gradient: the query at block position k of a block anchored at a reads context keys
+    a + k - W < j < a, never an older one, while a full-attention layer reads all of j < a."""
+    anchors, q, k, v, _ = random_case(9, 1, 3, 40, 4, 2, 1)
+    anchors = torch.tensor([[5, 20, 33]])
+    window = 8
+    mask = dense_block_mask(anchors, 40, 4, window)[0, 0]
+    for slot, a in enumerate(anchors[0].tolist()):
+        for offset in range(4):
+            visible = mask[slot * 4 + offset, :40].nonzero().flatten().tolist()
+            assert visible == list(range(max(0, a + offset - window + 1), a)), (a, offset)
+    out = block_sparse_attention(q, k, v, block_layout(anchors, 40, 4, 2, torch.device("cpu"), window))
+    (dk,) = torch.autograd.grad(out[:, :, 4 + 3].sum(), (k,))  # block 1 (anchor 20), position 3
+    touched = dk[0, 0, :40].abs().sum(-1).nonzero().flatten().tolist()
+    assert touched == list(range(23 - window + 1, 20))  # keys 16..19: the window, nothing older
 
 
 def test_flex_tiles_at_the_recipe_shape():

@@ -59,6 +59,12 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--target_topk", "-1"], "--target_topk -1: must be at least 0"),
         (["--anchor_rule", "anywhere"], "--anchor_rule anywhere: choose response or prompt_end"),
         (["--optimizer", "sgd"], "--optimizer sgd: choose adamw or muon"),
+        (["--sliding_layers", "0"], "--sliding_layers \\[0\\] names the layers .* pass --sliding_window N"),
+        (["--sliding_window", "8", "--block_size", "16"], "--sliding_window 8: .* at least --block_size 16"),
+        (
+            ["--sliding_window", "64", "--sliding_layers", "0,5", "--num_draft_layers", "5"],
+            "--sliding_layers \\[0, 5\\]: \\[5\\] are not layers of the drafter \\(--num_draft_layers 5",
+        ),
     ],
 )
 def test_bad_flags_name_the_flag(argv, message):

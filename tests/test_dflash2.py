@@ -128,6 +128,20 @@ def engines_walk(selector, hidden, head_weight, anchor, multiplier=1.0, softcap=
     return out
 
 
+def test_with_tied_logits_an_untrained_selector_drafts_the_lm_heads_argmax():
+    """bf16 logits tie often; topk orders ties as it likes, argmax takes the lowest id: the candidates are
+    ordered so that the untrained walk drafts DFlash's token even then."""
+    selector = CandidateSelector(32, 50, rank=6, top_k=5)
+    selector.reset_parameters(0.02)
+    head = torch.nn.Linear(32, 50, bias=False)
+    with torch.no_grad():
+        head.weight[25:] = head.weight[:25]  # every logit appears twice
+    for trial in range(10):
+        hidden = torch.randn(1, 6, 32)
+        drafted = walk(selector, hidden, head, torch.tensor([[trial]]))
+        assert torch.equal(drafted, head(hidden[:, 1:]).argmax(dim=-1))
+
+
 @pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.2, 2.0)])
 def test_the_walk_is_the_engines_walk(multiplier, softcap):
     torch.manual_seed(0)
@@ -258,9 +272,7 @@ def test_a_shape_the_engines_cannot_serve_is_refused_naming_the_flag(tiny_target
             drafter_config_for(info, 2, [1, 3], 3, 4, DFlash2DraftConfig, fields)
 
 
-# z-lab/dflash tests/fixtures/dflash2-config.json, as published (the layout the engines load) less its
-# sliding-window fields (layer_types: 5 x sliding_attention, sliding_window 2048, use_sliding_window,
-# max_window_layers, transformers_version), which this project's drafters do not have
+# z-lab/dflash tests/fixtures/dflash2-config.json, as published (the layout the engines load)
 ZLAB_FIXTURE = {
     "architectures": ["DFlash2DraftModel"],
     "attention_bias": False,
@@ -285,7 +297,9 @@ ZLAB_FIXTURE = {
     "initializer_range": 0.02,
     "intermediate_size": 19968,
     "is_causal": False,
+    "layer_types": ["sliding_attention"] * 5,
     "max_position_embeddings": 131072,
+    "max_window_layers": 5,
     "model_type": "qwen3",
     "num_attention_heads": 32,
     "num_hidden_layers": 5,
@@ -294,8 +308,11 @@ ZLAB_FIXTURE = {
     "pad_token_id": 200018,
     "rms_norm_eps": 1e-05,
     "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+    "sliding_window": 2048,
     "tie_word_embeddings": False,
+    "transformers_version": "5.15.0",
     "use_cache": False,
+    "use_sliding_window": True,
     "vocab_size": 202048,
 }
 # z-lab/dflash tests/fixtures/dflash2-safetensors-header.json: every tensor outside the layers, and layer 0's
@@ -335,6 +352,7 @@ def test_the_zlab_fixture_loads_with_every_dflash2_field_and_the_fixtures_tensor
         16,
     )
     assert config.output_multiplier == pytest.approx(0.196116135) and config.final_logit_softcapping == 20.0
+    assert config.layer_types == ["sliding_attention"] * 5 and config.sliding_window == 2048
     with torch.device("meta"):
         model = build_model(config)
     shapes = {name: list(t.shape) for name, t in trainable_state_dict(model).items()}
@@ -344,6 +362,8 @@ def test_the_zlab_fixture_loads_with_every_dflash2_field_and_the_fixtures_tensor
     out = to_zlab_config(config)
     assert out["architectures"] == ["DFlash2DraftModel"] and out["is_causal"] is False
     assert out["dflash_config"] == ZLAB_FIXTURE["dflash_config"]
+    assert out["layer_types"] == ZLAB_FIXTURE["layer_types"] and out["sliding_window"] == 2048
+    assert out["use_sliding_window"] is True
 
 
 def test_a_dflash_export_config_is_unchanged_by_the_families():
@@ -360,10 +380,10 @@ def test_a_config_missing_a_dflash2_field_names_it():
         from_zlab_config(broken)
     with pytest.raises(ValueError, match="architectures \\['DSparkDraftModel'\\]: not a drafter"):
         from_zlab_config({**ZLAB_FIXTURE, "architectures": ["DSparkDraftModel"]})
-    # the published fixture's layers slide (a 2048-token window): refused, not silently run in full
-    sliding = {**ZLAB_FIXTURE, "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048}
-    with pytest.raises(ValueError, match="sliding-window or causal layers cannot be loaded"):
-        from_zlab_config(sliding)
+    # sliding layers without is_causal are causal to z-lab's reader: refused, not silently run otherwise
+    causal = {k: v for k, v in ZLAB_FIXTURE.items() if k != "is_causal"}
+    with pytest.raises(ValueError, match="a drafter with causal layers cannot be loaded"):
+        from_zlab_config(causal)
 
 
 def test_a_dflash2_run_trains_evaluates_exports_and_decodes_losslessly(

@@ -336,3 +336,26 @@ def test_a_damaged_weights_file_is_one_line_naming_it_wherever_it_is_read(tiny_t
     assert f"{exported}: not a readable safetensors file" in one_line_error(
         [*evaluate, "--data", str(chat_data)]
     )
+
+
+def test_a_sliding_window_run_exports_its_layer_types_and_decodes_losslessly(
+    tiny_target, chat_data, tmp_path
+):
+    """--sliding_window 8 --sliding_layers 0 through the CLI: the run's own end-of-run decoding is lossless,
+    and the export carries z-lab's layer_types / sliding_window (non-causal), which load back the same."""
+    from dflash_ddp.serving.export import main as export_main
+    from dflash_ddp.train import main as train_main
+
+    from helpers import train_flags
+
+    run, export = tmp_path / "run", tmp_path / "export"
+    flags = train_flags(tiny_target, chat_data, run, num_draft_layers=2, sliding_window=8, sliding_layers=0)
+    flags += ["--max_steps", "6", "--save_steps", "6", "--eval_data", str(chat_data), "--eval_prompts", "2"]
+    assert train_main([*flags, "--eval_max_new_tokens", "24"]) == 0
+    assert json.loads((run / "eval.json").read_text())["lossless"]
+    assert export_main([str(run), str(export)]) == 0
+    config = json.loads((export / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 8
+    assert config["is_causal"] is False and config["use_sliding_window"] is True
+    drafter = load_drafter(export)
+    assert drafter.config.layer_types == config["layer_types"] and drafter.config.window_of(0) == 8

@@ -28,7 +28,7 @@ def tiles(mask, full: bool) -> torch.Tensor:
 @pytest.mark.parametrize("block_size", [16, 10])
 def test_block_mask_equals_torch_builder(block_size):
     """Partial and full tiles equal create_block_mask's on random anchors, padding slots, lengths that are not
-    multiples of the tile, and a block size that does not divide it."""
+    multiples of the tile, a block size that does not divide it, and sliding windows."""
     g = torch.Generator().manual_seed(block_size)
     for _ in range(40):
         batch, slots = (
@@ -38,7 +38,8 @@ def test_block_mask_equals_torch_builder(block_size):
         context = int(torch.randint(2, 600, (1,), generator=g))
         anchors = torch.randint(0, context - 1, (batch, slots), generator=g).sort(dim=1).values
         anchors[torch.rand(batch, slots, generator=g) < 0.2] = -1
-        allowed = dense_block_mask(anchors, context, block_size)[:, 0]
+        window = [None, block_size + 3, 150][int(torch.randint(0, 3, (1,), generator=g))]
+        allowed = dense_block_mask(anchors, context, block_size, window)[:, 0]
         reference = create_block_mask(
             lambda b, h, q, kv, allowed=allowed: allowed[b, q, kv],
             batch,
@@ -46,7 +47,7 @@ def test_block_mask_equals_torch_builder(block_size):
             *allowed.shape[1:],
             device="cpu",
         )
-        built = flex_block_mask(anchors, context, block_size)
+        built = flex_block_mask(anchors, context, block_size, window)
         assert torch.equal(tiles(built, full=False), tiles(reference, full=False))
         assert torch.equal(tiles(built, full=True), tiles(reference, full=True))
         assert torch.equal(built.to_dense(), reference.to_dense())

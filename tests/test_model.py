@@ -11,8 +11,10 @@ from dflash_ddp.drafter.model import DFlashDraftModel
 from helpers import small_draft_config
 
 
-def sparse_layout(anchors, context_len, block_size):
-    return block_layout(anchors, context_len, block_size, num_heads=4, device=torch.device("cpu"))
+def sparse_layout(anchors, context_len, block_size, window=None):
+    return block_layout(
+        anchors, context_len, block_size, num_heads=4, device=torch.device("cpu"), window=window
+    )
 
 
 MASKS = {"dense": dense_block_mask, "flex": flex_block_mask, "sparse": sparse_layout}
@@ -184,3 +186,42 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+@pytest.mark.parametrize("path", sorted(MASKS))
+def test_the_sliding_window_in_training_is_the_window_in_decoding(family, path):
+    """A drafter whose first layer slides (window 6) and second does not: each training block's output (its
+    layers on LayerMasks of the chosen path) equals the cached decoding forward of that block alone, which
+    builds the window from positions: the same rule in both."""
+    from transformers import DynamicCache
+
+    from dflash_ddp.drafter.attention import LayerMasks
+    from dflash_ddp.drafter.dflash2 import DFlash2DraftConfig
+    from dflash_ddp.drafter.families import build_model
+
+    fields = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+    config = small_draft_config(**fields)
+    if family == "dflash2":
+        config = DFlash2DraftConfig(**config.to_dict(), conv_group_size=8, selector_top_k=4, selector_rank=4)
+    torch.manual_seed(0)
+    drafter = build_model(config).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():  # the identity start would hide the convolutions
+            p.add_(torch.randn_like(p) * 0.1)
+    inputs, features, embeds = setup_inputs()
+    anchors = inputs.anchors
+    build = MASKS[path]
+    masks = LayerMasks(build(anchors, SEQ, BS), build(anchors, SEQ, BS, 6))
+    with torch.no_grad():
+        trained = drafter(embeds, features, inputs.position_ids, masks).last_hidden_state
+        for slot, a in enumerate(ANCHORS):
+            block = slice(slot * BS, (slot + 1) * BS)
+            positions = torch.arange(a + BS)[None]
+            decoded = drafter(
+                embeds[:, block], features[:, :a], positions, cache=DynamicCache()
+            ).last_hidden_state
+            torch.testing.assert_close(decoded, trained[:, block], rtol=1e-5, atol=1e-5)
+        # and the window matters: with full attention everywhere the first block's output differs
+        everywhere = drafter(embeds, features, inputs.position_ids, LayerMasks(masks.full, masks.full))
+        assert not torch.allclose(everywhere.last_hidden_state[:, 2 * BS :], trained[:, 2 * BS :])

@@ -1,7 +1,10 @@
 """Attention of draft blocks over [target context, own block]: the three paths and the rule they share.
 
 A block of `block_size` draft queries anchored at position a sees the context keys j < a and the keys of
-its own block, nothing else; padding blocks (anchor -1) see nothing and return zeros. With A anchors per
+its own block, nothing else; padding blocks (anchor -1) see nothing and return zeros. In a sliding-window
+layer (window W, at least the block size) the query at block position k (position a + k) sees only the
+context keys j with a + k - j < W, as the engines' sliding-window kernels do (key j visible to query p when
+p - j < W); its own block stays whole. With A anchors per
 sequence the dense mask is [A*bs, S + A*bs], of which the block part is (A-1)/A masked out; at the paper's
 512 anchors that is more than 99% of the block part. So training without flex uses
 `block_sparse_attention`, whose time and memory grow with the allowed entries only:
@@ -36,35 +39,77 @@ class BlockLayout:
     """Where the draft blocks of a padded batch sit: the block-sparse path's description of the mask.
 
     anchors: [B, A] anchor positions on the compute device, sorted per row, -1 for padding slots.
-    chunks: (first slot, end slot, keys to read) per anchor chunk, planned once on the host so that the
-        per-layer attention never waits for the device to tell it sizes.
+    chunks: (first slot, end slot, first key, end key) per anchor chunk, planned once on the host so that
+        the per-layer attention never waits for the device to tell it sizes.
+    window: the sliding window in tokens, or None for full attention to the context.
     """
 
     anchors: torch.Tensor
     context_len: int
     block_size: int
-    chunks: tuple[tuple[int, int, int], ...]
+    chunks: tuple[tuple[int, int, int, int], ...]
+    window: int | None = None
 
 
 def block_layout(
-    anchors: torch.Tensor, context_len: int, block_size: int, num_heads: int, device: torch.device
+    anchors: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    num_heads: int,
+    device: torch.device,
+    window: int | None = None,
 ) -> BlockLayout:
-    """Plan the anchor chunks of `anchors` ([B, A], on the host) for `num_heads` query heads."""
+    """Plan the anchor chunks of `anchors` ([B, A], on the host) for `num_heads` query heads; with a
+    sliding `window` a chunk reads only the keys its blocks' windows reach."""
     batch, slots = anchors.shape
+    valid = anchors >= 0
     ends = (anchors.clamp(min=0).amax(dim=0) if batch else anchors.new_zeros(slots)).tolist()
+    lowest = anchors.masked_fill(~valid, 1 << 62).amin(dim=0) if batch else anchors.new_zeros(slots)
+    firsts = [0 if window is None or low >= 1 << 62 else max(0, low - window + 1) for low in lowest.tolist()]
     rows_per_anchor = batch * num_heads * block_size
     chunks, start = [], 0
     while start < slots:
-        end, keys = start + 1, ends[start]
+        end, first, keys = start + 1, firsts[start], ends[start]
         while end < slots:
-            wider = max(keys, ends[end])
-            if rows_per_anchor * (end + 1 - start) * max(wider, 1) * 4 > WORKSPACE_BYTES:
+            wider_first, wider = min(first, firsts[end]), max(keys, ends[end])
+            if rows_per_anchor * (end + 1 - start) * max(wider - wider_first, 1) * 4 > WORKSPACE_BYTES:
                 break
-            end, keys = end + 1, wider
-        # keys j < anchor are visible, so a chunk reads keys 0 .. (its largest anchor) - 1
-        chunks.append((start, end, min(keys, context_len)))
+            end, first, keys = end + 1, wider_first, wider
+        # keys j < anchor are visible, so a chunk reads keys up to (its largest anchor) - 1
+        keys = min(keys, context_len)
+        chunks.append((start, end, min(first, keys), keys))
         start = end
-    return BlockLayout(anchors.to(device, non_blocking=True), context_len, block_size, tuple(chunks))
+    return BlockLayout(anchors.to(device, non_blocking=True), context_len, block_size, tuple(chunks), window)
+
+
+@dataclass(frozen=True)
+class LayerMasks:
+    """A training chunk's attention rule for a drafter with sliding-window layers: one mask (a BlockLayout,
+    BlockMask or boolean tensor) for its full-attention layers, one for its sliding ones."""
+
+    full: object
+    sliding: object
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """A sliding layer's rule in decoding, resolved once the cache has added its keys: the cached context
+    holds positions 0 .. cached - 1, then come the new context and the block at `positions`; the query at
+    position p sees key j when p - j < window (training builds the same rule into its block masks)."""
+
+    positions: torch.Tensor  # [B, new context + Q]
+    queries: int
+    window: int
+    mask: torch.Tensor | None  # a padding mask to keep, or None
+
+    def resolve(self, num_keys: int) -> torch.Tensor:
+        """Boolean visibility [B, 1, Q, num_keys]."""
+        batch, new = self.positions.shape
+        past = torch.arange(num_keys - new, device=self.positions.device).expand(batch, -1)
+        keys = torch.cat([past, self.positions], dim=1)
+        queries = self.positions[:, -self.queries :]
+        visible = (queries[:, None, :, None] - keys[:, None, None, :]) < self.window
+        return visible if self.mask is None else visible & self.mask
 
 
 class _BlockSparseAttention(torch.autograd.Function):
@@ -110,14 +155,21 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def _chunk_scores(q_c, k_ctx, k_blk, anchors, keys):
-    """Scores of one anchor chunk (q_c already scaled): context [B, KVH, g, n, bs, keys], masked, and
-    block [.., bs, bs]; in the accumulation dtype, freshly allocated (callers work on them in place)."""
+def _chunk_scores(q_c, k_ctx, k_blk, anchors, first, keys, window):
+    """Scores of one anchor chunk (q_c already scaled): context keys first..keys-1 [B, KVH, g, n, bs, keys -
+    first], masked, and block [.., bs, bs]; in the accumulation dtype, freshly allocated (callers work on
+    them in place)."""
     b, kvh, g, n, bs, d = q_c.shape
     acc = _accumulation(q_c.dtype)
     flat = q_c.reshape(b, kvh, g * n * bs, d)
-    s_ctx = (flat @ k_ctx[:, :, :keys].transpose(-1, -2)).to(acc).view(b, kvh, g, n, bs, keys)
-    hidden = torch.arange(keys, device=q_c.device) >= anchors[:, None, None, :, None, None]
+    width = keys - first
+    s_ctx = (flat @ k_ctx[:, :, first:keys].transpose(-1, -2)).to(acc).view(b, kvh, g, n, bs, width)
+    key = torch.arange(first, keys, device=q_c.device)
+    row_anchor = anchors[:, None, None, :, None, None]
+    hidden = key >= row_anchor
+    if window is not None:  # the query at block position k sees keys j > anchor + k - window
+        offset = torch.arange(bs, device=q_c.device)[:, None]
+        hidden = hidden | (key <= row_anchor + offset - window)
     s_ctx.masked_fill_(hidden, float("-inf"))
     s_blk = torch.einsum("bkgnqd,bkncd->bkgnqc", q_c, k_blk).to(acc)
     return s_ctx, s_blk
@@ -132,16 +184,18 @@ def _sparse_forward(q, k, v, layout: BlockLayout):
     out = q.new_empty(b, q.shape[2], q.shape[1], d).transpose(1, 2)
     out6 = _head_major(out, q6.shape)
     lse = q6.new_empty(q6.shape[:-1], dtype=acc)
-    for a0, a1, keys in layout.chunks:
+    for a0, a1, first, keys in layout.chunks:
         n, anchors = a1 - a0, layout.anchors[:, a0:a1]
         q_c = _times(q6[:, :, :, a0:a1], scale)  # scaled per chunk: no scaled copy of all queries
-        s_ctx, s_blk = _chunk_scores(q_c, k_ctx, k_blk[:, :, a0:a1], anchors, keys)
+        s_ctx, s_blk = _chunk_scores(q_c, k_ctx, k_blk[:, :, a0:a1], anchors, first, keys, layout.window)
         m = s_blk.amax(-1, keepdim=True)  # finite: a block always sees itself
-        if keys:
+        if keys > first:
             m = torch.maximum(m, s_ctx.amax(-1, keepdim=True))
         p_ctx, p_blk = s_ctx.sub_(m).exp_(), s_blk.sub_(m).exp_()
         norm = p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True)
-        o = (p_ctx.to(q.dtype).view(b, kvh, g * n * bs, keys) @ v_ctx[:, :, :keys]).view(b, kvh, g, n, bs, d)
+        width = keys - first
+        o = p_ctx.to(q.dtype).view(b, kvh, g * n * bs, width) @ v_ctx[:, :, first:keys]
+        o = o.view(b, kvh, g, n, bs, d)
         o = o.to(acc) + torch.einsum("bkgnqc,bkncd->bkgnqd", p_blk.to(q.dtype), v_blk[:, :, a0:a1])
         valid = (anchors >= 0)[:, None, None, :, None, None]
         out6[:, :, :, a0:a1] = (o / norm * valid).to(q.dtype)
@@ -161,30 +215,30 @@ def _sparse_backward(q, k, v, out, lse, grad_out, layout: BlockLayout):
     dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (k, v))
     dk_ctx, dv_ctx = dk[:, :, :s], dv[:, :, :s]
     dk_blk, dv_blk = (t[:, :, s:].view(k_blk.shape) for t in (dk, dv))
-    for a0, a1, keys in layout.chunks:
-        rows = g * (a1 - a0) * bs
+    for a0, a1, first, keys in layout.chunks:
+        rows, width = g * (a1 - a0) * bs, keys - first
         anchors = layout.anchors[:, a0:a1]
         q_c = _times(q6[:, :, :, a0:a1], scale)
         # padding blocks returned constant zeros: their output gradient counts for nothing
         do_c = _times(do6[:, :, :, a0:a1], (anchors >= 0)[:, None, None, :, None, None])
-        s_ctx, s_blk = _chunk_scores(q_c, k_ctx, k_blk[:, :, a0:a1], anchors, keys)
+        s_ctx, s_blk = _chunk_scores(q_c, k_ctx, k_blk[:, :, a0:a1], anchors, first, keys, layout.window)
         row_lse = lse[:, :, :, a0:a1, :, None]
         p_ctx, p_blk = s_ctx.sub_(row_lse).exp_(), s_blk.sub_(row_lse).exp_()
         delta = (do_c.to(acc) * o6[:, :, :, a0:a1].to(acc)).sum(-1, keepdim=True)
         do_flat = do_c.view(b, kvh, rows, d)
-        p_flat = p_ctx.view(b, kvh, rows, keys)
-        dv_ctx[:, :, :keys] += p_flat.transpose(-1, -2).to(q.dtype) @ do_flat
+        p_flat = p_ctx.view(b, kvh, rows, width)
+        dv_ctx[:, :, first:keys] += p_flat.transpose(-1, -2).to(q.dtype) @ do_flat
         dv_blk[:, :, a0:a1] = torch.einsum("bkgnqc,bkgnqd->bkncd", p_blk.to(q.dtype), do_c)
         # dS = P * (dO V^T - delta), in place on the fresh dO V^T
-        ds_ctx = (do_flat @ v_ctx[:, :, :keys].transpose(-1, -2)).to(acc).view_as(p_ctx)
-        ds_ctx = ds_ctx.sub_(delta).mul_(p_ctx).to(q.dtype).view(b, kvh, rows, keys)
+        ds_ctx = (do_flat @ v_ctx[:, :, first:keys].transpose(-1, -2)).to(acc).view_as(p_ctx)
+        ds_ctx = ds_ctx.sub_(delta).mul_(p_ctx).to(q.dtype).view(b, kvh, rows, width)
         ds_blk = torch.einsum("bkgnqd,bkncd->bkgnqc", do_c, v_blk[:, :, a0:a1]).to(acc)
         ds_blk = ds_blk.sub_(delta).mul_(p_blk).to(q.dtype)
-        dq_ctx = (ds_ctx @ k_ctx[:, :, :keys]).view(q_c.shape)
+        dq_ctx = (ds_ctx @ k_ctx[:, :, first:keys]).view(q_c.shape)
         dq6[:, :, :, a0:a1] = (
             dq_ctx.to(acc) + torch.einsum("bkgnqc,bkncd->bkgnqd", ds_blk, k_blk[:, :, a0:a1])
         ) * scale
-        dk_ctx[:, :, :keys] += ds_ctx.transpose(-1, -2) @ q_c.view(b, kvh, rows, d)
+        dk_ctx[:, :, first:keys] += ds_ctx.transpose(-1, -2) @ q_c.view(b, kvh, rows, d)
         dk_blk[:, :, a0:a1] = torch.einsum("bkgnqc,bkgnqd->bkncd", ds_blk, q_c)
     return dq6.view_as(q).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -214,23 +268,33 @@ def dense_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     """Attention of block queries over [context keys, block keys], by the kind of `mask`.
 
-    None (every key visible: inference on one sequence), a boolean tensor (dense SDPA), a `BlockLayout`
-    (the block-sparse training path) or a flex-attention BlockMask (the compiled CUDA path)."""
+    None (every key visible: inference on one sequence), a boolean tensor (dense SDPA), a `DecodeWindow`
+    (a sliding layer in decoding), a `BlockLayout` (the block-sparse training path) or a flex-attention
+    BlockMask (the compiled CUDA path)."""
     if isinstance(mask, BlockLayout):
         return block_sparse_attention(q, k, v, mask)
+    if isinstance(mask, DecodeWindow):
+        mask = mask.resolve(k.shape[2])
     if BlockMask is not None and isinstance(mask, BlockMask):
         return flex_attend(q, k, v, mask)
     return dense_attention(q, k, v, mask)
 
 
-def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """Boolean visibility [B, 1, A*bs, S + A*bs] for the SDPA path (True = may attend)."""
+def dense_block_mask(
+    anchors: torch.Tensor, context_len: int, block_size: int, window: int | None = None
+) -> torch.Tensor:
+    """Boolean visibility [B, 1, A*bs, S + A*bs] for the SDPA path (True = may attend); `window`: a
+    sliding-window layer's (module docstring)."""
     device = anchors.device
     num_q = anchors.shape[1] * block_size
     q_block = torch.arange(num_q, device=device) // block_size
     q_anchor = anchors[:, q_block]  # [B, Q]
     valid = (q_anchor >= 0)[:, :, None]
-    ctx = torch.arange(context_len, device=device)[None, None, :] < q_anchor[:, :, None]
+    key = torch.arange(context_len, device=device)[None, None, :]
+    ctx = key < q_anchor[:, :, None]
+    if window is not None:
+        q_position = q_anchor + torch.arange(num_q, device=device) % block_size
+        ctx = ctx & (q_position[:, :, None] - key < window)
     same_block = (q_block[:, None] == q_block[None, :])[None]
     mask = torch.cat([ctx, same_block.expand(anchors.shape[0], -1, -1)], dim=-1) & valid
     return mask[:, None]

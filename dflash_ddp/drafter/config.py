@@ -11,6 +11,8 @@ from transformers import PretrainedConfig
 
 from dflash_ddp.target_model.info import TargetInfo
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+
 
 class DFlashDraftConfig(PretrainedConfig):
     """Shape of a DFlash drafter. Width follows the target; depth, taps, mask and block are DFlash's own."""
@@ -38,6 +40,8 @@ class DFlashDraftConfig(PretrainedConfig):
         target_layer_ids: Sequence[int] = (1, 9, 17, 25, 33),
         mask_token_id: int = 151669,
         block_size: int = 16,
+        layer_types: Sequence[str] | None = None,
+        sliding_window: int | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -56,12 +60,36 @@ class DFlashDraftConfig(PretrainedConfig):
         self.target_layer_ids = list(target_layer_ids)
         self.mask_token_id = mask_token_id
         self.block_size = block_size
+        # per layer "full_attention" or "sliding_attention" (z-lab's and the engines' names), and the window
+        self.layer_types = list(layer_types) if layer_types else ["full_attention"] * num_hidden_layers
+        self.sliding_window = sliding_window
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
+    @property
+    def slides(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return SLIDING in self.layer_types
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx`, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
+
     def shape_errors(self) -> list[str]:
         """What makes this shape unservable, each naming the setting to change (empty when it is sound)."""
-        return []
+        errors = []
+        unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
+        if unknown or len(self.layer_types) != self.num_hidden_layers:
+            errors.append(
+                f"sliding_layers: layer_types {self.layer_types} must name {FULL} or {SLIDING} for each of the "
+                f"{self.num_hidden_layers} layers"
+            )
+        if self.slides and (self.sliding_window or 0) < self.block_size:
+            errors.append(
+                f"sliding_window {self.sliding_window} must be at least block_size {self.block_size}: a block "
+                "always sees itself whole"
+            )
+        return errors
 
     def extra_saved_per_position(self) -> int:
         """Elements a layer of this family keeps for backward per draft position beyond a DFlash layer's
@@ -71,6 +99,10 @@ class DFlashDraftConfig(PretrainedConfig):
     def extra_backward_per_position(self) -> int:
         """Elements that exist only during one layer's backward, per draft position, beyond a DFlash layer's
         (memory.backward_per_position)."""
+        return 0
+
+    def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
+        """Bytes the family's loss holds beside DFlash's for `rows` rows at once."""
         return 0
 
 
@@ -128,10 +160,17 @@ def drafter_config_for(  # noqa: PLR0913 - the run's choices a drafter's shape r
     block_size: int,
     config_class: type[DFlashDraftConfig] = DFlashDraftConfig,
     family_fields: dict | None = None,
+    sliding: tuple[int, list[int] | None] = (0, None),
 ) -> DFlashDraftConfig:
     """A drafter as wide as the target (hidden, MLP, heads, head_dim) with DFlash's own depth and settings;
-    `config_class` and `family_fields` (its `run_settings`) choose the family. A shape the engines could not
-    serve is refused, naming the flag to change."""
+    `config_class` and `family_fields` (its `run_settings`) choose the family; `sliding` is (--sliding_window,
+    --sliding_layers): a window of 0 keeps every layer on full attention, and with a window the layers named
+    slide (every layer when none are named, as z-lab's published DFlash2 drafter does). A shape the engines
+    could not serve is refused, naming the flag to change."""
+    window, sliding_layers = sliding
+    if window and sliding_layers is None:
+        sliding_layers = list(range(num_layers))
+    layer_types = [SLIDING if window and i in (sliding_layers or ()) else FULL for i in range(num_layers)]
     config = config_class(
         **(family_fields or {}),
         vocab_size=info.vocab_size,
@@ -148,6 +187,8 @@ def drafter_config_for(  # noqa: PLR0913 - the run's choices a drafter's shape r
         target_layer_ids=target_layer_ids,
         mask_token_id=mask_token_id,
         block_size=block_size,
+        layer_types=layer_types,
+        sliding_window=window or None,
     )
     errors = config.shape_errors()
     if errors:

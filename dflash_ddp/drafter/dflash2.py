@@ -66,6 +66,10 @@ class DFlash2DraftConfig(DFlashDraftConfig):
             errors.append(f"conv_kernel_size {self.conv_kernel_size} must be in [1, block_size {bs}]")
         if self.conv_group_size < 1 or h % self.conv_group_size:
             errors.append(f"conv_group_size {self.conv_group_size} must divide the hidden size {h}")
+        if not self.output_multiplier > 0:
+            errors.append(
+                f"output_multiplier {self.output_multiplier} must be positive (it orders the candidates)"
+            )
         if self.selector_rank < 1:
             errors.append(f"selector_rank {self.selector_rank} must be at least 1")
         if not 1 <= self.selector_top_k <= self.vocab_size:
@@ -81,6 +85,12 @@ class DFlash2DraftConfig(DFlashDraftConfig):
         and the two norms' 1/rms; the kernels, shifted copies and the MLP's inner tensors are recomputed."""
         deltas = 2 * 2 * self.conv_kernel_size * (self.hidden_size // self.conv_group_size)
         return 6 * self.hidden_size + deltas + 2
+
+    def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
+        """The selector's loss per chunk of rows: the gathered LM-head rows of the candidates [rows, K, H],
+        in forward and again in backward, and each codebook's dense fp32 gradient [V, rank]."""
+        gathered = 2 * rows * self.selector_top_k * self.hidden_size * dtype_bytes
+        return gathered + 2 * self.vocab_size * self.selector_rank * 4
 
     def extra_backward_per_position(self) -> int:
         """The MLP recomputed whole rather than in pieces of rows (gate, up, their product and its gradients:
@@ -132,11 +142,15 @@ class DynamicConvolution(nn.Module):
         if torch.is_grad_enabled():
             # keep x and the deltas only: the kernels ([taps, H] per position) and the shifted copies of x
             # are recomputed in backward
-            return checkpoint(self._convolution, x, side, delta, use_reentrant=False)
+            return checkpoint(
+                self._convolution, x, side, delta, use_reentrant=False, preserve_rng_state=False
+            )
         return self._convolution(x, side, delta)
 
     def _convolution(self, x: torch.Tensor, side: int, delta: torch.Tensor) -> torch.Tensor:
         batch, q_len, h = x.shape
+        if q_len % self.block_size:  # positions in block are counted from the first query on
+            raise ValueError(f"{q_len} draft positions are not whole blocks of {self.block_size}")
         grouped = x.view(batch, q_len, self.groups, h // self.groups)
         kernel = (
             self.base_kernel[side].view(self.taps, self.groups, -1) + delta[..., None]
@@ -165,7 +179,9 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         hidden = hidden + self.attention_conv.finish(attended, deltas)
         normed, deltas = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
         if torch.is_grad_enabled():  # keep the MLP's input only, as DFlash's MLP does
-            transformed = checkpoint(self.mlp.transform, normed, use_reentrant=False)
+            transformed = checkpoint(
+                self.mlp.transform, normed, use_reentrant=False, preserve_rng_state=False
+            )
         else:
             transformed = self.mlp.transform(normed)
         return hidden + self.mlp_conv.finish(transformed, deltas)

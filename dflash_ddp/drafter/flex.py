@@ -35,12 +35,14 @@ def min_anchor_slots(block_size: int) -> int:
     return TILE // block_size + 1
 
 
-def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
-    """The DFlash rule (`objective.dense_block_mask`) as a flex-attention BlockMask on `anchors`' device.
+def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int, window: int | None = None):
+    """The DFlash rule (`attention.dense_block_mask`) as a flex-attention BlockMask on `anchors`' device.
 
     Query q of block b (anchor a_b, -1 for padding) sees context keys [0, a_b) and block keys
-    [S + b*bs, S + (b+1)*bs). A tile is full when each of its rows sees each of its keys, partial when some
-    row sees some key; tiles crossing the end of the queries or keys are never full (as create_block_mask)."""
+    [S + b*bs, S + (b+1)*bs); in a sliding-window layer the query at block position k sees context keys
+    (a_b + k - window, a_b) only. A tile is full when each of its rows sees each of its keys, partial when
+    some row sees some key; tiles crossing the end of the queries or keys are never full (as
+    create_block_mask)."""
     if BlockMask is None:
         raise RuntimeError("this torch has no flex attention; use --attention sparse")
     batch, slots = anchors.shape
@@ -54,6 +56,10 @@ def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
     row_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
     valid = row_anchor >= 0
     ctx_end = torch.where(valid, row_anchor, 0)
+    ctx_start = torch.zeros_like(ctx_end)
+    if window is not None:
+        offset = torch.arange(num_q, device=device) % block_size
+        ctx_start = torch.minimum((row_anchor + offset - window + 1).clamp(min=0), ctx_end)
     blk_start = context_len + torch.arange(num_q, device=device) // block_size * block_size
     blk_end = torch.where(valid, blk_start + block_size, blk_start)
 
@@ -66,7 +72,7 @@ def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
             min=0
         )
 
-    seen = overlap(torch.zeros_like(ctx_end), ctx_end) + overlap(blk_start.expand_as(blk_end), blk_end)
+    seen = overlap(ctx_start, ctx_end) + overlap(blk_start.expand_as(blk_end), blk_end)
     whole_tile = (tile_end - tile_start == TILE) & (seen == TILE)  # [B, Q, kv_tiles]
 
     # Rows grouped into query tiles; rows past the last query count as seeing nothing.
@@ -87,6 +93,8 @@ def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
         block = q_idx // block_size
         anchor = anchors[b, block]
         ctx = (kv_idx < context_len) & (kv_idx < anchor)
+        if window is not None:
+            ctx = ctx & (anchor + q_idx % block_size - kv_idx < window)
         same = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         return (anchor >= 0) & (ctx | same)
 

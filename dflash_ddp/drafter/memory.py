@@ -78,6 +78,7 @@ def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each 
     backward = positions * (backward_per_position(c) + c.extra_backward_per_position()) * 4
     backward += 5 * MLP_ROWS * c.intermediate_size * 4
     loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
+    loss_ws += c.extra_loss_bytes(min(loss_chunk_size, positions), dtype_bytes)
     if attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
         # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
         # scores and their softmax per head

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from dflash_ddp.drafter.attention import BlockLayout, attend
+from dflash_ddp.drafter.attention import BlockLayout, DecodeWindow, LayerMasks, attend
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.flex import BlockMask
 from dflash_ddp.drafter.objective import block_loss_terms
@@ -308,7 +308,8 @@ class DFlashDraftModel(PreTrainedModel):
         context_hidden_states: [B, S, K*H] tapped target features (new context only when `cache` holds the rest).
         position_ids: [B, S + Q] positions of the context tokens, then of the block tokens.
         attention_mask: None, a [B, S_total] padding mask of ones/zeros (transformers' generate), a boolean
-            [B, 1, Q, S + Q] visibility mask, a BlockLayout or a BlockMask (see `attention.attend`).
+            [B, 1, Q, S + Q] visibility mask, a BlockLayout or a BlockMask (see `attention.attend`); with
+            sliding-window layers, in training, LayerMasks (one of those for each kind of layer).
         cache: a transformers DynamicCache-like object with `update(k, v, layer_idx)`.
         """
         if position_ids.dim() == 1:
@@ -318,7 +319,9 @@ class DFlashDraftModel(PreTrainedModel):
                 f"position_ids covers {position_ids.shape[-1]} positions, expected context "
                 f"{context_hidden_states.shape[1]} + block {noise_embeds.shape[1]}"
             )
-        mask = _padding_mask_to_visibility(attention_mask)
+        masks = self._layer_masks(
+            _padding_mask_to_visibility(attention_mask), position_ids, cache, noise_embeds
+        )
         features = context_hidden_states
         # under autocast fc reads bf16 features as they are; otherwise they take the weights' dtype
         if not torch.is_autocast_enabled(features.device.type):
@@ -326,13 +329,27 @@ class DFlashDraftModel(PreTrainedModel):
         context = self.hidden_norm(self.fc(features))
         hidden = noise_embeds.to(context.dtype)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        for layer in self.layers:
+        for layer, mask in zip(self.layers, masks, strict=True):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # keep only the layer's input; its activations are recomputed in backward
                 hidden = checkpoint(layer, hidden, context, cos, sin, mask, cache, use_reentrant=False)
             else:
                 hidden = layer(hidden, context, cos, sin, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    def _layer_masks(self, mask, position_ids: torch.Tensor, cache, noise_embeds: torch.Tensor) -> list:
+        """Each layer's mask: `mask` for every layer without sliding windows; with them, a training chunk's
+        LayerMasks are split by layer kind, and in decoding a sliding layer adds its window to `mask`
+        (a DecodeWindow, resolved once the cache has added the keys)."""
+        config = self.config
+        if isinstance(mask, LayerMasks):
+            return [mask.sliding if config.window_of(i) else mask.full for i in range(len(self.layers))]
+        if not config.slides:
+            return [mask] * len(self.layers)
+        if isinstance(mask, (BlockLayout,) if BlockMask is None else (BlockLayout, BlockMask)):
+            raise ValueError("a drafter with sliding-window layers trains on LayerMasks, one mask per kind")
+        sliding = DecodeWindow(position_ids, noise_embeds.shape[1], config.sliding_window, mask)
+        return [sliding if config.window_of(i) else mask for i in range(len(self.layers))]
 
     def loss_terms(self, last_hidden: torch.Tensor, head_weight: torch.Tensor, inputs, settings):
         """The training loss sums of one chunk's output (objective.py): DFlash scores each block position
@@ -347,7 +364,7 @@ class DFlashDraftModel(PreTrainedModel):
 
 def _padding_mask_to_visibility(attention_mask):
     """A 2-D 0/1 key padding mask (as transformers' generate passes it) becomes a boolean key mask."""
-    training_masks = (BlockLayout,) if BlockMask is None else (BlockLayout, BlockMask)
+    training_masks = (BlockLayout, LayerMasks) if BlockMask is None else (BlockLayout, LayerMasks, BlockMask)
     if attention_mask is None or isinstance(attention_mask, training_masks):
         return attention_mask
     if attention_mask.dim() == 2:

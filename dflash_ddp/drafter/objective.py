@@ -17,6 +17,17 @@ from dflash_ddp.drafter.distillation import logit_gradients, row_losses
 from dflash_ddp.drafter.weighting import LossSettings, reweighting
 
 
+def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` highest logits and their token ids along the last dimension, highest first and, among equal
+    logits, lowest id first: the first candidate is then the LM head's argmax, so that with a zero pairwise
+    score the selector drafts exactly DFlash's token (topk orders ties as it likes; bf16 logits tie often)."""
+    values, ids = logits.topk(k, dim=-1)
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(-1, order), ids.gather(-1, order)
+
+
 class _ChunkedLMHeadCE(torch.autograd.Function):
     """Weighted per-row loss through the LM head, `chunk` rows at a time, recomputed in backward.
 
@@ -44,7 +55,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             row_loss.append(loss_rows)
             correct[rows] = logits.argmax(dim=-1) == labels[rows]
             if top_k:
-                candidates[rows] = logits.topk(top_k, dim=-1).indices
+                candidates[rows] = best_first(logits, top_k)[1]
         if reweight is not None:  # weights from the rows' own label CE and argmax: constants for backward
             weights = reweight(torch.cat(nlls), correct)
         loss_sum = hidden.new_zeros((), dtype=torch.float32)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_ddp.drafter.blocks import BlockInputs
-from dflash_ddp.drafter.objective import LossTerms, ScoredRows, loss_terms, scored_rows
+from dflash_ddp.drafter.objective import LossTerms, ScoredRows, best_first, loss_terms, scored_rows
 from dflash_ddp.drafter.weighting import LossSettings
 
 
@@ -82,7 +82,7 @@ def walk(
     the first best of its candidates given the token chosen before it (the anchor for the first)."""
     drafted = hidden[:, 1:]
     logits = head(drafted.to(head.weight.dtype))
-    values, candidates = logits.topk(selector.top_k, dim=-1)  # best first
+    values, candidates = best_first(logits, selector.top_k)
     unary = unary_scores(values, multiplier, softcap)
     previous, tokens = anchor[:, 0], []
     for slot in range(drafted.shape[1]):
@@ -136,6 +136,7 @@ def selector_terms(
             weights[part],
             (config.output_multiplier, config.final_logit_softcapping),
             use_reentrant=False,
+            preserve_rng_state=False,  # nothing in it is random
         )
         selector_sum = selector_sum + chunk_sum
         picked[part] = chunk_picked

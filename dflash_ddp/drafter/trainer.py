@@ -13,7 +13,7 @@ import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_ddp.data.batch import Batch, SoftTargets
-from dflash_ddp.drafter.attention import block_layout, dense_block_mask
+from dflash_ddp.drafter.attention import LayerMasks, block_layout, dense_block_mask
 from dflash_ddp.drafter.blocks import BlockInputs, build_block_inputs, plan_draft_chunks, sample_anchors
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.families import build_model
@@ -102,13 +102,24 @@ class DrafterTrainer:
         return contextlib.nullcontext()  # fp32 on CPU: exact, and what the parity tests compare
 
     def _mask(self, anchors: torch.Tensor, context_len: int):
-        """The chunk's attention rule in the form the chosen path takes; `anchors` are on the host."""
+        """The chunk's attention rule in the form the chosen path takes (for full and sliding-window layers
+        apart when the drafter has both kinds); `anchors` are on the host."""
+        cfg = self.drafter.config
+        if cfg.slides:
+            return LayerMasks(
+                self._path_mask(anchors, context_len),
+                self._path_mask(anchors, context_len, cfg.sliding_window),
+            )
+        return self._path_mask(anchors, context_len)
+
+    def _path_mask(self, anchors: torch.Tensor, context_len: int, window: int | None = None):
         cfg = self.drafter.config
         if self.settings.attention == "flex":
-            return flex_block_mask(anchors.to(self.device), context_len, cfg.block_size)
+            return flex_block_mask(anchors.to(self.device), context_len, cfg.block_size, window)
         if self.settings.attention == "dense":
-            return dense_block_mask(anchors.to(self.device), context_len, cfg.block_size)
-        return block_layout(anchors, context_len, cfg.block_size, cfg.num_attention_heads, self.device)
+            return dense_block_mask(anchors.to(self.device), context_len, cfg.block_size, window)
+        heads = cfg.num_attention_heads
+        return block_layout(anchors, context_len, cfg.block_size, heads, self.device, window)
 
     def sum_over_drafters(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of `t` over all drafter ranks (itself when there is one)."""
@@ -116,6 +127,13 @@ class DrafterTrainer:
             t = t.clone()
             dist.all_reduce(t, group=self.group)
         return t
+
+    def _sum_terms(self, terms: LossTerms) -> LossTerms:
+        """The loss terms summed over the drafter ranks, in one all-reduce."""
+        parts = [t.detach().reshape(-1) for t in vars(terms).values()]
+        flat = self.sum_over_drafters(torch.cat(parts))
+        pieces = flat.split([p.numel() for p in parts])
+        return LossTerms(*(p.view_as(t) for p, t in zip(pieces, vars(terms).values(), strict=True)))
 
     def _sync_gradients(self) -> None:
         """Sum the gradients of all drafter ranks (the loss is already globally normalised)."""
@@ -235,7 +253,7 @@ class DrafterTrainer:
                 p.grad = torch.zeros_like(p)
         if self.group is not None:
             self._sync_gradients()
-            totals = LossTerms(*(self.sum_over_drafters(t) for t in vars(totals).values()))
+            totals = self._sum_terms(totals)
         # 0/0 (nothing scored) counts as non-finite too
         bad = ~torch.isfinite(totals.loss_sum) | ~(totals.weight_sum > 0)
         if not self.lazy_checks and bool(bad):  # stop before the update

@@ -5,7 +5,7 @@ engines). A pure adapter, used by checkpoints and the export.
 
 from __future__ import annotations
 
-from dflash_ddp.drafter.config import DFlashDraftConfig
+from dflash_ddp.drafter.config import SLIDING, DFlashDraftConfig
 from dflash_ddp.drafter.families import architecture, config_class_for
 
 _QWEN3_FIELDS = (
@@ -75,7 +75,10 @@ def to_zlab_config(config: DFlashDraftConfig) -> dict:
             "torch_dtype": "float32",
         }
     )
-    if config.serving_fields:
+    if config.slides:  # z-lab's and the engines' names; a DFlash export without sliding layers has none
+        out.update(layer_types=list(config.layer_types), sliding_window=config.sliding_window)
+        out["use_sliding_window"] = True
+    if config.serving_fields or config.slides:
         # every attention layer sees its whole block (the engines' default for a sliding layer is causal)
         out["is_causal"] = False
         # a field left unset (no soft-capping) is left out: the engines read its absence as unset
@@ -97,11 +100,13 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
     """Rebuild the drafter config from a z-lab config.json (or from our own saved config)."""
     dflash = data.get("dflash_config", {})
     config_class = config_class_for(data.get("architectures"), where)
-    if "sliding_attention" in data.get("layer_types", ()) or data.get("is_causal"):
+    layer_types = data.get("layer_types")
+    slides = SLIDING in (layer_types or ())
+    causal = data.get("is_causal", dflash.get("causal"))
+    if causal or (causal is None and slides):  # z-lab reads a sliding layer as causal unless told otherwise
         raise ValueError(
-            f"{where}: layer_types {data.get('layer_types')} / is_causal {data.get('is_causal')}: this "
-            "project's drafters attend to the whole context and their whole block in every layer; a drafter "
-            "with sliding-window or causal layers cannot be loaded"
+            f"{where}: is_causal {causal}, layer_types {layer_types}: this project's drafters see their whole "
+            "block in every layer; a drafter with causal layers cannot be loaded"
         )
     try:
         kwargs = {name: data[name] for name in _QWEN3_FIELDS if name in data}
@@ -111,6 +116,11 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
         kwargs["target_layer_ids"] = dflash.get("target_layer_ids", data.get("target_layer_ids"))
         kwargs["block_size"] = dflash["block_size"] if "block_size" in dflash else data["block_size"]
         kwargs["num_target_layers"] = data["num_target_layers"]
+        if layer_types:
+            kwargs["layer_types"] = layer_types
+        if slides:  # vLLM reads dflash_config.swa_window_size first, then sliding_window
+            window = dflash["swa_window_size"] if "swa_window_size" in dflash else data["sliding_window"]
+            kwargs["sliding_window"] = window
         for name in config_class.serving_fields:  # the engines look in dflash_config first, then the top
             value = dflash.get(name, data.get(name, _OPTIONAL_FIELDS.get(name, KeyError)))
             if value is KeyError:
@@ -123,7 +133,11 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
             raise ValueError(f"{where}: missing field '{name}'")
     if not kwargs.get("final_logit_softcapping"):  # the engines read none, 0 or less as no soft-capping
         kwargs.pop("final_logit_softcapping", None)
-    return config_class(**kwargs)
+    config = config_class(**kwargs)
+    errors = config.shape_errors()
+    if errors:
+        raise ValueError(f"{where}: " + "; ".join(errors))
+    return config
 
 
 # serving fields the engines default when a config leaves them out

@@ -50,10 +50,20 @@ from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 
 METHODS = ("dflash", "dflash_untrained", "prompt_lookup", "transformers_dflash")
-# transformers' generate drafts with a DFlash drafter only (speculation_type="dflash"): a drafter of another
-# family has no transformers row, and the report says so
-TRANSFORMERS_FAMILIES = ("dflash",)
+# transformers' generate drafts with a DFlash drafter with full attention only (speculation_type="dflash"):
+# another drafter has no transformers row, and the report says why
 NO_TRANSFORMERS_ROW = "transformers' generate runs DFlash drafters only: no transformers row for a {} drafter"
+NO_TRANSFORMERS_WINDOW = (
+    "transformers' generate runs DFlash drafters with full attention only: no transformers row for a drafter "
+    "with sliding-window layers"
+)
+
+
+def transformers_note(config) -> str | None:
+    """Why transformers' generate cannot run this drafter, or None when it can."""
+    if config.family != "dflash":
+        return NO_TRANSFORMERS_ROW.format(family_label(config.family))
+    return NO_TRANSFORMERS_WINDOW if config.slides else None
 
 
 METHOD_LABELS = {
@@ -161,7 +171,6 @@ def run_evaluation(
     target, eos = setup.target, setup.eos
     block_size = setup.drafter.config.block_size
     lookup_tokens = block_size - 1  # the same largest step as the drafter: block_size tokens per verify
-    family = setup.drafter.config.family
     runs: dict[str, Callable[[list[int], int], DecodeResult]] = {
         "greedy": lambda p, n: greedy_generate(target, p, n, eos),
         "dflash": lambda p, n: speculative_generate(target, setup.drafter, p, n, eos),
@@ -173,7 +182,7 @@ def run_evaluation(
             target, p, n, eos, assistant_model=setup.drafter, speculation_type="dflash"
         ),
     }
-    if family not in TRANSFORMERS_FAMILIES:
+    if transformers_note(setup.drafter.config):
         del runs["transformers_dflash"]
     # One short untimed pass per method first, so that one-off costs (CUDA kernels, allocator) are not timed.
     for run in runs.values():
@@ -215,9 +224,7 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
         "device": str(setup.target.device),
         "dtype": str(setup.target.dtype).removeprefix("torch."),
         "greedy": {"tokens": greedy_tokens, "tokens_per_s": greedy_rate},
-        "notes": []
-        if family in TRANSFORMERS_FAMILIES
-        else [NO_TRANSFORMERS_ROW.format(family_label(family))],
+        "notes": [note] if (note := transformers_note(setup.drafter.config)) else [],
     }
     for name in methods(results):
         runs = results[name]

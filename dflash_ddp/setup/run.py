@@ -81,6 +81,7 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         cfg.block_size,
         config_class,
         {name: getattr(cfg, name) for name in config_class.run_settings},
+        (cfg.sliding_window, cfg.sliding_layers),
     )
     if cfg.target_topk > info.vocab_size:
         raise ValueError(
