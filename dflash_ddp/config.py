@@ -450,6 +450,13 @@ class TrainConfig:
     )
     # planning
     plan: bool = setting(False, "planning", "print topology, sizes and the memory estimate, then exit")
+    plan_gpu_memory: float = setting(
+        0.0,
+        "planning",
+        "with --plan: judge the fit against GPUs of this many GiB each (plan a GPU machine's run from another "
+        "machine); 0: this machine's own devices",
+        in_range=(lambda x: x >= 0, "a number of GiB >= 0"),
+    )
     calibrate: bool = setting(
         False, "planning", "with --plan: measure one target and one drafter rank, recommend a split"
     )

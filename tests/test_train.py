@@ -62,6 +62,31 @@ def test_plan_prints_topology_without_training(tiny_target, chat_data, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def test_plan_predicts_every_context_length_and_the_longest_that_fits(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    """--plan at 8K-128K tokens per sequence: each rank's peak and the message, judged against this machine or,
+    with --plan_gpu_memory, GPUs of that size; the longest length that fits."""
+    args = base_args(tiny_target, chat_data, tmp_path / "run") + ["--plan"]
+    assert main(args + ["--plan_gpu_memory", "141"]) == 0
+    lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines() if ":" in line}
+    for length in ("8K", "16K", "32K", "64K", "128K"):
+        assert "fits a 141 GiB GPU" in lines[f"context_{length}"], lines
+    assert "past the target's max_position_embeddings 512" in lines["context_8K"]
+    assert "131072 tokens fit" in lines["longest_context"]
+    sizes = [float(lines[f"context_{n}"].split("message ")[1].split(" MiB")[0]) for n in ("8K", "16K", "32K")]
+    assert sizes[1] == pytest.approx(2 * sizes[0], rel=0.05) and sizes[2] == pytest.approx(
+        4 * sizes[0], rel=0.05
+    )
+    # a GPU of 2.1 GiB (0.1 usable beside CUDA's own): the longer lengths no longer fit
+    assert main(args + ["--plan_gpu_memory", "2.1"]) == 0
+    lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines() if ":" in line}
+    assert (
+        "does NOT fit a 2.1 GiB GPU" in lines["context_32K"] and "fits a 2.1 GiB GPU" in lines["context_16K"]
+    )
+    assert "16384 tokens fit" in lines["longest_context"]
+
+
 def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data, tmp_path, capsys):
     out = tmp_path / "run"
     assert (

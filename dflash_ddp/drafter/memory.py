@@ -64,7 +64,9 @@ def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each 
     exist again while its backward recomputes them."""
     width = len(c.target_layer_ids) * c.hidden_size
     positions = chunk_tokens
-    context = min(chunk_tokens, tokens_per_batch)  # a chunk's padded context is bounded like its positions
+    # a chunk's padded context is bounded like its positions, except that one sequence longer than a chunk
+    # is a chunk of its own with its whole context (long-context runs)
+    context = min(max(chunk_tokens, max_seq_len), tokens_per_batch)
     per_layer = positions * saved_per_position(c) + context * saved_per_context_token(c)
     # once per chunk: the features, fc's output, the block embeddings, the final norm and the loss's copy
     once = context * (width + c.hidden_size) + positions * 3 * c.hidden_size

@@ -75,16 +75,24 @@ class FitCheck:
 
 
 def check_fit(
-    drafter: MemoryPlan, target: MemoryPlan, node_roles: list[str], device: torch.device
+    drafter: MemoryPlan,
+    target: MemoryPlan,
+    node_roles: list[str],
+    device: torch.device,
+    gpu_bytes: int | None = None,
 ) -> FitCheck:
     """Whether the ranks of this node fit: on a CPU all of them in one RAM, each with the runtime's own
     baseline; on GPUs the larger rank against one device's memory. `node_roles`: target, drafter or
-    colocated, one per rank of the node."""
+    colocated, one per rank of the node. `gpu_bytes`: judge against GPUs of that memory instead (a plan
+    made for another machine)."""
     # colocated: the target's forward ends before the drafter's step begins, so only the target's weights
     # and the larger of the two transient parts add up
     state = drafter.parts["weights+grads+optimizer"] + drafter.parts["target embedding+LM head"]
     colocated = target.parts["weights"] + max(drafter.total, target.total - target.parts["weights"] + state)
     sizes = {"target": target.total, "drafter": drafter.total, "colocated": colocated}
+    if gpu_bytes is not None:
+        usable = gpu_bytes - CUDA_RESERVE
+        return FitCheck(max(sizes[r] for r in node_roles), usable, f"a {gpu_bytes / GIB:.3g} GiB GPU")
     if device.type == "cuda":
         usable, where = device_capacity(device)
         return FitCheck(max(sizes[r] for r in node_roles), usable, where)

@@ -5,6 +5,7 @@ would not fit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -58,9 +59,15 @@ class RunMemory:
 
 
 def plan_memory(
-    cfg: TrainConfig, info: TargetInfo, c: DFlashDraftConfig, topology: Topology, device: torch.device
+    cfg: TrainConfig,
+    info: TargetInfo,
+    c: DFlashDraftConfig,
+    topology: Topology,
+    device: torch.device,
+    gpu_bytes: int | None = None,
 ) -> RunMemory:
-    """Predict this run's memory (see memory.py) for the device and node of this rank."""
+    """Predict this run's memory (see memory.py) for the device and node of this rank (`gpu_bytes`: for
+    GPUs of that memory instead, as `check_fit`)."""
     roles = node_roles(topology)
     dtype_bytes = compute_dtype(device).itemsize
     params, optimizer_state = drafter_sizes(c, cfg.optimizer)
@@ -105,11 +112,47 @@ def plan_memory(
     )
     checkpointing = bool(cfg.gradient_checkpointing)
     plan = drafter(checkpointing)
-    fit = check_fit(plan, target, roles, device)
+    fit = check_fit(plan, target, roles, device, gpu_bytes)
     if cfg.gradient_checkpointing is None and not fit.fits:
         checkpointing, plan = True, drafter(True)
-        fit = check_fit(plan, target, roles, device)
+        fit = check_fit(plan, target, roles, device, gpu_bytes)
     return RunMemory(plan, target, fit, checkpointing, params, whole * dtype_bytes)
+
+
+# the context lengths --plan predicts (tokens of one sequence; a batch holds at least one)
+CONTEXT_LENGTHS = (8192, 16384, 32768, 65536, 131072)
+
+
+@dataclass
+class ContextPlan:
+    """A run's predicted memory with sequences of `length` tokens, and the size of one message."""
+
+    length: int
+    memory: RunMemory
+    message_bytes: int  # the features of one batch of at least one such sequence
+
+
+def context_length_plans(
+    cfg: TrainConfig,
+    info: TargetInfo,
+    c: DFlashDraftConfig,
+    topology: Topology,
+    device: torch.device,
+    gpu_bytes: int | None = None,
+) -> list[ContextPlan]:
+    """The run at each of CONTEXT_LENGTHS: --max_seq_len that long, --tokens_per_batch at least as long."""
+    width_bytes = len(c.target_layer_ids) * info.hidden_size * compute_dtype(device).itemsize
+    plans = []
+    for length in CONTEXT_LENGTHS:
+        at = dataclasses.replace(cfg, max_seq_len=length, tokens_per_batch=max(cfg.tokens_per_batch, length))
+        memory = plan_memory(at, info, c, topology, device, gpu_bytes)
+        plans.append(ContextPlan(length, memory, at.tokens_per_batch * width_bytes))
+    return plans
+
+
+def longest_fitting(plans: list[ContextPlan]) -> int | None:
+    """The longest context length whose run fits (None when none does)."""
+    return max((p.length for p in plans if p.memory.fit.fits), default=None)
 
 
 def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
@@ -121,8 +164,8 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "activations": "--drafter_chunk_tokens",
             "backward or loss": "--drafter_chunk_tokens (or --loss_chunk_size)",
             "attention workspace": "--drafter_chunk_tokens (or use --attention sparse)",
-            "received features": "--tokens_per_batch",
-            "tapped features": "--tokens_per_batch",
+            "received features": "--tokens_per_batch (at least --max_seq_len: lower both for long context)",
+            "tapped features": "--tokens_per_batch (at least --max_seq_len: lower both for long context)",
             "sends in flight": "--max_inflight or --tokens_per_batch",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(

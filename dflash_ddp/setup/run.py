@@ -28,7 +28,14 @@ from dflash_ddp.observe.trackers import Trackers
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.machine import GIB
 from dflash_ddp.parallel.topology import Topology, compute_dtype
-from dflash_ddp.setup.plan import RunMemory, plan_memory, run_device
+from dflash_ddp.setup.plan import (
+    CONTEXT_LENGTHS,
+    RunMemory,
+    context_length_plans,
+    longest_fitting,
+    plan_memory,
+    run_device,
+)
 from dflash_ddp.target_model.info import (
     TargetInfo,
     inspect_target,
@@ -96,8 +103,13 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         info = dataclasses.replace(
             info, path=fetch_target_weights(source, run_layers, view_root, together=together)
         )
-    memory = plan_memory(cfg, info, drafter_config, topology, device)
+    memory = plan_memory(cfg, info, drafter_config, topology, device, plan_gpu_bytes(cfg))
     return RunSetup(source, info, tokenizer, drafter_config, memory)
+
+
+def plan_gpu_bytes(cfg: TrainConfig) -> int | None:
+    """--plan_gpu_memory in bytes, or None: the fit is judged on this machine's devices."""
+    return int(cfg.plan_gpu_memory * GIB) if cfg.plan_gpu_memory else None
 
 
 def target_layers_run(cfg: TrainConfig, info: TargetInfo, taps: list[int]) -> int:
@@ -231,5 +243,24 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}, gradient checkpointing {'on' if memory.checkpointing else 'off'}",
         "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
     }
+    device = run_device(cfg)
+    contexts = context_length_plans(cfg, info, c, topology, device, plan_gpu_bytes(cfg))
+    for p in contexts:
+        plan[f"context_{p.length // 1024}K"] = (
+            f"drafter rank {p.memory.drafter.total / GIB:.1f} GiB, target rank {p.memory.target.total / GIB:.1f} "
+            f"GiB, message {p.message_bytes / 2**20:.1f} MiB: {'fits' if p.memory.fit.fits else 'does NOT fit'} "
+            f"{p.memory.fit.where}"
+            + (
+                f"; past the target's max_position_embeddings {info.max_position_embeddings}"
+                if p.length > info.max_position_embeddings
+                else ""
+            )
+        )
+    longest = longest_fitting(contexts)
+    plan["longest_context"] = (
+        f"{longest} tokens fit (--max_seq_len {longest}, --tokens_per_batch at least that)"
+        if longest
+        else f"none of {CONTEXT_LENGTHS[0]}..{CONTEXT_LENGTHS[-1]} tokens fits"
+    )
     for key, value in plan.items():
         print(f"{key:>26}: {value}")
