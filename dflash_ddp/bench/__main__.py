@@ -19,6 +19,7 @@ from dflash_ddp.bench.channel import bench_channel, bench_job
 from dflash_ddp.bench.drafter import bench_attention_paths, bench_chunked_recipe
 from dflash_ddp.bench.gpu_shapes import add_arguments as add_gpu_shapes_arguments
 from dflash_ddp.bench.gpu_shapes import run as bench_gpu_shapes
+from dflash_ddp.bench.long_plan import bench_long_plan
 from dflash_ddp.bench.method import TARGETS, VARIANTS, bench_method
 from dflash_ddp.bench.speed import bench_plain_loop
 from dflash_ddp.bench.step_cost import bench_step_cost
@@ -33,6 +34,7 @@ SECTIONS = {
     "attention": lambda args: bench_attention_paths(),
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
+    "long_plan": lambda args: bench_long_plan(),
     "method": lambda args: bench_method(
         Path(args.method_out),
         args.quick,
@@ -41,7 +43,15 @@ SECTIONS = {
         [v.strip() for v in args.variants.split(",")],
     ),
 }
-DEFAULT = ["channel", "job", "plain", "steps", "attention", "recipe"]  # the CPU figures of docs/benchmarks.md
+DEFAULT = [
+    "channel",
+    "job",
+    "plain",
+    "steps",
+    "attention",
+    "recipe",
+    "long_plan",
+]  # the CPU figures of docs/benchmarks.md
 
 
 def main() -> None:

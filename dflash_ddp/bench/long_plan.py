@@ -1,0 +1,71 @@
+"""(i) `python -m dflash_ddp.bench --only long_plan`: `--plan`'s memory model for Qwen3-8B at long context, as
+the recipe's 7+1 launch on 8 GPUs of 141 GB (H200), from Qwen3-8B's published shape (no download): each
+rank's predicted peak and one message at 8K-128K tokens per sequence. A prediction, not a measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config
+
+from dflash_ddp.config import parse_config
+from dflash_ddp.drafter.config import drafter_config_for
+from dflash_ddp.parallel.machine import GIB
+from dflash_ddp.parallel.topology import Topology
+from dflash_ddp.setup.plan import context_length_plans, longest_fitting
+from dflash_ddp.target_model.info import target_info_from_config
+
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen3-8b.yaml"
+# Qwen/Qwen3-8B's config.json (the fields the plan reads)
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+GPU_GIB = 141
+WORLD = 8
+
+
+def bench_long_plan() -> list[str]:
+    """Print (and return) the table's lines."""
+    with tempfile.TemporaryDirectory() as scratch:
+        config = Qwen3Config(**QWEN3_8B)
+        config.save_pretrained(scratch)
+        info = target_info_from_config(config, Path(scratch))
+        rank = WORLD - 1  # the drafter rank of the 7+1 launch; a node holds both kinds of rank
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD)
+        )
+        cfg, _ = parse_config(["--config", str(RECIPE)])
+        c = drafter_config_for(
+            info, cfg.num_draft_layers, cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size
+        )
+        device = torch.device("cuda")  # bf16 sizes and the flex path; nothing runs on it
+        plans = context_length_plans(cfg, info, c, Topology(WORLD, rank, 1), device, GPU_GIB * GIB)
+    lines = [
+        f"(i) --plan for Qwen3-8B, 7+1 on {WORLD} x {GPU_GIB} GB ({RECIPE.name}, --max_seq_len = the length, "
+        "--tokens_per_batch at least that)",
+        "| tokens per sequence | drafter rank | target rank | message | fits |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for p in plans:
+        m = p.memory
+        lines.append(
+            f"| {p.length} | {m.drafter.total / GIB:.1f} GiB ({m.drafter.describe()}) | {m.target.total / GIB:.1f} "
+            f"GiB ({m.target.describe()}) | {p.message_bytes / GIB:.2f} GiB | {'yes' if m.fit.fits else 'no'} |"
+        )
+    lines.append(f"longest that fits: {longest_fitting(plans)} tokens")
+    print("\n".join(lines))
+    return lines
