@@ -381,6 +381,14 @@ class TrainConfig:
         allowed="auto (flex on CUDA, sparse elsewhere) | sparse | flex | dense (the slow reference)",
         choices=("auto", "sparse", "flex", "dense"),
     )
+    target_prefill_tokens: int = setting(
+        0,
+        "memory and compute",
+        "positions of a batch the target runs at once: a longer sequence is prefilled in pieces sharing a KV "
+        "cache (the same features as one pass, to float tolerance), bounding the target's activations at long "
+        "context; 0: one pass",
+        minimum=0,
+    )
     drafter_chunk_tokens: int = setting(
         8192,
         "memory and compute",

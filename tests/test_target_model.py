@@ -137,3 +137,25 @@ def test_soft_targets_are_the_top_k_of_the_whole_targets_next_token_distribution
     _, whole = everything(ids, attn)
     dense = torch.zeros_like(probs).scatter(-1, whole.ids.long(), whole.probs.float())
     torch.testing.assert_close(dense[real], probs[real], rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("topk", [0, 4])
+def test_a_prefill_in_pieces_equals_one_pass(tiny_target, topk):
+    """--target_prefill_tokens: pieces of 48 positions sharing a KV cache give the features (and soft
+    targets) of one pass, for a padded batch whose rows end before, inside and after a piece."""
+    info = inspect_target(tiny_target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 290, (3, 130), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 100:] = 0  # a row that ends inside the third piece
+    mask[2, 48:] = 0  # one that ends with the first
+    whole = TargetFeatureExtractor(info, [1, 3, 5], torch.device("cpu"), torch.float32, topk=topk)
+    pieces = TargetFeatureExtractor(
+        info, [1, 3, 5], torch.device("cpu"), torch.float32, topk=topk, prefill_tokens=48
+    )
+    (a, soft_a), (b, soft_b) = whole(ids, mask), pieces(ids, mask)
+    assert a.shape == b.shape == (3, 130, 3 * info.hidden_size)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    if topk:
+        assert torch.equal(soft_a.ids, soft_b.ids)
+        torch.testing.assert_close(soft_b.probs.float(), soft_a.probs.float(), rtol=0, atol=1e-2)

@@ -55,5 +55,6 @@ def run_colocated(ctx: DistributedContext, run: Run) -> bool:
         ctx.device,
         compute_dtype(ctx.device),
         topk=run.cfg.target_topk,
+        prefill_tokens=run.cfg.target_prefill_tokens,
     )
     return train_drafter(ctx, run, lambda trainer: LocalTarget(extractor, run))

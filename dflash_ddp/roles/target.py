@@ -32,6 +32,7 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
         compute_dtype(ctx.device),
         ctx.target_meshes,
         run.cfg.target_topk,
+        run.cfg.target_prefill_tokens,
     )
     sends = topo.rank in topo.sender_ranks
     sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device) if sends else None

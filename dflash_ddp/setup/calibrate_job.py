@@ -46,7 +46,14 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
     data, _ = load_data(cfg, setup, where, together=False)
     device = run_device(cfg)
     taps = setup.drafter_config.target_layer_ids
-    extractor = TargetFeatureExtractor(setup.info, taps, device, compute_dtype(device), topk=cfg.target_topk)
+    extractor = TargetFeatureExtractor(
+        setup.info,
+        taps,
+        device,
+        compute_dtype(device),
+        topk=cfg.target_topk,
+        prefill_tokens=cfg.target_prefill_tokens,
+    )
     trainer = build_trainer(cfg, setup, device, calibration_steps(device))
     measurement = measure_rates(
         calibration_schedule(cfg, setup, data, device), extractor, trainer, cfg.gradient_accumulation_steps
@@ -90,7 +97,13 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
         if measures_target:
             taps = setup.drafter_config.target_layer_ids
             extractor = TargetFeatureExtractor(
-                setup.info, taps, device, compute_dtype(device), ctx.target_meshes, cfg.target_topk
+                setup.info,
+                taps,
+                device,
+                compute_dtype(device),
+                ctx.target_meshes,
+                cfg.target_topk,
+                cfg.target_prefill_tokens,
             )
             timed = time_target_forward(
                 calibration_schedule(cfg, setup, data, device), extractor, cfg.gradient_accumulation_steps

@@ -102,6 +102,11 @@ def plan_memory(
         0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
         topology.tp_size,
         cfg.target_topk,
+        (
+            cfg.target_prefill_tokens,
+            cfg.max_seq_len,
+            layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk),
+        ),
     )
     # speculative decoding verifies with the whole target: every layer and the LM head, on one device
     whole = (

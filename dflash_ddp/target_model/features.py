@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 from torch import nn
-from transformers import AutoModel
+from transformers import AutoModel, DynamicCache
 from transformers import logging as hf_logging
 
 from dflash_ddp.data.batch import SoftTargets
@@ -107,9 +107,11 @@ class TargetFeatureExtractor:
         dtype: torch.dtype,
         meshes=None,
         topk: int = 0,
+        prefill_tokens: int = 0,
     ):
         self.target_layer_ids = list(target_layer_ids)
         self.topk = topk
+        self.prefill_tokens = prefill_tokens  # positions run at once (0: the whole sequence in one pass)
         keep = layers_run(info.num_layers, self.target_layer_ids, topk)
         # Load only the layers that run: later layers, the norm's use and the LM head are skipped.
         verbosity = hf_logging.get_verbosity()
@@ -140,20 +142,42 @@ class TargetFeatureExtractor:
         Padding positions are zeroed so that a batch's features are the same whether they were computed
         here or packed, sent and re-padded by the channel."""
         real = attention_mask[..., None]
+        pieces = [
+            self._piece(input_ids, attention_mask, start, cache) for start, cache in self._pieces(input_ids)
+        ]
+        features = torch.cat([f for f, _ in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
         if not self.topk:
-            features = tapped_features(
-                self.model, self.layers, self.target_layer_ids, input_ids, attention_mask, self.final_norm
-            )
             return features * real.to(features.dtype), None
-        with capture_layer_outputs(self.layers, self.target_layer_ids, False, self.final_norm) as captured:
-            last = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        features = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
-        hidden = last.last_hidden_state
-        hidden = hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden
+        hidden = torch.cat([h for _, h in pieces], dim=1) if len(pieces) > 1 else pieces[0][1]
         soft = top_k_next_tokens(hidden, self.lm_head, self.topk)
         return features * real.to(features.dtype), SoftTargets(
             soft.ids * real.to(soft.ids.dtype), soft.probs * real.to(soft.probs.dtype)
         )
+
+    def _pieces(self, input_ids: torch.Tensor):
+        """(first position, cache) of each piece of the prefill: one pass without a cache, or pieces of
+        `prefill_tokens` positions sharing one KV cache, each piece attending to the cached ones before it."""
+        length = input_ids.shape[1]
+        if not self.prefill_tokens or length <= self.prefill_tokens:
+            return [(0, None)]
+        cache = DynamicCache(config=self.model.config)
+        return [(start, cache) for start in range(0, length, self.prefill_tokens)]
+
+    def _piece(self, input_ids, attention_mask, start: int, cache):
+        """The tapped features (and, with soft targets, the final hidden states) of positions start.. of one
+        piece; the padding mask covers every position up to the piece's end."""
+        end = input_ids.shape[1] if cache is None else min(start + self.prefill_tokens, input_ids.shape[1])
+        run = {"input_ids": input_ids[:, start:end], "attention_mask": attention_mask[:, :end]}
+        run |= {"cache": cache, "use_cache": True} if cache is not None else {"use_cache": False}
+        if not self.topk:
+            return tapped_features(
+                self.model, self.layers, self.target_layer_ids, final_norm=self.final_norm, **run
+            ), None
+        with capture_layer_outputs(self.layers, self.target_layer_ids, False, self.final_norm) as captured:
+            last = self.model(**run)
+        hidden = last.last_hidden_state
+        hidden = hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden
+        return torch.cat([captured[i] for i in self.target_layer_ids], dim=-1), hidden
 
 
 def top_k_next_tokens(hidden: torch.Tensor, lm_head: torch.Tensor, k: int) -> SoftTargets:
@@ -174,10 +198,12 @@ def tapped_features(
     model, layers, layer_ids, input_ids, attention_mask, final_norm=None, **kwargs
 ) -> torch.Tensor:
     """Run `model` until the last tapped layer and concatenate the tapped layers' outputs (the last
-    layer's through `final_norm`, see `capture_layer_outputs`)."""
+    layer's through `final_norm`, see `capture_layer_outputs`); `kwargs` go to the model (use_cache=False
+    unless they say otherwise)."""
+    kwargs.setdefault("use_cache", False)
     with (
         capture_layer_outputs(layers, layer_ids, stop_after_last=True, final_norm=final_norm) as captured,
         contextlib.suppress(_StopForward),
     ):
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+        model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
