@@ -368,3 +368,37 @@ def test_the_channel_header_travels_as_named_fields():
     assert encoded[:3].tolist() == [VERSION, DATA, 7] and encoded[11:].eq(0).all()  # the wire layout
     assert Header.decode(encoded) == header
     assert Header.decode(Header(kind=END).encode()).kind == END
+
+
+def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tiny_target, tmp_path):
+    """Two 16K-token multi-turn conversations (every assistant turn in the loss), the target prefilled in
+    pieces of 4096: a 2+1 job trains the colocated run's weights bit for bit, and each target's outstanding
+    sends never held more than --max_inflight messages (measured by the sender, logged per target)."""
+    from dflash_ddp.train import main
+
+    from conftest import conversation
+
+    data = tmp_path / "long.jsonl"
+    turns = lambda seed: [m for t in range(230) for m in conversation(seed * 1000 + t)["messages"]]  # noqa: E731
+    data.write_text("".join(json.dumps({"messages": turns(i)}) + "\n" for i in range(2)))
+    settings = {
+        "max_seq_len": 16384,
+        "tokens_per_batch": 16384,
+        "target_prefill_tokens": 4096,
+        "max_inflight": 1,
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's workers (see above)
+    try:
+        assert main(train_args(tiny_target, data, tmp_path / "colocated", max_steps=2, **settings)[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    split = torchrun(3, train_args(tiny_target, data, tmp_path / "2+1", max_steps=2, **settings))
+    assert split.returncode == 0, split.stderr[-3000:]
+    reference, weights = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    records = [json.loads(line) for line in (tmp_path / "2+1" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["tokens_seen"] == 2 * 16384
+    message_mib = 16384 * (3 * 64 * 4 + 2 * 8) / 2**20  # tokens x (3 taps x hidden 64 x fp32 + 2 int64 ids)
+    peaks = [mib for r in records for mib in r["target_peak_send_mib"].values()]
+    assert peaks and all(message_mib <= mib <= 1.01 * message_mib for mib in peaks)  # one message at most

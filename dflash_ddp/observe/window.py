@@ -1,5 +1,6 @@
 """The drafter's logging window: what happened between two logged steps (tokens trained, time spent waiting
-for batches and inside the step, bytes received, each target's send wait and queue depth), as the record
+for batches and inside the step, bytes received, each target's send wait, queue depth and the most its
+outstanding sends have held), as the record
 metrics.jsonl gets.
 """
 
@@ -63,5 +64,7 @@ class LoggingWindow:
             peak_memory_gib=peak_memory_bytes(self.device) / 2**30,
             target_send_wait_s={str(k): round(v[0], 3) for k, v in sorted(self.senders.items())},
             target_inflight={str(k): v[1] for k, v in sorted(self.senders.items())},
+            # the most each target's outstanding sends have held: at most --max_inflight messages
+            target_peak_send_mib={str(k): round(v[2] / 2**20, 3) for k, v in sorted(self.senders.items())},
         )
         return metrics

@@ -55,6 +55,9 @@ class Header:
     sender_wait_us: int = 0  # the sender's cumulative wait on backpressure
     sender_inflight: int = 0  # the sender's outstanding messages when it sent this one
     topk: int = 0  # soft targets per token (--target_topk), 0: none
+    sender_peak_bytes: int = (
+        0  # the most bytes the sender's outstanding messages have held, this one included
+    )
 
     def encode(self) -> torch.Tensor:
         """The header as the int64[HEADER_LEN] tensor that travels."""
@@ -92,6 +95,7 @@ class Message:
     source: int = 0  # the target rank that sent it (0 in one process)
     sender_wait_s: float = 0.0  # that rank's cumulative wait on backpressure
     sender_inflight: int = 0  # its outstanding messages when it sent this one
+    sender_peak_bytes: int = 0  # the most bytes its outstanding messages have held so far
 
 
 def pack(
@@ -153,6 +157,9 @@ class ChannelSender:
         self.device = device
         self.inflight: deque[tuple[int, list, list]] = deque()
         self.wait_s = 0.0
+        self.peak_bytes = (
+            0  # the most bytes the outstanding messages' buffers have held (at most max_inflight)
+        )
 
     def _comm(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device) if self.device.type == "cuda" else t
@@ -186,7 +193,15 @@ class ChannelSender:
         if soft is not None:
             soft = SoftTargets(soft.ids.to(self.device), soft.probs.to(self.device))
         header, ints, slices = pack(batch, features.to(self.device), g, epoch, soft)
-        header = replace(header, sender_wait_us=int(self.wait_s * 1e6), sender_inflight=len(self.inflight))
+        held = sum(t.nbytes for _, _, sent in self.inflight for t in sent)
+        held += HEADER_LEN * 8 + ints.nbytes + sum(t.nbytes for t in slices)
+        self.peak_bytes = max(self.peak_bytes, held)
+        header = replace(
+            header,
+            sender_wait_us=int(self.wait_s * 1e6),
+            sender_inflight=len(self.inflight),
+            sender_peak_bytes=self.peak_bytes,
+        )
         tensors = [self._comm(header.encode()), self._comm(ints), *slices]
         # One batch of sends per message (one NCCL group launch, not 2 + B). The tensors ride along with their
         # works: a send buffer must outlive the send.
@@ -290,6 +305,7 @@ class ChannelReceiver:
             source=src,
             sender_wait_s=header.sender_wait_us / 1e6,
             sender_inflight=header.sender_inflight,
+            sender_peak_bytes=header.sender_peak_bytes,
         )
 
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:

@@ -19,9 +19,9 @@ class BatchSource(Protocol):
     def get(self) -> Message:
         """The next scheduled batch."""
 
-    def sender_stats(self, messages: list[Message]) -> dict[int, tuple[float, int]]:
-        """{target rank: (its cumulative send wait, its queue depth)} as the messages carry them; {} when
-        nothing was sent."""
+    def sender_stats(self, messages: list[Message]) -> dict[int, tuple[float, int, int]]:
+        """{target rank: (its cumulative send wait, its queue depth, the most bytes its outstanding sends
+        have held)} as the messages carry them; {} when nothing was sent."""
 
     def stop_requested(self) -> str:
         """Who asked the job to stop from another rank ("" for none)."""
@@ -55,8 +55,8 @@ class ChannelSource:
     def get(self) -> Message:
         return self.receiver.get()
 
-    def sender_stats(self, messages: list[Message]) -> dict[int, tuple[float, int]]:
-        return {m.source: (m.sender_wait_s, m.sender_inflight) for m in messages}
+    def sender_stats(self, messages: list[Message]) -> dict[int, tuple[float, int, int]]:
+        return {m.source: (m.sender_wait_s, m.sender_inflight, m.sender_peak_bytes) for m in messages}
 
     def stop_requested(self) -> str:
         return self.flag.requested() if self.flag else ""

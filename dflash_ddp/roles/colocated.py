@@ -31,7 +31,7 @@ class LocalTarget:
         self.wait_s += time.perf_counter() - start
         return Message(g=item.g, epoch=item.epoch, batch=batch, features=features, soft=soft)
 
-    def sender_stats(self, messages: list[Message]) -> dict[int, tuple[float, int]]:
+    def sender_stats(self, messages: list[Message]) -> dict[int, tuple[float, int, int]]:
         return {}  # nothing is sent in one process
 
     def stop_requested(self) -> str:
