@@ -12,8 +12,11 @@ def test_the_long_context_plan_prints_each_length_for_qwen3_8b():
         timeout=300,
         check=True,
     ).stdout
-    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [int(r.split("|")[1]) for r in rows] == [8192, 16384, 32768, 65536, 131072]
-    # 64K tokens x 5 taps x 4096 x bf16 = 2.5 GiB a message, as the issue's 2.6 GB
-    assert "| 65536 |" in out and "| 2.50 GiB | yes |" in rows[3]
-    assert "longest that fits: 131072 tokens" in out
+    rows = [line for line in out.splitlines() if line.startswith("| dflash")]
+    assert [r.split("|")[1].strip() for r in rows] == ["dflash"] * 5 + ["dflash2"] * 5
+    assert [int(r.split("|")[2]) for r in rows[:5]] == [8192, 16384, 32768, 65536, 131072]
+    # 64K tokens x 5 taps x 4096 x bf16 = 2.5 GiB a message
+    assert "| 2.50 GiB | yes |" in rows[3]
+    # DFlash2's codebooks: 2 x 151936 x 256 x 16 bytes (fp32 weights, gradients, AdamW's moments) = 1.16 GiB
+    assert all("selector codebooks 1.16" in r for r in rows[5:]) and "codebooks" not in rows[0]
+    assert "dflash: longest that fits: 131072 tokens" in out

@@ -20,6 +20,7 @@ from dflash_ddp.drafter.trainer import build_drafter
 from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.drafter.zlab import from_zlab_config, to_zlab_config, zlab_keys
 from dflash_ddp.evaluation.decoding import speculative_generate
+from dflash_ddp.serving.export import load_drafter
 from dflash_ddp.target_model.info import inspect_target
 from dflash_ddp.target_model.loading import load_causal_lm
 
@@ -428,6 +429,16 @@ def test_a_dflash2_run_trains_evaluates_exports_and_decodes_losslessly(
     )
     report = json.loads(report_path.read_text())
     assert report["drafter"] == "dflash2" and report["lossless"] and report["dflash"]["mismatches"] == 0
+
+    # an fp32 export loaded back is the trained drafter: it drafts the same tokens on the same prompts
+    assert export_main([str(run), str(tmp_path / "export32"), "--dtype", "float32"]) == 0
+    checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
+    trained, exported = load_drafter(checkpoint), load_drafter(tmp_path / "export32")
+    target = load_causal_lm(inspect_target(tiny_target), CPU, torch.float32)
+    for prompt in ([5, 17, 42, 8, 99, 23], [7, 7, 120, 33]):
+        a = speculative_generate(target, trained, prompt, 24)
+        b = speculative_generate(target, exported, prompt, 24)
+        assert a.tokens == b.tokens and a.accepted == b.accepted
     assert report["tau_by_context"] == {"0-2K": pytest.approx(report["tau"])}
     assert all("tau_by_context" in r for r in records)
 

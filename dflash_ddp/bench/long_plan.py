@@ -1,6 +1,7 @@
 """(i) `python -m dflash_ddp.bench --only long_plan`: `--plan`'s memory model for Qwen3-8B at long context, as
 the recipe's 7+1 launch on 8 GPUs of 141 GB (H200), from Qwen3-8B's published shape (no download): each
-rank's predicted peak and one message at 8K-128K tokens per sequence. A prediction, not a measurement.
+rank's predicted peak and one message at 8K-128K tokens per sequence, for a DFlash and a DFlash2 drafter
+(its selector's codebooks shown apart). A prediction, not a measurement.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from transformers import Qwen3Config
 
 from dflash_ddp.config import parse_config
 from dflash_ddp.drafter.config import drafter_config_for
+from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.parallel.machine import GIB
 from dflash_ddp.parallel.topology import Topology
 from dflash_ddp.setup.plan import context_length_plans, longest_fitting
@@ -45,27 +47,44 @@ def bench_long_plan() -> list[str]:
         config.save_pretrained(scratch)
         info = target_info_from_config(config, Path(scratch))
         rank = WORLD - 1  # the drafter rank of the 7+1 launch; a node holds both kinds of rank
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD)
-        )
-        cfg, _ = parse_config(["--config", str(RECIPE)])
-        c = drafter_config_for(
-            info, cfg.num_draft_layers, cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size
-        )
-        device = torch.device("cuda")  # bf16 sizes and the flex path; nothing runs on it
-        plans = context_length_plans(cfg, info, c, Topology(WORLD, rank, 1), device, GPU_GIB * GIB)
+        launch = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": WORLD, "LOCAL_WORLD_SIZE": WORLD}
+        before = {key: os.environ.get(key) for key in launch}
+        os.environ.update({key: str(value) for key, value in launch.items()})
+        try:
+            cfg, _ = parse_config(["--config", str(RECIPE)])
+            device = torch.device("cuda")  # bf16 sizes and the flex path; nothing runs on it
+            topology = Topology(WORLD, rank, 1)
+            plans = {}
+            for family, (config_class, _) in FAMILIES.items():  # each with its defaults
+                c = drafter_config_for(
+                    info,
+                    cfg.num_draft_layers,
+                    cfg.target_layer_ids,
+                    cfg.mask_token_id,
+                    cfg.block_size,
+                    config_class,
+                )
+                plans[family] = context_length_plans(cfg, info, c, topology, device, GPU_GIB * GIB)
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     lines = [
         f"(i) --plan for Qwen3-8B, 7+1 on {WORLD} x {GPU_GIB} GB ({RECIPE.name}, --max_seq_len = the length, "
         "--tokens_per_batch at least that)",
-        "| tokens per sequence | drafter rank | target rank | message | fits |",
-        "| --- | --- | --- | --- | --- |",
+        "| drafter | tokens per sequence | drafter rank | target rank | message | fits |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for p in plans:
-        m = p.memory
-        lines.append(
-            f"| {p.length} | {m.drafter.total / GIB:.1f} GiB ({m.drafter.describe()}) | {m.target.total / GIB:.1f} "
-            f"GiB ({m.target.describe()}) | {p.message_bytes / GIB:.2f} GiB | {'yes' if m.fit.fits else 'no'} |"
-        )
-    lines.append(f"longest that fits: {longest_fitting(plans)} tokens")
+    for family, rows in plans.items():
+        for p in rows:
+            m = p.memory
+            lines.append(
+                f"| {family} | {p.length} | {m.drafter.total / GIB:.1f} GiB ({m.drafter.describe()}) | "
+                f"{m.target.total / GIB:.1f} GiB ({m.target.describe()}) | {p.message_bytes / GIB:.2f} GiB | "
+                f"{'yes' if m.fit.fits else 'no'} |"
+            )
+        lines.append(f"{family}: longest that fits: {longest_fitting(rows)} tokens")
     print("\n".join(lines))
     return lines

@@ -101,6 +101,10 @@ class DFlashDraftConfig(PretrainedConfig):
         (memory.backward_per_position)."""
         return 0
 
+    def lookup_table_params(self) -> int:
+        """Parameters of the family's lookup tables (kept on AdamW), shown apart in the memory plan."""
+        return 0
+
     def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
         """Bytes the family's loss holds beside DFlash's for `rows` rows at once."""
         return 0

@@ -86,6 +86,10 @@ class DFlash2DraftConfig(DFlashDraftConfig):
         deltas = 2 * 2 * self.conv_kernel_size * (self.hidden_size // self.conv_group_size)
         return 6 * self.hidden_size + deltas + 2
 
+    def lookup_table_params(self) -> int:
+        """The selector's two codebooks, [V, rank] each."""
+        return 2 * self.vocab_size * self.selector_rank
+
     def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
         """The selector's loss per chunk of rows: the gathered LM-head rows of the candidates [rows, K, H],
         in forward and again in backward, and each codebook's dense fp32 gradient [V, rank]."""

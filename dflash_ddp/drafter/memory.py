@@ -90,9 +90,12 @@ def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each 
         attention_ws = 3 * WORKSPACE_BYTES
     else:  # flex: tiles in on-chip memory; the BlockMask is small
         attention_ws = 0
+    # lookup tables (DFlash2's codebooks): fp32 weights and gradients and AdamW's two moments, shown apart
+    tables = c.lookup_table_params() * 16
     return MemoryPlan(
         {
-            "weights+grads+optimizer": num_params * 8 + optimizer_state,
+            "weights+grads+optimizer": num_params * 8 + optimizer_state - tables,
+            **({"selector codebooks": tables} if tables else {}),
             "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
             "received features": received_batches * tokens_per_batch * width * dtype_bytes,
             "activations": activations,

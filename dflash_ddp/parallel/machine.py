@@ -87,7 +87,11 @@ def check_fit(
     made for another machine)."""
     # colocated: the target's forward ends before the drafter's step begins, so only the target's weights
     # and the larger of the two transient parts add up
-    state = drafter.parts["weights+grads+optimizer"] + drafter.parts["target embedding+LM head"]
+    state = (
+        drafter.parts["weights+grads+optimizer"]
+        + drafter.parts.get("selector codebooks", 0)
+        + drafter.parts["target embedding+LM head"]
+    )
     colocated = target.parts["weights"] + max(drafter.total, target.total - target.parts["weights"] + state)
     sizes = {"target": target.total, "drafter": drafter.total, "colocated": colocated}
     if gpu_bytes is not None:
