@@ -225,3 +225,36 @@ def test_the_sliding_window_in_training_is_the_window_in_decoding(family, path):
         # and the window matters: with full attention everywhere the first block's output differs
         everywhere = drafter(embeds, features, inputs.position_ids, LayerMasks(masks.full, masks.full))
         assert not torch.allclose(everywhere.last_hidden_state[:, 2 * BS :], trained[:, 2 * BS :])
+
+
+def test_a_yarn_targets_rope_is_the_drafters_at_long_positions():
+    """A Qwen3 target with YaRN (factor 4 over 32768 positions, as Qwen3 serves past 32K): the drafter built
+    from it has the target's cos/sin (attention scaling included) at positions up to 128K."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from dflash_ddp.drafter.config import drafter_config_for
+    from dflash_ddp.drafter.model import RotaryEmbedding
+    from dflash_ddp.target_model.info import target_info_from_config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    target = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        max_position_embeddings=131072,
+        rope_parameters=yarn,
+    )
+    info = target_info_from_config(target, None)
+    config = drafter_config_for(info, 1, [1, 3], 3, 4)
+    assert config.rope_parameters["rope_type"] == "yarn"
+    positions = torch.tensor([[0, 1, 4095, 32767, 40000, 65535, 131071]])
+    cos, sin = RotaryEmbedding(config)(positions, torch.float32)
+    reference = Qwen3RotaryEmbedding(target)
+    want_cos, want_sin = reference(torch.zeros(1, 7, 16), positions)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-5, atol=1e-6)
