@@ -111,23 +111,28 @@ def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
+def colocated_and_split(tiny_target, data, tmp_path, **settings) -> tuple[dict, dict]:
+    """The final weights of a colocated run (one thread, as torchrun's workers: see above) and of a 2+1 job
+    with the same settings, after checking that they logged the same losses."""
+    from dflash_ddp.train import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(train_args(tiny_target, data, tmp_path / "colocated", **settings)[2:]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    split = torchrun(3, train_args(tiny_target, data, tmp_path / "2+1", **settings))
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert losses(tmp_path / "2+1") == losses(tmp_path / "colocated")
+    return final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
+
+
 def test_dflash2_trains_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):
     """A DFlash2 drafter trained colocated and by a 2+1 job, in chunks that split sequences, is the same
     drafter bit for bit, convolutions and selector included."""
-    from dflash_ddp.train import main
-
     settings = {**OBJECTIVES["dflash2"], "drafter_chunk_tokens": 24}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun's workers (see above)
-    try:
-        assert main(train_args(tiny_target, chat_data, tmp_path / "colocated", **settings)[2:]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    split = torchrun(3, train_args(tiny_target, chat_data, tmp_path / "2+1", **settings))
-    assert split.returncode == 0, split.stderr[-3000:]
-    assert losses(tmp_path / "2+1") == losses(tmp_path / "colocated")
-    reference, weights = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
-    assert "candidate_selector.successor_codebook" in reference
+    reference, weights = colocated_and_split(tiny_target, chat_data, tmp_path, **settings)
     assert reference["candidate_selector.successor_codebook"].abs().sum() > 0  # the selector trained
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
@@ -135,19 +140,7 @@ def test_dflash2_trains_bit_identical_drafters_colocated_and_split(tiny_target, 
 def test_soft_targets_train_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):
     """With --loss tv --target_topk 4, the soft targets computed in the drafter's own process and those sent
     by a target rank over the channel train the same weights, bit for bit."""
-    from dflash_ddp.train import main
-
-    soft = OBJECTIVES["dpace-tv"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun's workers (see above)
-    try:
-        assert main(train_args(tiny_target, chat_data, tmp_path / "colocated", **soft)[2:]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    split = torchrun(3, train_args(tiny_target, chat_data, tmp_path / "2+1", **soft))
-    assert split.returncode == 0, split.stderr[-3000:]
-    assert losses(tmp_path / "2+1") == losses(tmp_path / "colocated")
-    reference, weights = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
+    reference, weights = colocated_and_split(tiny_target, chat_data, tmp_path, **OBJECTIVES["dpace-tv"])
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
     state = json.loads(next((tmp_path / "2+1" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
     assert state["config"]["loss"] == "tv" and state["config"]["target_topk"] == 4
@@ -374,28 +367,15 @@ def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tiny_ta
     """Two 16K-token multi-turn conversations (every assistant turn in the loss), the target prefilled in
     pieces of 4096: a 2+1 job trains the colocated run's weights bit for bit, and each target's outstanding
     sends never held more than --max_inflight messages (measured by the sender, logged per target)."""
-    from dflash_ddp.train import main
-
     from conftest import conversation
 
     data = tmp_path / "long.jsonl"
     turns = lambda seed: [m for t in range(230) for m in conversation(seed * 1000 + t)["messages"]]  # noqa: E731
     data.write_text("".join(json.dumps({"messages": turns(i)}) + "\n" for i in range(2)))
-    settings = {
-        "max_seq_len": 16384,
-        "tokens_per_batch": 16384,
-        "target_prefill_tokens": 4096,
-        "max_inflight": 1,
-    }
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun's workers (see above)
-    try:
-        assert main(train_args(tiny_target, data, tmp_path / "colocated", max_steps=2, **settings)[2:]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    split = torchrun(3, train_args(tiny_target, data, tmp_path / "2+1", max_steps=2, **settings))
-    assert split.returncode == 0, split.stderr[-3000:]
-    reference, weights = final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
+    settings = {"max_seq_len": 16384, "tokens_per_batch": 16384, "target_prefill_tokens": 4096}
+    reference, weights = colocated_and_split(
+        tiny_target, data, tmp_path, max_steps=2, max_inflight=1, **settings
+    )
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
     records = [json.loads(line) for line in (tmp_path / "2+1" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["tokens_seen"] == 2 * 16384
