@@ -218,7 +218,8 @@ class TrainConfig:
     tokens_per_batch: int = setting(
         32768,
         "data",
-        "token budget of one batch (one target forward); >= --max_seq_len",
+        "token budget of one batch (one target forward, padding included); a sequence longer than it is a "
+        "batch of its own",
         minimum=1,
         overridable=True,
     )
@@ -481,11 +482,6 @@ class TrainConfig:
             check_setting(f.name, getattr(self, f.name), f.metadata["setting"])
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed {self.seed}: must be in [0, 2^63)")
-        if self.tokens_per_batch < self.max_seq_len:
-            raise ValueError(
-                f"--tokens_per_batch {self.tokens_per_batch} is smaller than --max_seq_len {self.max_seq_len}: "
-                "a batch must hold at least one full sequence"
-            )
         if self.max_steps == 0 or self.max_steps < -1:
             raise ValueError(
                 f"--max_steps {self.max_steps}: pass a positive number, or -1 to run --num_epochs"
@@ -527,6 +523,11 @@ class TrainConfig:
                 "are what is evaluated"
             )
         self._check_paths()
+
+    @property
+    def batch_tokens(self) -> int:
+        """The most tokens one batch holds: the budget, or one sequence longer than it."""
+        return max(self.tokens_per_batch, self.max_seq_len)
 
     def _check_family(self) -> None:
         """A setting of another drafter family (its --help group) would be silently ignored: refuse it."""

@@ -36,7 +36,6 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--block_size", "1"], "--block_size 1: must be at least 2"),
         (["--block_size", "big"], "--block_size: expected int, got 'big'"),
         (["--max_steps", "0"], "--max_steps 0"),
-        (["--tokens_per_batch", "100"], "smaller than --max_seq_len"),
         (["--attention", "fast"], "--attention fast"),
         (["--channel_backend", "mpi"], "--channel_backend mpi: choose auto"),
         (["--channel_backend", "nccl", "--device", "cpu"], "--channel_backend nccl needs GPUs"),

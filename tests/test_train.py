@@ -62,6 +62,31 @@ def test_plan_prints_topology_without_training(tiny_target, chat_data, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_sequence_longer_than_the_batch_budget_is_a_batch_of_its_own(tiny_target, tmp_path, capsys):
+    """--max_seq_len 4096 with --tokens_per_batch 512: each long multi-turn conversation is one batch, whole
+    (all its assistant turns in the loss), and --plan sizes the message for it."""
+    data = tmp_path / "long.jsonl"
+    turns = lambda seed: [m for t in range(30) for m in conversation(seed * 100 + t)["messages"]]  # noqa: E731
+    data.write_text("".join(json.dumps({"messages": turns(i)}) + "\n" for i in range(3)))
+    args = train_flags(tiny_target, data, tmp_path / "run", max_seq_len=4096, tokens_per_batch=512)
+    args += ["--max_steps", "3", "--save_steps", "3", "--logging_steps", "1"]
+    assert main([*args, "--plan"]) == 0
+    assert "up to 3.0 MiB of features per batch" in capsys.readouterr().out  # 4096 x 3 taps x 64 x fp32
+    assert main(args) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lengths = [len(load_conversation_ids(tiny_target, turns(i))) for i in range(3)]
+    # each one longer than the budget, truncated to --max_seq_len, one batch a step
+    assert min(lengths) > 512 and records[-1]["tokens_seen"] == sum(min(n, 4096) for n in lengths)
+
+
+def load_conversation_ids(target, messages) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target).apply_chat_template(
+        messages, tokenize=True, return_dict=True
+    )["input_ids"]
+
+
 def test_plan_predicts_every_context_length_and_the_longest_that_fits(
     tiny_target, chat_data, tmp_path, capsys
 ):

@@ -73,10 +73,9 @@ def plan_memory(
     params, optimizer_state = drafter_sizes(c, cfg.optimizer)
     # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
     # sequences (at least 2 x block_size tokens each) can hold
-    rows = max(1, cfg.tokens_per_batch // (2 * c.block_size))
-    positions = min(
-        cfg.drafter_chunk_tokens, c.block_size * min(cfg.tokens_per_batch, cfg.num_anchors * rows)
-    )
+    batch_tokens = cfg.batch_tokens  # a sequence longer than the budget is a batch of its own
+    rows = max(1, batch_tokens // (2 * c.block_size))
+    positions = min(cfg.drafter_chunk_tokens, c.block_size * min(batch_tokens, cfg.num_anchors * rows))
 
     def drafter(checkpointing: bool) -> MemoryPlan:
         return drafter_memory(
@@ -84,7 +83,7 @@ def plan_memory(
             params,
             optimizer_state,
             positions,
-            cfg.tokens_per_batch,
+            batch_tokens,
             cfg.max_seq_len,
             cfg.loss_chunk_size,
             resolve_attention(cfg.attention, device),
@@ -97,7 +96,7 @@ def plan_memory(
         info,
         truncated_parameter_count(info, layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)),
         c.target_layer_ids,
-        cfg.tokens_per_batch,
+        batch_tokens,
         dtype_bytes,
         0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
         topology.tp_size,
@@ -145,13 +144,14 @@ def context_length_plans(
     device: torch.device,
     gpu_bytes: int | None = None,
 ) -> list[ContextPlan]:
-    """The run at each of CONTEXT_LENGTHS: --max_seq_len that long, --tokens_per_batch at least as long."""
+    """The run at each of CONTEXT_LENGTHS: --max_seq_len that long, --tokens_per_batch at least as long (a
+    longer sequence would be a batch of its own anyway)."""
     width_bytes = len(c.target_layer_ids) * info.hidden_size * compute_dtype(device).itemsize
     plans = []
     for length in CONTEXT_LENGTHS:
         at = dataclasses.replace(cfg, max_seq_len=length, tokens_per_batch=max(cfg.tokens_per_batch, length))
         memory = plan_memory(at, info, c, topology, device, gpu_bytes)
-        plans.append(ContextPlan(length, memory, at.tokens_per_batch * width_bytes))
+        plans.append(ContextPlan(length, memory, at.batch_tokens * width_bytes))
     return plans
 
 
@@ -169,8 +169,8 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "activations": "--drafter_chunk_tokens",
             "backward or loss": "--drafter_chunk_tokens (or --loss_chunk_size)",
             "attention workspace": "--drafter_chunk_tokens (or use --attention sparse)",
-            "received features": "--tokens_per_batch (at least --max_seq_len: lower both for long context)",
-            "tapped features": "--tokens_per_batch (at least --max_seq_len: lower both for long context)",
+            "received features": "--tokens_per_batch and --max_seq_len (a batch holds one whole sequence at least)",
+            "tapped features": "--tokens_per_batch and --max_seq_len (a batch holds one whole sequence at least)",
             "sends in flight": "--max_inflight or --tokens_per_batch",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(

@@ -229,10 +229,10 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,
         "drafter": f"{c.family}, {c.num_hidden_layers} layers, {memory.drafter_params / 1e6:.1f}M trainable parameters",
-        "message_size": f"up to {cfg.tokens_per_batch * width_bytes / 2**20:.1f} MiB of features per batch "
-        f"(--tokens_per_batch {cfg.tokens_per_batch})"
+        "message_size": f"up to {cfg.batch_tokens * width_bytes / 2**20:.1f} MiB of features per batch "
+        f"(--tokens_per_batch {cfg.tokens_per_batch}, or one sequence of --max_seq_len {cfg.max_seq_len} if longer)"
         + (
-            f" + {cfg.tokens_per_batch * soft_bytes / 2**20:.1f} MiB of soft targets ({soft_bytes} bytes a "
+            f" + {cfg.batch_tokens * soft_bytes / 2**20:.1f} MiB of soft targets ({soft_bytes} bytes a "
             f"token: {cfg.target_topk} int32 ids and bf16 probabilities, +{100 * soft_bytes / width_bytes:.1f}%)"
             if cfg.target_topk
             else ""
