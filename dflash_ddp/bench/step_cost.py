@@ -25,10 +25,10 @@ from dflash_ddp.data.batch import padding_id
 from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.observe.window import LoggingWindow
 from dflash_ddp.parallel.channel import pack, padded_feature_buffer, unpack_tokens
-from dflash_ddp.parallel.topology import Topology, compute_dtype
+from dflash_ddp.parallel.topology import Topology
 from dflash_ddp.setup.run import build_schedule, load_data, prepare
+from dflash_ddp.setup.target import build_extractor
 from dflash_ddp.setup.trainer import build_trainer
-from dflash_ddp.target_model.features import TargetFeatureExtractor
 
 TOKENS_PER_STEP = (512, 4096, 32768)
 # name: (flags, the precision of Muon's orthogonalisation; None: the device's, fp32 on a CPU)
@@ -79,9 +79,7 @@ def trainer_parts(
     trainer = build_trainer(cfg, setup, device, schedule.total_steps)
     if ortho_dtype is not None:
         trainer.optimizer.ortho_dtype = ortho_dtype
-    extractor = TargetFeatureExtractor(
-        setup.info, setup.drafter_config.target_layer_ids, device, compute_dtype(device)
-    )
+    extractor = build_extractor(cfg, setup, device)
     source = SimpleNamespace(wait_s=0.0, bytes_received=0)
     window = LoggingWindow(source, 1, device)
     monitor = TrainingMonitor(out, schedule.total_steps)

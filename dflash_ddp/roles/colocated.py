@@ -6,9 +6,10 @@ import time
 
 from dflash_ddp.data.batch import padding_id
 from dflash_ddp.parallel.channel import Message
-from dflash_ddp.parallel.topology import DistributedContext, compute_dtype
+from dflash_ddp.parallel.topology import DistributedContext
 from dflash_ddp.roles.drafter import train_drafter
 from dflash_ddp.setup.run import Run
+from dflash_ddp.setup.target import build_extractor
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 
 
@@ -49,12 +50,5 @@ class LocalTarget:
 
 def run_colocated(ctx: DistributedContext, run: Run) -> bool:
     """One process: the target runs here and feeds the drafter's loop directly."""
-    extractor = TargetFeatureExtractor(
-        run.setup.info,
-        run.setup.drafter_config.target_layer_ids,
-        ctx.device,
-        compute_dtype(ctx.device),
-        topk=run.cfg.target_topk,
-        prefill_tokens=run.cfg.target_prefill_tokens,
-    )
+    extractor = build_extractor(run.cfg, run.setup, ctx.device)
     return train_drafter(ctx, run, lambda trainer: LocalTarget(extractor, run))

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from dflash_ddp.data.batch import padding_id
 from dflash_ddp.parallel.channel import ChannelSender
 from dflash_ddp.parallel.signals import GracefulStop, StopFlag
-from dflash_ddp.parallel.topology import DistributedContext, compute_dtype, job_barrier, tp_group
+from dflash_ddp.parallel.topology import DistributedContext, job_barrier, tp_group
 from dflash_ddp.setup.run import Run
-from dflash_ddp.target_model.features import TargetFeatureExtractor
+from dflash_ddp.setup.target import build_extractor
 
 
 def run_target(ctx: DistributedContext, run: Run) -> bool:
@@ -25,15 +25,7 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
     topo = ctx.topology
     signalled = GracefulStop().install()
     stop, told = StopFlag(), False
-    extractor = TargetFeatureExtractor(
-        run.setup.info,
-        run.setup.drafter_config.target_layer_ids,
-        ctx.device,
-        compute_dtype(ctx.device),
-        ctx.target_meshes,
-        run.cfg.target_topk,
-        run.cfg.target_prefill_tokens,
-    )
+    extractor = build_extractor(run.cfg, run.setup, ctx.device, ctx.target_meshes)
     sends = topo.rank in topo.sender_ranks
     sender = ChannelSender(topo.rank, run.cfg.max_inflight, ctx.channel_device) if sends else None
     group = tp_group(ctx.target_meshes) if ctx.target_meshes is not None else None

@@ -31,8 +31,8 @@ from dflash_ddp.setup.calibrate import (
     time_target_forward,
 )
 from dflash_ddp.setup.run import RunSetup, load_data, run_device
+from dflash_ddp.setup.target import build_extractor
 from dflash_ddp.setup.trainer import build_trainer
-from dflash_ddp.target_model.features import TargetFeatureExtractor
 
 
 def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where: str) -> None:
@@ -45,15 +45,7 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
         return
     data, _ = load_data(cfg, setup, where, together=False)
     device = run_device(cfg)
-    taps = setup.drafter_config.target_layer_ids
-    extractor = TargetFeatureExtractor(
-        setup.info,
-        taps,
-        device,
-        compute_dtype(device),
-        topk=cfg.target_topk,
-        prefill_tokens=cfg.target_prefill_tokens,
-    )
+    extractor = build_extractor(cfg, setup, device)
     trainer = build_trainer(cfg, setup, device, calibration_steps(device))
     measurement = measure_rates(
         calibration_schedule(cfg, setup, data, device), extractor, trainer, cfg.gradient_accumulation_steps
@@ -95,16 +87,7 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
         measures_target = topo.role == "target" and topo.group == 0
         data = load_data(cfg, setup, where, together=False)[0] if measures_target or topo.is_leader else None
         if measures_target:
-            taps = setup.drafter_config.target_layer_ids
-            extractor = TargetFeatureExtractor(
-                setup.info,
-                taps,
-                device,
-                compute_dtype(device),
-                ctx.target_meshes,
-                cfg.target_topk,
-                cfg.target_prefill_tokens,
-            )
+            extractor = build_extractor(cfg, setup, device, ctx.target_meshes)
             timed = time_target_forward(
                 calibration_schedule(cfg, setup, data, device), extractor, cfg.gradient_accumulation_steps
             )
