@@ -231,6 +231,13 @@ class TrainConfig:
     num_anchors: int = setting(
         512, "optimisation", "draft blocks sampled per conversation and step", minimum=1, overridable=True
     )
+    anchor_scale_tokens: int = setting(
+        0,
+        "optimisation",
+        "with N > 0, a conversation longer than N tokens gets --num_anchors blocks per N tokens (so long conversations train as many blocks per token as short ones); 0: --num_anchors per conversation",
+        minimum=0,
+        overridable=True,
+    )
     anchor_rule: str = setting(
         "response",
         "optimisation",

@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash_ddp.drafter.blocks import build_block_inputs, sample_anchors
+from dflash_ddp.drafter.blocks import anchor_count, build_block_inputs, sample_anchors
 
 
 def test_anchors_are_a_pure_function_and_precede_response_tokens():
@@ -18,6 +18,20 @@ def test_anchors_are_a_pure_function_and_precede_response_tokens():
 def test_anchor_count_is_capped_by_what_the_sequence_has():
     mask = torch.tensor([0] * 5 + [1] * 6)
     assert sample_anchors(mask, 512, 0, 0, 0).tolist() == [5, 6, 7, 8, 9]
+
+
+def test_anchors_scale_with_length_past_the_scale_and_short_sequences_keep_theirs():
+    """--anchor_scale_tokens 512 with 16 anchors: a 4096-token conversation trains 128 blocks (16 per 512
+    tokens), one of 512 tokens or fewer the same 16 as without scaling (so a short run is unchanged)."""
+    assert anchor_count(16, 4096, 512) == 128 and anchor_count(16, 4097, 512) == 129
+    assert anchor_count(16, 300, 512) == 16 and anchor_count(16, 4096, 0) == 16
+    long_mask = torch.tensor([0] * 96 + [1] * 4000)
+    scaled = sample_anchors(long_mask, 16, 0, 0, 0, scale_tokens=512)
+    assert scaled.numel() == 128 and all(long_mask[int(p)] and long_mask[int(p) + 1] for p in scaled)
+    short_mask = torch.tensor([0] * 50 + [1] * 250)
+    assert torch.equal(
+        sample_anchors(short_mask, 16, 0, 0, 0, scale_tokens=512), sample_anchors(short_mask, 16, 0, 0, 0)
+    )
 
 
 def test_anchors_sit_where_the_anchor_and_the_next_token_are_both_response_tokens():

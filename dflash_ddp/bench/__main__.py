@@ -3,6 +3,10 @@
 `python -m dflash_ddp.bench --gpu [--scale tiny] [--out DIR]`: Qwen3-8B-shaped target forward and drafter
 step on one GPU (gpu_shapes.py; not among the default sections: it needs a GPU, or `--scale tiny`).
 
+`python -m dflash_ddp.bench --only long_context [--quick] [--long_out DIR]`: drafters for a tiny long-context target,
+tau by context length, memory and s/step against --plan at 2K-16K tokens (long_context.py; about an hour on 2
+cores, resumable).
+
 `python -m dflash_ddp.bench --method [--quick] [--jobs 2] [--method_out DIR]`: the objective variants at equal
 budget on two targets, by real tau over 3 seeds (method.py; about an hour on 2 cores, resumable)."""
 
@@ -19,6 +23,7 @@ from dflash_ddp.bench.channel import bench_channel, bench_job
 from dflash_ddp.bench.drafter import bench_attention_paths, bench_chunked_recipe
 from dflash_ddp.bench.gpu_shapes import add_arguments as add_gpu_shapes_arguments
 from dflash_ddp.bench.gpu_shapes import run as bench_gpu_shapes
+from dflash_ddp.bench.long_context import bench_long_context
 from dflash_ddp.bench.long_plan import bench_long_plan
 from dflash_ddp.bench.method import TARGETS, VARIANTS, bench_method
 from dflash_ddp.bench.speed import bench_plain_loop
@@ -35,6 +40,7 @@ SECTIONS = {
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
     "long_plan": lambda args: bench_long_plan(),
+    "long_context": lambda args: bench_long_context(Path(args.long_out), args.quick, args.jobs),
     "method": lambda args: bench_method(
         Path(args.method_out),
         args.quick,
@@ -70,6 +76,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--cost_tokens", default="512,4096,32768", help="tokens per step of the step-cost section's rows"
+    )
+    parser.add_argument(
+        "--long_out", default="runs/bench-long", help="long_context: the long target, runs and results"
     )
     add_gpu_shapes_arguments(parser)
     method = parser.add_argument_group("--method (objective variants by real tau)")

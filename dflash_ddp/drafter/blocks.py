@@ -26,6 +26,15 @@ def _anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def anchor_count(num_anchors: int, length: int, scale_tokens: int) -> int:
+    """Blocks drawn from a sequence of `length` tokens: `num_anchors`, or with `scale_tokens` > 0 and a longer
+    sequence, `num_anchors` per `scale_tokens` tokens (rounded up), so that long sequences train as many blocks
+    per token as sequences of `scale_tokens` do."""
+    if scale_tokens <= 0 or length <= scale_tokens:
+        return num_anchors
+    return -(-num_anchors * length // scale_tokens)
+
+
 def sample_anchors(
     loss_mask: torch.Tensor,
     num_anchors: int,
@@ -33,6 +42,7 @@ def sample_anchors(
     epoch: int,
     sample_id: int,
     rule: str = "response",
+    scale_tokens: int = 0,
 ) -> torch.Tensor:
     """Sorted anchor positions for one sequence: a pure function of (seed, epoch, sample id) and its mask.
 
@@ -40,13 +50,13 @@ def sample_anchors(
     response tokens. At inference the first block's anchor is the target's first generated token, so an
     anchor on the last prompt token (the generation prompt's end) would train a case that never occurs;
     SpecForge's trainer applies the same rule. `rule` "prompt_end" also allows that position (every a whose
-    next token is a response token), to measure what the rule is worth. At most `num_anchors` are drawn
-    uniformly without replacement.
+    next token is a response token), to measure what the rule is worth. At most `anchor_count` anchors are
+    drawn uniformly without replacement.
     """
     loss_mask = loss_mask.bool().cpu()
     allowed = loss_mask[1:] if rule == "prompt_end" else loss_mask[:-1] & loss_mask[1:]
     candidates = torch.nonzero(allowed, as_tuple=False).flatten()
-    count = min(num_anchors, candidates.numel())
+    count = min(anchor_count(num_anchors, loss_mask.numel(), scale_tokens), candidates.numel())
     gen = torch.Generator().manual_seed(_anchor_seed(seed, epoch, sample_id))
     chosen = candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]
     return chosen.sort().values

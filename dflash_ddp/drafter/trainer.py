@@ -39,6 +39,7 @@ class StepSettings:
     loss: LossSettings = field(default_factory=LossSettings)
     loss_gamma_start: float | None = None  # the decay constant moves from this to loss.gamma over the steps
     anchor_rule: str = "response"  # response | prompt_end (see blocks.sample_anchors)
+    anchor_scale_tokens: int = 0  # > 0: num_anchors per that many tokens of a longer sequence
 
 
 @dataclass
@@ -332,6 +333,7 @@ def batch_anchors(batch: Batch, settings: StepSettings, epoch: int) -> list[torc
             epoch,
             int(batch.sample_ids[b]),
             settings.anchor_rule,
+            settings.anchor_scale_tokens,
         )
         for b in range(len(lengths))
     ]

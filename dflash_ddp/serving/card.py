@@ -14,6 +14,7 @@ from dflash_ddp.hub import hub_model_name
 
 OBJECTIVE_SETTINGS = (
     "num_anchors",
+    "anchor_scale_tokens",
     "optimizer",
     "learning_rate",
     "warmup_ratio",

@@ -151,6 +151,7 @@ SETTINGS_ADDED_LATER = {
     "target_topk": 0,
     "ce_weight": 0.0,
     "anchor_rule": "response",
+    "anchor_scale_tokens": 0,
     "optimizer": "adamw",
     "selector_loss_alpha": 1.0,
 }

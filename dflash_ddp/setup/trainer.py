@@ -46,6 +46,7 @@ def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
         loss,
         loss_gamma_start=cfg.loss_gamma_start,
         anchor_rule=cfg.anchor_rule,
+        anchor_scale_tokens=cfg.anchor_scale_tokens,
     )
 
 
