@@ -232,9 +232,9 @@ class TrainConfig:
         512, "optimisation", "draft blocks sampled per conversation and step", minimum=1, overridable=True
     )
     anchor_scale_tokens: int = setting(
-        0,
+        3072,
         "optimisation",
-        "with N > 0, a conversation longer than N tokens gets --num_anchors blocks per N tokens (so long conversations train as many blocks per token as short ones); 0: --num_anchors per conversation",
+        "a conversation longer than N tokens gets --num_anchors blocks per N tokens, so long conversations train as many blocks per token as short ones (the default: the paper's 512 per 3072-token sequence); 0: --num_anchors per conversation whatever its length",
         minimum=0,
         overridable=True,
     )

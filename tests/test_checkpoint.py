@@ -152,6 +152,23 @@ def test_a_checkpoint_from_before_an_objective_setting_resumes_with_the_setting_
     assert "loss: 'ce' -> 'tv'" in accepted
 
 
+def test_a_checkpoint_from_before_anchor_scaling_resumes_under_the_default_where_it_trains_alike(
+    finished_run,
+):
+    """Such a checkpoint trained 0 (no scaling): today's default (3072) trains its sequences of at most
+    --max_seq_len 3072 tokens alike, so it resumes; a longer --max_seq_len would scale, and is told."""
+    saved = load_trainer_state(_newest(finished_run))
+    current = json.loads(json.dumps(saved))
+    del saved["config"]["anchor_scale_tokens"]
+    current["config"]["anchor_scale_tokens"] = 3072
+    assert current["config"]["max_seq_len"] <= 3072
+    assert check_same_run(saved, current, [], _newest(finished_run)) == []
+    for config in (saved["config"], current["config"]):
+        config["max_seq_len"] = 8192
+    with pytest.raises(ValueError, match="anchor_scale_tokens: checkpoint 0, now 3072"):
+        check_same_run(saved, current, [], _newest(finished_run))
+
+
 def test_a_checkpoint_from_before_the_optimizer_option_resumes_as_adamw_and_names_it(finished_run):
     """Checkpoints written before --optimizer trained with AdamW: resuming one with --optimizer adamw works,
     resuming it under today's default (Muon) is refused with the flag that continues it."""

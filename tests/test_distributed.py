@@ -148,7 +148,8 @@ def test_soft_targets_train_bit_identical_drafters_colocated_and_split(tiny_targ
 
 @pytest.mark.parametrize("topk", [0, 5])
 def test_messages_of_varying_length_arrive_intact(tiny_target, topk):
-    """Features, and with --target_topk the soft targets' ids and bf16 probabilities, bit for bit."""
+    """Features, and with --target_topk the soft targets' ids and bf16 probabilities, bit for bit; a slow
+    drafter's receiver holds two messages ahead of training (the cap it was given), never more."""
     result = torchrun(2, [str(SCRIPTS / "channel_roundtrip.py"), str(tiny_target), str(topk)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all 6 messages intact" in result.stdout
@@ -366,7 +367,8 @@ def test_the_channel_header_travels_as_named_fields():
 def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tiny_target, tmp_path):
     """Two 16K-token multi-turn conversations (every assistant turn in the loss), the target prefilled in
     pieces of 4096: a 2+1 job trains the colocated run's weights bit for bit, and each target's outstanding
-    sends never held more than --max_inflight messages (measured by the sender, logged per target)."""
+    sends never held more than --max_inflight messages (measured by the sender, logged per target), nor the
+    drafter's messages received ahead of training (measured by the receiver)."""
     from conftest import conversation
 
     data = tmp_path / "long.jsonl"
@@ -382,3 +384,6 @@ def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tiny_ta
     message_mib = 16384 * (3 * 64 * 4 + 2 * 8) / 2**20  # tokens x (3 taps x hidden 64 x fp32 + 2 int64 ids)
     peaks = [mib for r in records for mib in r["target_peak_send_mib"].values()]
     assert peaks and all(message_mib <= mib <= 1.01 * message_mib for mib in peaks)  # one message at most
+    # the drafter's side too: one message received ahead of the one in training, never more
+    received = [r["drafter_peak_receive_mib"] for r in records]
+    assert all(message_mib <= mib <= 1.01 * message_mib for mib in received), received

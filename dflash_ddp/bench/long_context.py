@@ -48,7 +48,7 @@ from dflash_ddp.tools.make_long_target import conversation_ids, long_conversatio
 # the drafter's shape and objective for every variant: the embedded default's
 SHAPE = {"num_draft_layers": 2, "block_size": 8, "learning_rate": 8e-3, "tokens_per_batch": 8192}
 SHORT = {"max_seq_len": 512, "num_anchors": 16}  # the embedded default's data: single-turn, <= 512 tokens
-LONG = {"max_seq_len": 12288, "num_anchors": 16}
+LONG = {"max_seq_len": 12288, "num_anchors": 16, "anchor_scale_tokens": 0}  # 16 whatever the length
 # 16 anchors per 160 tokens: the density of the short data's conversations (about 160 tokens each)
 SCALED = {**LONG, "anchor_scale_tokens": 160}
 VARIANTS = {

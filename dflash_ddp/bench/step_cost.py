@@ -80,7 +80,7 @@ def trainer_parts(
     if ortho_dtype is not None:
         trainer.optimizer.ortho_dtype = ortho_dtype
     extractor = build_extractor(cfg, setup, device)
-    source = SimpleNamespace(wait_s=0.0, bytes_received=0)
+    source = SimpleNamespace(wait_s=0.0, bytes_received=0, peak_buffered_bytes=0)
     window = LoggingWindow(source, 1, device)
     monitor = TrainingMonitor(out, schedule.total_steps)
     monitor.console.quiet = True  # the table is the output; metrics.jsonl is still written

@@ -66,5 +66,7 @@ class LoggingWindow:
             target_inflight={str(k): v[1] for k, v in sorted(self.senders.items())},
             # the most each target's outstanding sends have held: at most --max_inflight messages
             target_peak_send_mib={str(k): round(v[2] / 2**20, 3) for k, v in sorted(self.senders.items())},
+            # and this drafter rank's messages received ahead of training: at most --max_inflight too
+            drafter_peak_receive_mib=round(self.source.peak_buffered_bytes / 2**20, 3),
         )
         return metrics

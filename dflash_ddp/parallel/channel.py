@@ -12,8 +12,10 @@ then the features, then the soft targets:
   soft     with --target_topk k only: int32[N, k] token ids and bf16[N, k] probabilities of the target's
            top-k next tokens at each position, packed without padding (6k bytes a token)
 Each target keeps at most `max_inflight` messages outstanding (backpressure). The drafter receives on
-a background thread that pre-posts the next batch while the current one trains; both sides time their
-waits. END messages close every (target, drafter) pair so that no send is left unmatched at exit.
+a background thread that pre-posts the next batch while the current one trains, and holds at most
+`max_inflight` messages received (or arriving) that training has not taken yet, so that beside the batch
+in training neither side buffers more than `max_inflight` messages (a 64K-token message of Qwen3-8B's
+features is 2.5 GiB); both sides time their waits and measure the bytes they held. END messages close every (target, drafter) pair so that no send is left unmatched at exit.
 """
 
 from __future__ import annotations
@@ -96,6 +98,14 @@ class Message:
     sender_wait_s: float = 0.0  # that rank's cumulative wait on backpressure
     sender_inflight: int = 0  # its outstanding messages when it sent this one
     sender_peak_bytes: int = 0  # the most bytes its outstanding messages have held so far
+    received_bytes: int = 0  # its bytes on the wire (`message_bytes`)
+
+
+def message_bytes(header: Header) -> int:
+    """The bytes of the message `header` announces: header, ints, features and soft targets, unpadded."""
+    n, k = header.num_tokens, header.topk
+    features = n * header.width * DTYPES[header.dtype_code].itemsize
+    return HEADER_LEN * 8 + (2 * n + 2 * header.batch_size) * 8 + features + n * k * 6
 
 
 def pack(
@@ -217,7 +227,9 @@ class ChannelSender:
 
 
 class ChannelReceiver:
-    """A drafter rank's side: a background thread receives the scheduled batches in order.
+    """A drafter rank's side: a background thread receives the scheduled batches in order, at most
+    `max_buffered` of them ahead of training (a message's buffers are allocated only once it has a slot; the
+    slot frees when training takes it). `peak_bytes`: the most bytes those messages have held.
 
     After `drain()` (the job is stopping early) it discards what still arrives and ends once every
     target has sent END, so that no target is left blocked on a send.
@@ -231,13 +243,17 @@ class ChannelReceiver:
         device: torch.device,
         feature_dtype: torch.dtype,
         channel_device: torch.device,
-        prefetch: int = 2,
+        max_buffered: int = 2,
     ):
         self.rank = rank
         self.device = device  # where the drafter trains
         self.channel_device = channel_device  # where messages arrive: the GPU under NCCL, else the CPU
         self.feature_dtype = feature_dtype
-        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.queue: queue.Queue = queue.Queue()  # bounded by the slots (END and errors take none)
+        self.slots = threading.Semaphore(max_buffered)
+        self.held_bytes = 0
+        self.peak_bytes = 0
+        self._bytes_lock = threading.Lock()
         self.draining = threading.Event()
         self.error: BaseException | None = None
         self.wait_s = 0.0
@@ -263,14 +279,30 @@ class ChannelReceiver:
         self._recv_into([header], src, what)
         return Header.decode(header.cpu())
 
+    def _take_slot(self) -> bool:
+        """Wait for room for one more message; False when the job started draining meanwhile (what arrives
+        then is dropped at once and needs no slot)."""
+        while not self.slots.acquire(timeout=0.1):
+            if self.draining.is_set():
+                return False
+        return True
+
+    def _count(self, nbytes: int) -> None:
+        with self._bytes_lock:
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
     def _hand_over(self, item) -> None:
         """Queue an item for the training thread, unless the job is draining (then drop it)."""
-        while not self.draining.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        if self.draining.is_set():
+            if isinstance(item, Message):
+                self._release(item)
+            return
+        self.queue.put(item)
+
+    def _release(self, message: Message) -> None:
+        self._count(-message.received_bytes)
+        self.slots.release()
 
     def _receive_batch(self, header: Header, src: int, on: torch.device) -> Message:
         g, b, n, width, k = header.g, header.batch_size, header.num_tokens, header.width, header.topk
@@ -293,9 +325,8 @@ class ChannelReceiver:
             )
         if on.type == "cuda":
             torch.cuda.current_stream(on).synchronize()  # the receiver thread's own stream
-        self.bytes_received += (
-            n * width * features.element_size() + ints.numel() * 8 + HEADER_LEN * 8 + n * k * 6
-        )
+        received = message_bytes(header)
+        self.bytes_received += received
         return Message(
             g=g,
             epoch=header.epoch,
@@ -306,6 +337,7 @@ class ChannelReceiver:
             sender_wait_s=header.sender_wait_us / 1e6,
             sender_inflight=header.sender_inflight,
             sender_peak_bytes=header.sender_peak_bytes,
+            received_bytes=received,
         )
 
     def _receive_all(self, schedule: list[tuple[int, int]], end_sources: list[int]) -> None:
@@ -335,7 +367,13 @@ class ChannelReceiver:
                         f"{header.version}, kind {header.kind}, batch {header.g}, epoch {header.epoch}; the "
                         "ranks disagree on the schedule (same config and dflash_ddp version everywhere?)"
                     )
-                self._hand_over(self._receive_batch(header, src, on))
+                if self._take_slot():
+                    self._count(message_bytes(header))  # counted before the buffers exist: the peak
+                    self._hand_over(self._receive_batch(header, src, on))
+                else:
+                    self._receive_batch(
+                        header, src, on
+                    )  # draining: received (the target waits on it), dropped
             for src in end_sources:
                 if src in ended:
                     continue
@@ -357,6 +395,7 @@ class ChannelReceiver:
             raise item
         if item is None:
             raise ChannelError(f"drafter rank {self.rank}: the stream ended before the schedule did")
+        self._release(item)  # in training now: its slot goes to the next message
         if item.features.is_cuda:  # received on the receiver's stream, used on this one: tell the allocator
             stream = torch.cuda.current_stream(item.features.device)
             for t in (item.features, *(() if item.soft is None else (item.soft.ids, item.soft.probs))):
@@ -367,7 +406,9 @@ class ChannelReceiver:
         """Stop handing batches over: from now on whatever arrives is dropped until every target's END."""
         self.draining.set()
         while not self.queue.empty():
-            self.queue.get_nowait()
+            item = self.queue.get_nowait()
+            if isinstance(item, Message):
+                self._release(item)
 
     def close(self) -> None:
         """Wait for the END messages (the stream's clean end)."""

@@ -15,6 +15,7 @@ class BatchSource(Protocol):
 
     wait_s: float  # seconds the drafter has waited for batches so far
     bytes_received: int  # hidden-state bytes received so far
+    peak_buffered_bytes: int  # the most bytes of messages received ahead of training (0 in one process)
 
     def get(self) -> Message:
         """The next scheduled batch."""
@@ -51,6 +52,10 @@ class ChannelSource:
     @property
     def bytes_received(self) -> int:
         return self.receiver.bytes_received
+
+    @property
+    def peak_buffered_bytes(self) -> int:
+        return self.receiver.peak_bytes
 
     def get(self) -> Message:
         return self.receiver.get()

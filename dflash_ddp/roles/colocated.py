@@ -22,6 +22,7 @@ class LocalTarget:
         self.items = run.schedule.batches(run.first_batch, run.end_batch)
         self.wait_s = 0.0
         self.bytes_received = 0
+        self.peak_buffered_bytes = 0  # nothing travels
 
     def get(self) -> Message:
         start = time.perf_counter()

@@ -42,7 +42,13 @@ def run_drafter(ctx: DistributedContext, run: Run) -> bool:
         trainer.warm_up()  # compiled and allocated before any target waits on this rank
         job_barrier("channel-open")
         receiver = ChannelReceiver(
-            topo.rank, mine, topo.sender_ranks, ctx.device, compute_dtype(ctx.device), ctx.channel_device
+            topo.rank,
+            mine,
+            topo.sender_ranks,
+            ctx.device,
+            compute_dtype(ctx.device),
+            ctx.channel_device,
+            max_buffered=run.cfg.max_inflight,
         )
         return ChannelSource(receiver, leader=topo.is_leader)
 

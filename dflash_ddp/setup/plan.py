@@ -88,7 +88,8 @@ def plan_memory(
             cfg.loss_chunk_size,
             resolve_attention(cfg.attention, device),
             dtype_bytes,
-            received_batches=1 if topology.colocated else 2,  # split: the next batch arrives meanwhile
+            # split: up to --max_inflight batches arrive while one trains
+            received_batches=1 if topology.colocated else 1 + cfg.max_inflight,
             checkpointing=checkpointing,
         )
 

@@ -157,6 +157,16 @@ SETTINGS_ADDED_LATER = {
 }
 
 
+def _trains_as(config: dict, key: str):
+    """A setting's value as training sees it: anchors scale only in sequences longer than
+    --anchor_scale_tokens, so with --max_seq_len no longer than that every value trains like 0 (a run from
+    before the setting, or before its default, resumes with today's default)."""
+    value = config[key]
+    if key == "anchor_scale_tokens" and value >= config.get("max_seq_len", 0):
+        return 0
+    return value
+
+
 def _lookup(data: dict, dotted: str):
     if dotted in ADDED_LATER and dotted.split(".")[-1] not in data.get(dotted.split(".")[0], {}):
         return ADDED_LATER[dotted]
@@ -212,7 +222,7 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
     changed = {
         k: (saved["config"][k], current["config"][k])
         for k in RESUME_OVERRIDABLE
-        if saved["config"][k] != current["config"][k]
+        if _trains_as(saved["config"], k) != _trains_as(current["config"], k)
     }
     refused = [
         f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items() if k not in overrides

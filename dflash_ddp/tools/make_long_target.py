@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     stats = fine_tune(model, tok, train, args)
     # room for the longest prompt and its answer; the project checks contexts against this
     model.config.max_position_embeddings = 2 ** math.ceil(math.log2(2 * args.max_len))
+    tok.model_max_length = model.config.max_position_embeddings
     save_target(model, tok, out / "tiny_qwen3")
     build = {
         "command": " ".join(["python -m dflash_ddp.tools.make_long_target", *(argv or sys.argv[1:])]),

@@ -1,8 +1,10 @@
 """Run under torchrun with 2 processes: rank 0 sends batches of varying shape with the target's features
 (and, given a top-k as second argument, its soft targets), rank 1 receives them and compares every one with
-its own forward of the same target. Exit 0 if all match."""
+its own forward of the same target, taking each one late (a slow drafter): the receiver holds at most its 2
+messages ahead of training, and holds 2 at some point (it does not wait for training). Exit 0 if all match."""
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,9 +48,13 @@ def main() -> int:
             torch.device("cpu"),
             torch.float32,
             torch.device("cpu"),
+            max_buffered=2,
         )
+        sizes = []
         for g, (b, s) in enumerate(SHAPES):
+            time.sleep(0.2)  # training the previous batch
             message = receiver.get()
+            sizes.append(message.received_bytes)
             expected = make_batch(g, b, s)
             assert message.g == g and message.epoch == g // 3
             for name in ("input_ids", "attention_mask", "loss_mask", "sample_ids"):
@@ -63,6 +69,8 @@ def main() -> int:
             else:
                 assert message.soft is None
         receiver.close()
+        two_largest = sum(sorted(sizes)[-2:])
+        assert max(sizes) < receiver.peak_bytes <= two_largest, (receiver.peak_bytes, sizes)
         print(f"all {len(SHAPES)} messages intact")
     dist.destroy_process_group()
     return 0
