@@ -40,7 +40,14 @@ SECTIONS = {
     "recipe": lambda args: bench_chunked_recipe(),
     "gpu_shapes": bench_gpu_shapes,
     "long_plan": lambda args: bench_long_plan(),
-    "long_context": lambda args: bench_long_context(Path(args.long_out), args.quick, args.jobs),
+    "long_context": lambda args: bench_long_context(
+        Path(args.long_out),
+        args.quick,
+        args.jobs,
+        args.long_seed,
+        [v.strip() for v in args.long_variants.split(";")] if args.long_variants else None,
+        not args.long_variants,
+    ),
     "method": lambda args: bench_method(
         Path(args.method_out),
         args.quick,
@@ -77,8 +84,13 @@ def main() -> None:
     parser.add_argument(
         "--cost_tokens", default="512,4096,32768", help="tokens per step of the step-cost section's rows"
     )
-    parser.add_argument(
-        "--long_out", default="runs/bench-long", help="long_context: the long target, runs and results"
+    long = parser.add_argument_group("--only long_context (drafters at long context, tau by context length)")
+    long.add_argument("--long_out", default="runs/bench-long", help="the long target, runs and results")
+    long.add_argument("--long_seed", type=int, default=0, help="the drafters' seed (the target's is fixed)")
+    long.add_argument(
+        "--long_variants",
+        default="",
+        help="drafter names separated by ; (unset: all, and the lengths' table)",
     )
     add_gpu_shapes_arguments(parser)
     method = parser.add_argument_group("--method (objective variants by real tau)")

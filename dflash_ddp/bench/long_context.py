@@ -122,7 +122,7 @@ def train_variant(out: Path, name: str, paths: dict, budget: dict) -> dict:
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a run a stopped benchmark left half done
     settings = {"target_model": paths["target_model"], "data": paths[data], "eval_data": "", **SHAPE, **flags,
                 "output_dir": run_dir, "max_steps": budget["steps"], "save_steps": budget["steps"],
-                "logging_steps": 1, "resume": "never"}  # fmt: skip
+                "logging_steps": 1, "resume": "never", "seed": budget.get("seed", 0)}  # fmt: skip
     stdout = cli(as_flags(settings))
     trained = int(re.search(r"training took (\d+) s", stdout).group(1))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -261,18 +261,30 @@ def tables(trained: list[dict], decoded: dict, lengths: list[dict]) -> list[str]
     return lines
 
 
-def bench_long_context(out: Path, quick: bool, jobs: int = 2) -> list[str]:
-    """Build (or reuse) the long target, train every variant, decode, measure the lengths; print the tables
-    and write them to OUT/table.md."""
-    budget = QUICK if quick else FULL
+def bench_long_context(
+    out: Path,
+    quick: bool,
+    jobs: int = 2,
+    seed: int = 0,
+    variants: list[str] | None = None,
+    lengths: bool = True,
+) -> list[str]:
+    """Build (or reuse) the long target, train `variants` (all unset) with `seed`, decode, measure the
+    lengths (unless `lengths` is False); print the tables and write them to OUT/table.md (OUT/seedN/ for
+    another seed than 0; the target is shared)."""
+    unknown = [v for v in variants or () if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--long_variants {','.join(unknown)}: choose among {', '.join(VARIANTS)}")
+    budget = {**(QUICK if quick else FULL), "seed": seed}
     out = out / ("quick" if quick else "full")
-    print(f"(j) long context in {out}: {budget}", flush=True)
+    work = out if seed == 0 else out / f"seed{seed}"
+    print(f"(j) long context in {work}: {budget}", flush=True)
     paths = long_target(out, budget)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        trained = list(pool.map(lambda name: train_variant(out, name, paths, budget), VARIANTS))
-    decoded = decode_all(paths, trained, budget, out)
-    lengths = [measure_length(out, paths, n, budget) for n in budget["lengths"]]
-    lines = tables(trained, decoded, lengths)
+        trained = list(pool.map(lambda name: train_variant(work, name, paths, budget), variants or VARIANTS))
+    decoded = decode_all(paths, trained, budget, work)
+    measured = [measure_length(out, paths, n, budget) for n in budget["lengths"]] if lengths else []
+    lines = tables(trained, decoded, measured)
     print("\n".join(lines))
-    atomic_write_text(out / "table.md", "\n".join(lines) + "\n")
+    atomic_write_text(work / "table.md", "\n".join(lines) + "\n")
     return lines
