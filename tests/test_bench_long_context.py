@@ -7,23 +7,24 @@ import sys
 from dflash_ddp.bench.long_context import VARIANTS
 
 
-def test_the_quick_long_context_benchmark_prints_both_tables(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_ddp.bench",
-            "--only",
-            "long_context",
-            "--quick",
-            "--long_out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=True,
+def bench(out_dir, timeout: int, *flags: str) -> str:
+    command = [
+        "-m",
+        "dflash_ddp.bench",
+        "--only",
+        "long_context",
+        "--quick",
+        "--long_out",
+        str(out_dir),
+        *flags,
+    ]
+    return subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=timeout, check=True
     ).stdout
+
+
+def test_the_quick_long_context_benchmark_prints_both_tables(tmp_path):
+    out = bench(tmp_path, 1200)
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| trained at")}
     assert list(rows) == list(VARIANTS)
     assert all("| yes |" in row for row in rows.values())  # every drafter's output equals greedy
@@ -33,20 +34,10 @@ def test_the_quick_long_context_benchmark_prints_both_tables(tmp_path):
     assert 1 / 1.5 < predicted / measured < 1.5
     assert (tmp_path / "quick" / "table.md").read_text().strip() in out
     # a second run reads what the first kept
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_ddp.bench",
-            "--only",
-            "long_context",
-            "--quick",
-            "--long_out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    again = bench(tmp_path, 300)
     assert "trained trained" not in again and "| 1024 |" in again
+    # another seed of one chosen drafter: trained anew beside the first seed's, on the same target
+    name = list(VARIANTS)[-1]
+    other = bench(tmp_path, 300, "--long_seed", "1", "--long_variants", name)
+    assert f"trained {name}" in other and "| 1024 |" not in other
+    assert (tmp_path / "quick" / "seed1" / "table.md").is_file() and "building the long target" not in other
