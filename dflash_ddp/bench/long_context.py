@@ -246,6 +246,8 @@ def tables(trained: list[dict], decoded: dict, lengths: list[dict]) -> list[str]
             f"| {run['variant']} | {d['tau']:.3f} | " + " | ".join(cells)
             + f" | {'yes' if d['lossless'] else 'NO'} | {run['s_per_step']:.2f} | {run['peak_memory_gib']:.3f} |"
         )  # fmt: skip
+    if not lengths:
+        return lines
     lines += [
         "",
         "| tokens/step | peak GiB, --plan | peak GiB, measured | plan / measured | s/step, --plan --calibrate "
