@@ -15,7 +15,8 @@ Each target keeps at most `max_inflight` messages outstanding (backpressure). Th
 a background thread that pre-posts the next batch while the current one trains, and holds at most
 `max_inflight` messages received (or arriving) that training has not taken yet, so that beside the batch
 in training neither side buffers more than `max_inflight` messages (a 64K-token message of Qwen3-8B's
-features is 2.5 GiB); both sides time their waits and measure the bytes they held. END messages close every (target, drafter) pair so that no send is left unmatched at exit.
+features is 2.5 GiB); both sides time their waits and measure the bytes they held. END messages close
+every (target, drafter) pair so that no send is left unmatched at exit.
 """
 
 from __future__ import annotations
@@ -367,13 +368,11 @@ class ChannelReceiver:
                         f"{header.version}, kind {header.kind}, batch {header.g}, epoch {header.epoch}; the "
                         "ranks disagree on the schedule (same config and dflash_ddp version everywhere?)"
                     )
-                if self._take_slot():
-                    self._count(message_bytes(header))  # counted before the buffers exist: the peak
-                    self._hand_over(self._receive_batch(header, src, on))
-                else:
-                    self._receive_batch(
-                        header, src, on
-                    )  # draining: received (the target waits on it), dropped
+                if not self._take_slot():  # draining: received (the target waits on it), then dropped
+                    self._receive_batch(header, src, on)
+                    continue
+                self._count(message_bytes(header))  # counted before the buffers exist: the peak
+                self._hand_over(self._receive_batch(header, src, on))
             for src in end_sources:
                 if src in ended:
                     continue
