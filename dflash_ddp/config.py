@@ -21,7 +21,7 @@ from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.blocks import ANCHOR_RULES
 from dflash_ddp.drafter.distillation import LOSSES
 from dflash_ddp.drafter.families import FAMILIES
-from dflash_ddp.drafter.optimizer import OPTIMIZERS
+from dflash_ddp.drafter.optimizer import OPTIMIZERS, ORTHOGONALISATIONS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
@@ -317,6 +317,13 @@ class TrainConfig:
         "optimisation",
         "Muon for the drafter's weight matrices (its rate scaled to AdamW's update size) with AdamW for the norms, or AdamW for all; a checkpoint resumes only with the optimizer it was saved with",
         choices=OPTIMIZERS,
+    )
+    muon_orthogonalisation: str = setting(
+        "polar_express_3",
+        "optimisation",
+        "how Muon orthogonalises its update: three Polar Express steps, or torch's five Newton-Schulz iterations (the default before 2026-12-02; three fifths of the cost, drafters as good: docs/benchmarks.md (h)); the state is the same, so a resume may change it",
+        choices=ORTHOGONALISATIONS,
+        overridable=True,
     )
     warmup_ratio: float = setting(
         0.04,

@@ -183,6 +183,28 @@ def test_a_checkpoint_from_before_the_optimizer_option_resumes_as_adamw_and_name
     assert "pass --optimizer adamw" in str(refused.value)
 
 
+def test_a_checkpoint_from_before_the_orthogonalisation_option_resumes_with_torchs_and_names_it(finished_run):
+    """Muon checkpoints written before --muon_orthogonalisation trained with torch's five Newton-Schulz
+    iterations: they resume with that, or under today's default when the user names the change (the state is
+    the same); an AdamW checkpoint resumes whatever the setting, which trains nothing there."""
+    saved = load_trainer_state(_newest(finished_run))
+    del saved["config"]["muon_orthogonalisation"]
+    saved["config"]["optimizer"] = "muon"
+    current = json.loads(json.dumps(saved))
+    current["config"]["muon_orthogonalisation"] = "newton_schulz_5"
+    assert check_same_run(saved, current, [], _newest(finished_run)) == []
+    current["config"]["muon_orthogonalisation"] = TrainConfig().muon_orthogonalisation
+    with pytest.raises(
+        ValueError, match="muon_orthogonalisation: checkpoint 'newton_schulz_5', now 'polar_express_3'"
+    ) as refused:
+        check_same_run(saved, current, [], _newest(finished_run))
+    assert "--muon_orthogonalisation newton_schulz_5" in str(refused.value)
+    accepted = check_same_run(saved, current, ["muon_orthogonalisation"], _newest(finished_run))
+    assert accepted == ["muon_orthogonalisation: 'newton_schulz_5' -> 'polar_express_3'"]
+    saved["config"]["optimizer"] = current["config"]["optimizer"] = "adamw"
+    assert check_same_run(saved, current, [], _newest(finished_run)) == []
+
+
 def test_optimisation_change_needs_an_override(finished_run, tiny_target, chat_data, capsys):
     assert (
         main(args(tiny_target, chat_data, finished_run, "--learning_rate", "1e-2", "--max_steps", "6")) == 2

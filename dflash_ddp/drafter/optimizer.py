@@ -6,12 +6,19 @@ learning rate is scaled to match AdamW's update RMS (`adjust_lr_fn="match_rms_ad
 (lookup tables, as embeddings are) stay with AdamW. The drafter has no embedding and no LM head of its own
 (both are the target's, frozen), so every other matrix it trains goes to Muon.
 
-torch runs the Newton-Schulz iterations in bf16, the fast path on GPUs. On a CPU they run in fp32 here
-(`orthogonalisation_dtype`): a CPU without bf16 instructions multiplies bf16 matrices about 15x slower than
-fp32, and bf16 kernels round differently from one CPU to the next (with and without those instructions), so
-bf16 made CPU runs differ between machines and turned the last-bit differences of a sharded target's
-features into visible weight differences. Everything else (momentum, Nesterov, the rate, weight decay, the
-state dict) is torch's Muon unchanged.
+The orthogonalisation (--muon_orthogonalisation) is the one part replaced: by default three steps of Polar
+Express (Amsel et al. 2025; the first three of the five quintics it published, which nanochat and
+modded-nanogpt run), scaled by the Gram matrix's norm, which bounds the spectral norm more tightly than
+torch's Frobenius norm. It costs three fifths of torch's five Newton-Schulz iterations (`newton_schulz_5`, kept for the runs
+trained with it) and trains drafters that accept as many tokens (docs/benchmarks.md (g) and (h)): at one
+sequence per step on a CPU the orthogonalisation is most of what Muon adds to a step.
+
+Precision (`orthogonalisation_dtype`): bf16 on GPUs, where it is the fast path; fp32 on a CPU, since a CPU
+without bf16 instructions multiplies bf16 matrices about 15x slower than fp32, and bf16 kernels round
+differently from one CPU to the next (with and without those instructions), which made CPU runs differ
+between machines and turned the last-bit differences of a sharded target's features into visible weight
+differences. Everything else (momentum, Nesterov, the rate, weight decay, the state dict) is torch's Muon
+unchanged.
 """
 
 from __future__ import annotations
@@ -24,11 +31,20 @@ from torch import nn
 
 OPTIMIZERS = ("adamw", "muon")
 BETAS = (0.9, 0.95)
+ORTHOGONALISATIONS = ("polar_express_3", "newton_schulz_5")
+# Polar Express's first three quintics (a, b, c: x -> a x + b x^3 + c x^5 on the singular values); its
+# schedule is greedy, each step the best on the interval the steps before leave, so a prefix is the best
+# schedule of its length
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+)
 
 
 def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
-    """The precision of Muon's Newton-Schulz iterations on `device`: bf16 on CUDA, as torch does; fp32
-    elsewhere, which every CPU runs fast and rounds the same way."""
+    """The precision of Muon's orthogonalisation on `device`: bf16 on CUDA, as torch does; fp32 elsewhere,
+    which every CPU runs fast and rounds the same way."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -49,17 +65,45 @@ def newton_schulz(
     return x.T if tall else x
 
 
-@contextlib.contextmanager
-def _orthogonalising_in(dtype: torch.dtype):
-    """torch's Muon step with its Newton-Schulz iterations in `dtype`: the step looks the function up in its
-    module when it runs, so replacing it there for the step's duration changes nothing else."""
+def polar_express(grad: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Three Polar Express steps on the 2-D `grad`, computed in `dtype`: an approximate orthogonalisation
+    U S' V^T of grad = U S V^T, as torch's Newton-Schulz iterations give, in three steps instead of five.
+
+    The scale is ||G G^T||_F^(1/2), at least the spectral norm and closer to it than ||G||_F (by up to the
+    fourth root of the rank); it is taken in fp32 whatever `dtype`, and the Gram matrix it needs is the
+    first step's."""
+    tall = grad.size(0) > grad.size(1)
+    x = grad.float().T if tall else grad.float()
+    gram = x @ x.T
+    scale = gram.norm().sqrt().clamp(min=eps)
+    x, gram = (x / scale).to(dtype), (gram / scale**2).to(dtype)
+    for step, (a, b, c) in enumerate(POLAR_EXPRESS):
+        if step:
+            gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def orthogonalisation(name: str, dtype: torch.dtype):
+    """The function torch's Muon step calls as `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`
+    for --muon_orthogonalisation `name` in `dtype`; None where that is torch's own (its iterations in bf16)."""
+    if name == "polar_express_3":
+        return lambda grad, coefficients, steps, eps: polar_express(grad, eps, dtype)
     if dtype == torch.bfloat16:
+        return None
+    return lambda grad, coefficients, steps, eps: newton_schulz(grad, coefficients, steps, eps, dtype)
+
+
+@contextlib.contextmanager
+def _orthogonalising_with(replacement):
+    """torch's Muon step with `replacement` for its orthogonalisation (None: torch's own): the step looks the
+    function up in its module when it runs, so replacing it there for the step's duration changes nothing
+    else."""
+    if replacement is None:
         yield
         return
     original = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = lambda grad, coefficients, steps, eps: newton_schulz(
-        grad, coefficients, steps, eps, dtype
-    )
+    torch_muon._zeropower_via_newtonschulz = replacement
     try:
         yield
     finally:
@@ -70,8 +114,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """Muon for `matrices`, AdamW for `others`, stepped together as one optimizer.
 
     `param_groups` are the two inner optimizers' own groups, so the learning-rate schedule and a resume set
-    the rate on the groups that step; the state dict holds both optimizers' states. `ortho_dtype`: the
-    precision of the orthogonalisation (unset: `orthogonalisation_dtype` of the matrices' device)."""
+    the rate on the groups that step; the state dict holds both optimizers' states. `orthogonalisation`: one of
+    ORTHOGONALISATIONS; `ortho_dtype`: its precision (unset: `orthogonalisation_dtype` of the matrices'
+    device)."""
 
     def __init__(
         self,
@@ -80,6 +125,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr: float,
         weight_decay: float,
         ortho_dtype: torch.dtype | None = None,
+        orthogonalisation: str = "polar_express_3",
     ):
         if not callable(getattr(torch_muon, "_zeropower_via_newtonschulz", None)):
             raise RuntimeError(
@@ -88,6 +134,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
         device = matrices[0].device if matrices else torch.device("cpu")
         self.ortho_dtype = orthogonalisation_dtype(device) if ortho_dtype is None else ortho_dtype
+        self.orthogonalisation = orthogonalisation
         self.muon = torch.optim.Muon(
             matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
         )
@@ -100,7 +147,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        with _orthogonalising_in(self.ortho_dtype):
+        with _orthogonalising_with(orthogonalisation(self.orthogonalisation, self.ortho_dtype)):
             self.muon.step()
         self.adamw.step()
 
@@ -137,14 +184,21 @@ def optimizer_state_bytes(model: nn.Module, name: str) -> int:
 
 
 def build_optimizer(
-    model: nn.Module, name: str, lr: float, weight_decay: float, fused: bool
+    model: nn.Module,
+    name: str,
+    lr: float,
+    weight_decay: float,
+    fused: bool,
+    orthogonalisation: str = "polar_express_3",
 ) -> torch.optim.Optimizer:
     """The optimizer --optimizer names for `model`'s parameters. `fused` (AdamW alone): the fused kernel,
-    which can skip a non-finite step on the device."""
+    which can skip a non-finite step on the device; `orthogonalisation` (Muon alone): one of
+    ORTHOGONALISATIONS."""
     if name == "adamw":
         return torch.optim.AdamW(
             model.parameters(), lr=lr, weight_decay=weight_decay, betas=BETAS, fused=fused
         )
     matrices = muon_matrices(model)
     chosen = {id(p) for p in matrices}
-    return MuonWithAdamW(matrices, [p for p in model.parameters() if id(p) not in chosen], lr, weight_decay)
+    others = [p for p in model.parameters() if id(p) not in chosen]
+    return MuonWithAdamW(matrices, others, lr, weight_decay, orthogonalisation=orthogonalisation)

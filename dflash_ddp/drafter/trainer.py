@@ -61,6 +61,7 @@ class OptimizerSettings:
     warmup_ratio: float
     total_steps: int
     optimizer: str = "adamw"
+    muon_orthogonalisation: str = "polar_express_3"
 
 
 class DrafterTrainer:
@@ -87,7 +88,12 @@ class DrafterTrainer:
             lazy_checks = self.device.type == "cuda" and optim.optimizer == "adamw"
         self.lazy_checks = lazy_checks
         self.optimizer = build_optimizer(
-            drafter, optim.optimizer, optim.learning_rate, optim.weight_decay, fused=self.lazy_checks
+            drafter,
+            optim.optimizer,
+            optim.learning_rate,
+            optim.weight_decay,
+            fused=self.lazy_checks,
+            orthogonalisation=optim.muon_orthogonalisation,
         )
         self.scheduler = get_cosine_schedule_with_warmup(
             self.optimizer, math.ceil(optim.warmup_ratio * optim.total_steps), optim.total_steps

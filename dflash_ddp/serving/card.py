@@ -16,6 +16,7 @@ OBJECTIVE_SETTINGS = (
     "num_anchors",
     "anchor_scale_tokens",
     "optimizer",
+    "muon_orthogonalisation",
     "learning_rate",
     "warmup_ratio",
     "max_grad_norm",
@@ -201,6 +202,8 @@ def model_card(
     if state:
         cfg, fingerprints = state.get("config", {}), state.get("fingerprints", {})
         settings = {k: cfg[k] for k in OBJECTIVE_SETTINGS if k in cfg}
+        if cfg.get("optimizer") != "muon":
+            settings.pop("muon_orthogonalisation", None)  # trains nothing with AdamW
         objective = ", ".join(f"{k} {v}" for k, v in settings.items())
         lines += [
             "## Training",

@@ -154,16 +154,20 @@ SETTINGS_ADDED_LATER = {
     "anchor_scale_tokens": 0,
     "optimizer": "adamw",
     "selector_loss_alpha": 1.0,
+    "muon_orthogonalisation": "newton_schulz_5",
 }
 
 
 def _trains_as(config: dict, key: str):
     """A setting's value as training sees it: anchors scale only in sequences longer than
     --anchor_scale_tokens, so with --max_seq_len no longer than that every value trains like 0 (a run from
-    before the setting, or before its default, resumes with today's default)."""
+    before the setting, or before its default, resumes with today's default); Muon's orthogonalisation
+    trains nothing with AdamW."""
     value = config[key]
     if key == "anchor_scale_tokens" and value >= config.get("max_seq_len", 0):
         return 0
+    if key == "muon_orthogonalisation" and config["optimizer"] != "muon":
+        return None
     return value
 
 

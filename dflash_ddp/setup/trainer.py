@@ -53,5 +53,10 @@ def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
 def optimizer_settings(cfg: TrainConfig, total_steps: int) -> OptimizerSettings:
     """The optimizer and schedule of the run's config over `total_steps`."""
     return OptimizerSettings(
-        cfg.learning_rate, cfg.weight_decay, cfg.warmup_ratio, total_steps, cfg.optimizer
+        cfg.learning_rate,
+        cfg.weight_decay,
+        cfg.warmup_ratio,
+        total_steps,
+        cfg.optimizer,
+        cfg.muon_orthogonalisation,
     )
