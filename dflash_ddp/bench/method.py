@@ -70,6 +70,7 @@ VARIANTS = {
     "dflash2": {**EARLIER_DEFAULT, "drafter": "dflash2"},
     "dflash2-convs-only": {**EARLIER_DEFAULT, "drafter": "dflash2", "selector_loss_alpha": 0.0},
     "dflash2-selector-only": {**EARLIER_DEFAULT, "drafter": "dflash2", "conv_kernel_size": 1},
+    "dflash2-pe3": {**DEFAULT_OBJECTIVE, "drafter": "dflash2"},  # DFlash2 on today's default objective
 }
 # The embedded default's shape and batches (the README's run) for both targets, at the learning rate every
 # variant was first measured with (a variant that changes it names the change).
