@@ -319,9 +319,9 @@ class TrainConfig:
         choices=OPTIMIZERS,
     )
     muon_orthogonalisation: str = setting(
-        "polar_express_3",
+        "newton_schulz_5",
         "optimisation",
-        "how Muon orthogonalises its update: three Polar Express steps, or torch's five Newton-Schulz iterations (the default before 2026-12-02; three fifths of the cost, drafters as good: docs/benchmarks.md (h)); the state is the same, so a resume may change it",
+        "how Muon orthogonalises its update: torch's five Newton-Schulz iterations, or three Polar Express steps (three fifths of the cost and drafters as good on the embedded target, but two CPUs' last-bit differences grow into different drafters: docs/benchmarks.md (h)); the state is the same, so a resume may change it",
         choices=ORTHOGONALISATIONS,
         overridable=True,
     )

@@ -185,15 +185,15 @@ def test_a_checkpoint_from_before_the_optimizer_option_resumes_as_adamw_and_name
 
 def test_a_checkpoint_from_before_the_orthogonalisation_option_resumes_with_torchs_and_names_it(finished_run):
     """Muon checkpoints written before --muon_orthogonalisation trained with torch's five Newton-Schulz
-    iterations: they resume with that, or under today's default when the user names the change (the state is
-    the same); an AdamW checkpoint resumes whatever the setting, which trains nothing there."""
+    iterations, the default: they resume with that, or with Polar Express when the user names the change
+    (the state is the same); an AdamW checkpoint resumes whatever the setting, which trains nothing there."""
     saved = load_trainer_state(_newest(finished_run))
     del saved["config"]["muon_orthogonalisation"]
     saved["config"]["optimizer"] = "muon"
     current = json.loads(json.dumps(saved))
-    current["config"]["muon_orthogonalisation"] = "newton_schulz_5"
-    assert check_same_run(saved, current, [], _newest(finished_run)) == []
     current["config"]["muon_orthogonalisation"] = TrainConfig().muon_orthogonalisation
+    assert check_same_run(saved, current, [], _newest(finished_run)) == []
+    current["config"]["muon_orthogonalisation"] = "polar_express_3"
     with pytest.raises(
         ValueError, match="muon_orthogonalisation: checkpoint 'newton_schulz_5', now 'polar_express_3'"
     ) as refused:

@@ -28,12 +28,12 @@ BASELINE = "decay"
 # name -> flags on top of the target's settings (every variant names its whole objective, so that a change
 # of the defaults does not change what a name measures); the names are what the docs' table shows
 ADAMW = {"optimizer": "adamw"}
-# Muon with torch's five Newton-Schulz iterations, as every Muon variant before 2026-12-02 was measured
+# Muon with torch's five Newton-Schulz iterations (the default orthogonalisation), named so that the variants
+# keep their meaning should the default change
 MUON_NS5 = {"optimizer": "muon", "muon_orthogonalisation": "newton_schulz_5"}
-# the default objective and optimizer of 2026-12-01 (the variant dpace-muon-lr8e-3) and today's (the same
-# with three Polar Express steps, dpace-muon-pe3-lr8e-3)
-EARLIER_DEFAULT = {"position_weighting": "dpace", **MUON_NS5, "learning_rate": 8e-3}
-DEFAULT_OBJECTIVE = {**EARLIER_DEFAULT, "muon_orthogonalisation": "polar_express_3"}
+# today's default objective and optimizer (the variant dpace-muon-lr8e-3)
+DEFAULT_OBJECTIVE = {"position_weighting": "dpace", **MUON_NS5, "learning_rate": 8e-3}
+POLAR_EXPRESS_3 = {"muon_orthogonalisation": "polar_express_3"}
 # not a flag: the share of the budget's steps a variant trains, for variants compared at equal wall time
 STEP_SHARE = "step_share"
 VARIANTS = {
@@ -53,8 +53,8 @@ VARIANTS = {
     "dpace-muon": {"position_weighting": "dpace", **MUON_NS5},  # the same learning rate (RMS-matched)
     # Muon's learning rate and warm-up: twice and four times the peak rate; a fifth of the steps warming up
     "dpace-muon-lr4e-3": {"position_weighting": "dpace", **MUON_NS5, "learning_rate": 4e-3},
-    "dpace-muon-lr8e-3": EARLIER_DEFAULT,
-    "dpace-muon-pe3-lr8e-3": DEFAULT_OBJECTIVE,
+    "dpace-muon-lr8e-3": DEFAULT_OBJECTIVE,
+    "dpace-muon-pe3-lr8e-3": {**DEFAULT_OBJECTIVE, **POLAR_EXPRESS_3},  # three Polar Express steps
     "dpace-muon-warmup0.2": {"position_weighting": "dpace", **MUON_NS5, "warmup_ratio": 0.2},
     # Spec-AUF on top of the default (D-PACE's weights replaced by the support up to the first failure)
     "auf-muon": {"position_weighting": "auf", **MUON_NS5},
@@ -64,13 +64,13 @@ VARIANTS = {
     # twice the anchors at equal wall time: a step with 32 anchors took 1.71x one with 16 here (12 steps of
     # the embedded default, one thread, 53 s vs 31 s), so the variant gets 150 / 1.71 = 88 of the 150 steps
     "dpace-anchors32": {"position_weighting": "dpace", "num_anchors": 32, **ADAMW, STEP_SHARE: 1 / 1.71},
-    # DFlash2 on the default objective of 2026-12-01, and its two pieces apart: the convolutions alone (the selector's
+    # DFlash2 on today's default objective, and its two pieces apart: the convolutions alone (the selector's
     # loss off, so it stays a no-op that drafts the LM head's best token) and the selector with one-tap
     # convolutions (a per-token gate, no look-back inside the block)
-    "dflash2": {**EARLIER_DEFAULT, "drafter": "dflash2"},
-    "dflash2-convs-only": {**EARLIER_DEFAULT, "drafter": "dflash2", "selector_loss_alpha": 0.0},
-    "dflash2-selector-only": {**EARLIER_DEFAULT, "drafter": "dflash2", "conv_kernel_size": 1},
-    "dflash2-pe3": {**DEFAULT_OBJECTIVE, "drafter": "dflash2"},  # DFlash2 on today's default objective
+    "dflash2": {**DEFAULT_OBJECTIVE, "drafter": "dflash2"},
+    "dflash2-convs-only": {**DEFAULT_OBJECTIVE, "drafter": "dflash2", "selector_loss_alpha": 0.0},
+    "dflash2-selector-only": {**DEFAULT_OBJECTIVE, "drafter": "dflash2", "conv_kernel_size": 1},
+    "dflash2-pe3": {**DEFAULT_OBJECTIVE, **POLAR_EXPRESS_3, "drafter": "dflash2"},
 }
 # The embedded default's shape and batches (the README's run) for both targets, at the learning rate every
 # variant was first measured with (a variant that changes it names the change).

@@ -1,7 +1,7 @@
 """(h) What one training step costs, by part, side by side in one run, one CPU thread, at 512, 4096 and 32768
-tokens per step: the defaults (Muon with three Polar Express steps, and D-PACE), the same with torch's five
-Newton-Schulz iterations (in fp32, and in the bf16 torch runs them in), D-PACE with AdamW, the paper's recipe
-(AdamW and the decay), and the plain loop.
+tokens per step: the defaults (Muon and D-PACE), the same with three Polar Express steps instead of torch's
+five Newton-Schulz iterations, and with those in the bf16 torch runs them in, D-PACE with AdamW, the paper's
+recipe (AdamW and the decay), and the plain loop.
 
 The trainer's parts are timed in this process on the code the CLI runs: the target's forward
 (`TargetFeatureExtractor`), the channel's work on both sides apart from the wire (packing, then unpacking
@@ -33,11 +33,10 @@ from dflash_ddp.setup.trainer import build_trainer
 
 TOKENS_PER_STEP = (512, 4096, 32768)
 # name: (flags, the precision of Muon's orthogonalisation; None: the device's, fp32 on a CPU)
-NS5 = ["--muon_orthogonalisation", "newton_schulz_5"]
 RECIPES = {
-    "defaults": ([], None),  # Muon (three Polar Express steps) and D-PACE
-    "defaults, torch's Newton-Schulz": (NS5, None),  # the default until 2026-12-02
-    "defaults, torch's Newton-Schulz in bf16": (NS5, torch.bfloat16),  # torch's own precision
+    "defaults": ([], None),  # Muon (torch's Newton-Schulz iterations, in fp32 on a CPU) and D-PACE
+    "defaults, three Polar Express steps": (["--muon_orthogonalisation", "polar_express_3"], None),
+    "defaults, Newton-Schulz in bf16": ([], torch.bfloat16),  # torch's own precision
     "D-PACE, AdamW": (["--optimizer", "adamw"], None),
     "paper": (["--optimizer", "adamw", "--position_weighting", "decay", "--learning_rate", "6e-4"], None),
 }

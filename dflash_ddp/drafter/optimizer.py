@@ -6,12 +6,14 @@ learning rate is scaled to match AdamW's update RMS (`adjust_lr_fn="match_rms_ad
 (lookup tables, as embeddings are) stay with AdamW. The drafter has no embedding and no LM head of its own
 (both are the target's, frozen), so every other matrix it trains goes to Muon.
 
-The orthogonalisation (--muon_orthogonalisation) is the one part replaced: by default three steps of Polar
-Express (Amsel et al. 2025; the first three of the five quintics it published, which nanochat and
-modded-nanogpt run), scaled by the Gram matrix's norm, which bounds the spectral norm more tightly than
-torch's Frobenius norm. It costs three fifths of torch's five Newton-Schulz iterations (`newton_schulz_5`, kept for the runs
-trained with it) and trains drafters that accept as many tokens (docs/benchmarks.md (g) and (h)): at one
-sequence per step on a CPU the orthogonalisation is most of what Muon adds to a step.
+The orthogonalisation (--muon_orthogonalisation) is torch's five Newton-Schulz iterations (`newton_schulz_5`)
+by default. `polar_express_3` runs three steps of Polar Express instead (Amsel et al. 2025; the first three of
+the five quintics it published, which nanochat and modded-nanogpt run), scaled by the Gram matrix's norm, a
+tighter bound on the spectral norm than torch's Frobenius norm: three fifths of the cost, which at one
+sequence per step on a CPU is most of what Muon adds to a step, and drafters as good on the embedded
+target; but its first steps expand (they are made to be followed by two more), so it carries the last-bit
+differences between two CPUs' kernels into visibly different drafters, where the five iterations do not
+(docs/benchmarks.md (h)).
 
 Precision (`orthogonalisation_dtype`): bf16 on GPUs, where it is the fast path; fp32 on a CPU, since a CPU
 without bf16 instructions multiplies bf16 matrices about 15x slower than fp32, and bf16 kernels round
@@ -31,7 +33,7 @@ from torch import nn
 
 OPTIMIZERS = ("adamw", "muon")
 BETAS = (0.9, 0.95)
-ORTHOGONALISATIONS = ("polar_express_3", "newton_schulz_5")
+ORTHOGONALISATIONS = ("newton_schulz_5", "polar_express_3")
 # Polar Express's first three quintics (a, b, c: x -> a x + b x^3 + c x^5 on the singular values); its
 # schedule is greedy, each step the best on the interval the steps before leave, so a prefix is the best
 # schedule of its length
@@ -125,7 +127,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr: float,
         weight_decay: float,
         ortho_dtype: torch.dtype | None = None,
-        orthogonalisation: str = "polar_express_3",
+        orthogonalisation: str = "newton_schulz_5",
     ):
         if not callable(getattr(torch_muon, "_zeropower_via_newtonschulz", None)):
             raise RuntimeError(
@@ -189,7 +191,7 @@ def build_optimizer(
     lr: float,
     weight_decay: float,
     fused: bool,
-    orthogonalisation: str = "polar_express_3",
+    orthogonalisation: str = "newton_schulz_5",
 ) -> torch.optim.Optimizer:
     """The optimizer --optimizer names for `model`'s parameters. `fused` (AdamW alone): the fused kernel,
     which can skip a non-finite step on the device; `orthogonalisation` (Muon alone): one of

@@ -61,7 +61,7 @@ class OptimizerSettings:
     warmup_ratio: float
     total_steps: int
     optimizer: str = "adamw"
-    muon_orthogonalisation: str = "polar_express_3"
+    muon_orthogonalisation: str = "newton_schulz_5"
 
 
 class DrafterTrainer:
