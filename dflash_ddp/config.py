@@ -21,7 +21,7 @@ from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.blocks import ANCHOR_RULES
 from dflash_ddp.drafter.distillation import LOSSES
 from dflash_ddp.drafter.families import FAMILIES
-from dflash_ddp.drafter.optimizer import OPTIMIZERS, ORTHOGONALISATIONS
+from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, OPTIMIZERS, ORTHOGONALISATIONS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
@@ -319,7 +319,7 @@ class TrainConfig:
         choices=OPTIMIZERS,
     )
     muon_orthogonalisation: str = setting(
-        "newton_schulz_5",
+        DEFAULT_ORTHOGONALISATION,
         "optimisation",
         "how Muon orthogonalises its update: torch's five Newton-Schulz iterations, or three Polar Express steps (three fifths of the cost and drafters as good on the embedded target, but two CPUs' last-bit differences grow into different drafters: docs/benchmarks.md (h)); the state is the same, so a resume may change it",
         choices=ORTHOGONALISATIONS,

@@ -34,6 +34,9 @@ from torch import nn
 OPTIMIZERS = ("adamw", "muon")
 BETAS = (0.9, 0.95)
 ORTHOGONALISATIONS = ("newton_schulz_5", "polar_express_3")
+DEFAULT_ORTHOGONALISATION = "newton_schulz_5"
+# the settings that train only with --optimizer muon
+MUON_SETTINGS = ("muon_orthogonalisation",)
 # Polar Express's first three quintics (a, b, c: x -> a x + b x^3 + c x^5 on the singular values); its
 # schedule is greedy, each step the best on the interval the steps before leave, so a prefix is the best
 # schedule of its length
@@ -127,7 +130,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr: float,
         weight_decay: float,
         ortho_dtype: torch.dtype | None = None,
-        orthogonalisation: str = "newton_schulz_5",
+        orthogonalisation: str = DEFAULT_ORTHOGONALISATION,
     ):
         if not callable(getattr(torch_muon, "_zeropower_via_newtonschulz", None)):
             raise RuntimeError(
@@ -170,6 +173,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._share_groups()  # loading replaced the inner optimizers' group dicts
 
 
+def trains_nothing(config: dict, key: str) -> bool:
+    """Whether setting `key` of a run's `config` (a checkpoint's, as a dict) is idle: a Muon setting in an
+    AdamW run."""
+    return key in MUON_SETTINGS and config.get("optimizer") != "muon"
+
+
 def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
     """The parameters Muon orthogonalises: the weight matrices, not the lookup tables the model names in
     `embedding_tables` (a row of a table moves only when its token occurs; Muon's authors keep embeddings,
@@ -191,7 +200,7 @@ def build_optimizer(
     lr: float,
     weight_decay: float,
     fused: bool,
-    orthogonalisation: str = "newton_schulz_5",
+    orthogonalisation: str = DEFAULT_ORTHOGONALISATION,
 ) -> torch.optim.Optimizer:
     """The optimizer --optimizer names for `model`'s parameters. `fused` (AdamW alone): the fused kernel,
     which can skip a non-finite step on the device; `orthogonalisation` (Muon alone): one of

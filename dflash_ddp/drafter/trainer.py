@@ -20,7 +20,7 @@ from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.flex import flex_block_mask, min_anchor_slots
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.objective import LossTerms
-from dflash_ddp.drafter.optimizer import build_optimizer
+from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, build_optimizer
 from dflash_ddp.drafter.step_timer import StepTimer
 from dflash_ddp.drafter.weighting import LossSettings, loss_gamma, scheduled_gamma
 from dflash_ddp.parallel.topology import compute_dtype
@@ -61,7 +61,7 @@ class OptimizerSettings:
     warmup_ratio: float
     total_steps: int
     optimizer: str = "adamw"
-    muon_orthogonalisation: str = "newton_schulz_5"
+    muon_orthogonalisation: str = DEFAULT_ORTHOGONALISATION
 
 
 class DrafterTrainer:

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
+from dflash_ddp.drafter.optimizer import trains_nothing
 from dflash_ddp.drafter.weighting import loss_gamma
 from dflash_ddp.hub import hub_model_name
 
@@ -201,9 +202,7 @@ def model_card(
         ]
     if state:
         cfg, fingerprints = state.get("config", {}), state.get("fingerprints", {})
-        settings = {k: cfg[k] for k in OBJECTIVE_SETTINGS if k in cfg}
-        if cfg.get("optimizer") != "muon":
-            settings.pop("muon_orthogonalisation", None)  # trains nothing with AdamW
+        settings = {k: cfg[k] for k in OBJECTIVE_SETTINGS if k in cfg and not trains_nothing(cfg, k)}
         objective = ", ".join(f"{k} {v}" for k, v in settings.items())
         lines += [
             "## Training",

@@ -16,6 +16,7 @@ from dflash_ddp.checkpoint.resume import find_checkpoint
 from dflash_ddp.checkpoint.trainer_state import load_trainer_state
 from dflash_ddp.checkpoint.writer import set_aside_later
 from dflash_ddp.config import RESUME_OVERRIDABLE
+from dflash_ddp.drafter.optimizer import trains_nothing
 from dflash_ddp.files import atomic_write_text
 from dflash_ddp.parallel.topology import DistributedContext, Topology
 from dflash_ddp.setup.run import Run
@@ -166,7 +167,7 @@ def _trains_as(config: dict, key: str):
     value = config[key]
     if key == "anchor_scale_tokens" and value >= config.get("max_seq_len", 0):
         return 0
-    if key == "muon_orthogonalisation" and config["optimizer"] != "muon":
+    if trains_nothing(config, key):
         return None
     return value
 
