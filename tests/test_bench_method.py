@@ -4,7 +4,8 @@ its resume from the results kept on disk (the quick budget: a few steps, minutes
 import subprocess
 import sys
 
-from dflash_ddp.bench.method import summarise
+from dflash_ddp.bench.method import STEP_SHARE, TRAINING, VARIANTS, summarise
+from dflash_ddp.config import parse_config
 
 TIMEOUT_S = 1800  # only catches a hang
 
@@ -21,6 +22,14 @@ def test_a_variant_wins_only_when_its_worst_seed_beats_the_baselines_best():
     assert "wins" in rows["dpace"] and "+" in rows["dpace"]
     assert "within the spread" in rows["decay-gamma2"]
     assert "1.550 (1.500-1.600)" in rows["decay"] and "3/3" in rows["decay"]
+
+
+def test_every_variant_is_settings_the_cli_accepts():
+    # a misspelled setting would stop the full benchmark at that variant, an hour in
+    for name, variant in VARIANTS.items():
+        settings = {**TRAINING, **{k: v for k, v in variant.items() if k != STEP_SHARE}}
+        cfg, _ = parse_config([x for k, v in settings.items() for x in (f"--{k}", str(v))])
+        assert all(getattr(cfg, k) == v for k, v in settings.items()), name
 
 
 def test_quick_method_benchmark_runs_variants_on_both_targets_and_resumes(tmp_path):

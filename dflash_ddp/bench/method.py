@@ -64,6 +64,11 @@ VARIANTS = {
     # twice the anchors at equal wall time: a step with 32 anchors took 1.71x one with 16 here (12 steps of
     # the embedded default, one thread, 53 s vs 31 s), so the variant gets 150 / 1.71 = 88 of the 150 steps
     "dpace-anchors32": {"position_weighting": "dpace", "num_anchors": 32, **ADAMW, STEP_SHARE: 1 / 1.71},
+    # one sequence per step (512 tokens) at equal wall time, where Muon's orthogonalisation costs most: a
+    # step of the defaults took 1.44x the paper's recipe's here (60 steps of each side by side, one thread,
+    # 15.4 s vs 10.7 s to step 50), so the defaults get 600 steps and the paper's recipe 864
+    "decay-one-seq": {"position_weighting": "decay", **ADAMW, "tokens_per_batch": 512, STEP_SHARE: 5.76},
+    "dpace-muon-lr8e-3-one-seq": {**DEFAULT_OBJECTIVE, "tokens_per_batch": 512, STEP_SHARE: 4.0},
     # DFlash2 on today's default objective, and its two pieces apart: the convolutions alone (the selector's
     # loss off, so it stays a no-op that drafts the LM head's best token) and the selector with one-tap
     # convolutions (a per-token gate, no look-back inside the block)
