@@ -22,6 +22,13 @@
 #   split_gloo        the same run as colocated_flex (no evaluation) as a 1+1 split job on the one GPU:
 #                     --channel_backend gloo (no NCCL, features through host memory, both ranks on the
 #                     GPU); then one line comparing its losses with colocated_flex's at the same steps
+#   dflash2_window    the embedded default as a DFlash2 drafter (dynamic convolutions, candidate selector)
+#                     with a 64-token sliding window in layer 0 (full attention in layer 1), flex, 40 steps,
+#                     then its evaluation (the selector's walk and the windowed cache in real decoding)
+#   plan_long_context --plan of the next step
+#   long_context      32K-token conversations (480 joined rows each) on the embedded target: the target
+#                     prefilled in pieces of 8192 sharing a KV cache, a 2048-token window in both drafter
+#                     layers, anchors scaled with the length, flex, 5 steps: measured peak against the plan
 #   colocated_sparse  the embedded default with --attention sparse, 40 steps, no evaluation
 #   regenerate        64 prompts, 128 new tokens, batches of 16
 # The flex steps run with TORCH_LOGS=recompiles (the summary counts the recompiles); the compile caches
@@ -41,7 +48,10 @@
 # cannot be timed there. Estimated for one H200 and a cold compile cache (not
 # measured): preflight 15-25 s, colocated_flex 60-150 s (the flex compile and its recompiles dominate;
 # the evaluation took 46 s of CPU), plan_large 10 s, large 40-100 s, colocated_sparse 20-30 s,
-# regenerate 15 s: 3-6 minutes. gpu_shapes, from its FLOP count: a target forward is 429 TFLOP (0.7 s at 60%
+# regenerate 15 s: 3-6 minutes. The DFlash2 and long-context steps, added later, took 10 and 6 + 7 s in the
+# dry run (104 s in all, the test suite running beside it); on the H200 perhaps 40-100 s (DFlash2's layers
+# and a second mask in the flex compile, its evaluation) and 10 + 30-80 s (5 steps of 32K tokens), so the
+# budget may cut the last two steps (colocated_sparse, regenerate), which matter least. gpu_shapes, from its FLOP count: a target forward is 429 TFLOP (0.7 s at 60%
 # of 989), a drafter step 718 model TFLOP (1.3-2.4 s at 55-30% MFU); with start-up, building the models,
 # the flex compile (20-60 s cold) and the profile, 60-130 s. The limits below are set from these; the
 # budget cuts the last steps first.
@@ -75,7 +85,11 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every step, tiny
   FLEX=dense             # flex has no backward on the CPU; dense is the reference of the same mask
   # limits in seconds: preflight, colocated_flex, plan_large, large, colocated_sparse, regenerate, gpu_shapes,
   # split_gloo
-  L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 L_SHAPES=120 L_SPLIT=180
+  L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 L_SHAPES=120 L_SPLIT=180 L_D2=180
+  L_LONG=180
+  LONG=(--max_seq_len 2048 --tokens_per_batch 2048 --target_prefill_tokens 512 --sliding_window 256
+    --max_steps 1 --logging_steps 1)
+  LONG_JOIN_ROWS=30 LONG_ROWS=60
   SHAPES=(--scale tiny --target_steps 2 --drafter_steps 2 --profile always)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # 2 threads on a loaded 2-core machine: 4x slower steps
 else
@@ -86,7 +100,11 @@ else
   JOIN_ROWS=14 LARGE_ROWS=0 REGEN_ROWS=64 REGEN=(--max_new_tokens 128 --batch_size 16)
   COMPILE_BACKEND=inductor FLEX=flex
   # cold compile cache; a step cut by its limit is reported, and the budget cuts the last ones first
-  L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 L_SHAPES=150 L_SPLIT=90
+  L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 L_SHAPES=150 L_SPLIT=90 L_D2=120
+  L_LONG=90
+  LONG=(--max_seq_len 32768 --tokens_per_batch 32768 --target_prefill_tokens 8192 --sliding_window 2048
+    --max_steps 5 --logging_steps 1)
+  LONG_JOIN_ROWS=480 LONG_ROWS=2400
   SHAPES=(--scale qwen3-8b)
 fi
 # one tokenization per data set and settings (2.3 s for the embedded data; --num_proc would spawn
@@ -152,12 +170,12 @@ if shapes.is_file():  # the benchmark's figures, then its whole JSON on a line o
         fields["plan_gib"] = f"{drafter['predicted_peak_gib']:.2f}"
     if split:
         fields["split_8"] = split["recommended"].replace(" ", "")
-if name in ("colocated_flex", "large", "gpu_shapes"):  # the steps run with TORCH_LOGS=recompiles
+if name in ("colocated_flex", "large", "gpu_shapes", "dflash2_window", "long_context"):  # TORCH_LOGS=recompiles
     fields["recompiles"] = text.count("Recompiling function")
 last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
 if code != 0 or name == "preflight":
     fields["last_line"] = repr(last[0][-200:])
-print(f"{name:<17}" + " ".join(f"{k}={v}" for k, v in fields.items()))
+print(f"{name:<18}" + " ".join(f"{k}={v}" for k, v in fields.items()))
 if shapes.is_file():
     print(f"{name}.json " + json.dumps(json.loads(shapes.read_text()), separators=(",", ":")))
 EOF
@@ -169,7 +187,7 @@ step() {  # name, limit in seconds, command...: run under timeout, keep its log,
   local left=$((BUDGET_S - (SECONDS - START)))
   [ "$limit" -le "$left" ] || limit=$left
   if [ "$limit" -lt 5 ]; then
-    note "$(printf '%-17s' "$name")exit=skipped(budget) seconds=0"
+    note "$(printf '%-18s' "$name")exit=skipped(budget) seconds=0"
     failed=$((failed + 1))
     return 1
   fi
@@ -250,9 +268,10 @@ if [ "$TRAIN_ROWS" -gt 0 ]; then
 else
   DATA=()  # the embedded default's own data
 fi
-# long conversations: JOIN_ROWS consecutive rows joined into one (their system turns after the first
-# dropped); truncated to --max_seq_len by the trainer
-"$PYTHON" - "$ASSETS/data/docstring_qa_regenerated.jsonl" "$OUT/long.jsonl" "$JOIN_ROWS" "$LARGE_ROWS" <<'EOF'
+# long conversations: every `join` consecutive rows of the first `limit` (0: all) joined into one (their system
+# turns after the first dropped); truncated to --max_seq_len by the trainer
+join_rows() {  # out file, join, limit
+  "$PYTHON" - "$ASSETS/data/docstring_qa_regenerated.jsonl" "$@" <<'EOF'
 import json, sys
 
 rows = [json.loads(line)["messages"] for line in open(sys.argv[1])]
@@ -263,6 +282,9 @@ with open(sys.argv[2], "w") as f:
         turns = [m for j, r in enumerate(rows[i : i + join]) for m in r if j == 0 or m["role"] != "system"]
         f.write(json.dumps({"messages": turns}) + "\n")
 EOF
+}
+join_rows "$OUT/long.jsonl" "$JOIN_ROWS" "$LARGE_ROWS"
+join_rows "$OUT/long_context.jsonl" "$LONG_JOIN_ROWS" "$LONG_ROWS"
 head -n "$REGEN_ROWS" "$ASSETS/data/docstring_qa.jsonl" > "$OUT/prompts.jsonl"
 
 # 2. the embedded default on the device with flex attention, and the run's one evaluation
@@ -299,11 +321,22 @@ diffs = [abs(colocated[s] - split[s]) for s in common]
 print(f"losses colocated vs 1+1: steps {common}, max |difference| {max(diffs) if diffs else 'n/a'}")
 EOF
 )"
-# 7. the block-sparse path on the same run: loss should follow the flex run's
+# 7. DFlash2 on the device: its convolutions and selector under bf16 autocast, a windowed layer beside a full
+#    one (two masks in one flex run), and its evaluation (the selector's walk, the windowed decoding cache)
+step dflash2_window "$L_D2" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" \
+  "${DATA[@]}" --drafter dflash2 --sliding_window 64 --sliding_layers 0 --attention "$FLEX" \
+  --max_steps "$STEPS" --logging_steps "$LOG_STEPS" "${EVAL[@]}" --output_dir "$OUT/dflash2_window"
+# 8. long context: predicted peak, then measured (prefill pieces, windowed flex masks over 32K keys)
+LONG+=(--target_model embedded --data "$OUT/long_context.jsonl" --attention "$FLEX" --eval_data "")
+step plan_long_context "$L_PLAN" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LONG[@]}" --plan \
+  --output_dir "$OUT/long_context"
+step long_context "$L_LONG" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" \
+  "${LONG[@]}" --output_dir "$OUT/long_context"
+# 9. the block-sparse path on the same run as step 2: loss should follow the flex run's
 step colocated_sparse "$L_SPARSE" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${DATA[@]}" \
   --attention sparse --max_steps "$STEPS" --logging_steps "$LOG_STEPS" --eval_data "" \
   --output_dir "$OUT/colocated_sparse"
-# 8. regeneration on the device (bf16 generate on CUDA, left padding)
+# 10. regeneration on the device (bf16 generate on CUDA, left padding)
 step regenerate "$L_REGEN" "$PYTHON" -u -m dflash_ddp.regenerate --target_model "$ASSETS/tiny_qwen3" \
   --data "$OUT/prompts.jsonl" --out "$OUT/regenerated.jsonl" --device "$DEVICE" "${REGEN[@]}"
 

@@ -17,6 +17,9 @@ STEPS = [
     "plan_large",
     "large",
     "split_gloo",
+    "dflash2_window",
+    "plan_long_context",
+    "long_context",
     "colocated_sparse",
     "regenerate",
 ]
@@ -86,6 +89,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
         assert re.search(r"peak_gib=\d", summary[name]) and "tau_train=" in summary[name], summary[name]
     assert "s_per_step=" in summary["colocated_flex"] and "lossless=True" in summary["colocated_flex"]
     assert re.search(r"plan_gib=\d", summary["large"]) and "recompiles=0" in summary["large"]
+    assert "lossless=True" in summary["dflash2_window"] and "recompiles=0" in summary["dflash2_window"]
+    assert re.search(r"peak_gib=\d.*plan_gib=\d", summary["long_context"]), summary["long_context"]
     text = (out / "summary.txt").read_text()
     assert "0 step(s) failed" in text
     # the split job trains what the colocated one does (bit-identical on the CPU, one thread each)
