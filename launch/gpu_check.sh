@@ -51,9 +51,10 @@
 # regenerate 15 s: 3-6 minutes. The DFlash2 and long-context steps, added later, took 10 and 6 + 7 s in the
 # dry run (104 s in all, the test suite running beside it); on the H200 perhaps 40-100 s (DFlash2's layers
 # and a second mask in the flex compile, its evaluation) and 10 + 30-80 s (5 steps of 32K tokens), so the
-# budget may cut the last two steps (colocated_sparse, regenerate), which matter least. gpu_shapes, from its FLOP count: a target forward is 429 TFLOP (0.7 s at 60%
-# of 989), a drafter step 718 model TFLOP (1.3-2.4 s at 55-30% MFU); with start-up, building the models,
-# the flex compile (20-60 s cold) and the profile, 60-130 s. The limits below are set from these; the
+# budget may cut the last two steps (colocated_sparse, regenerate), which matter least. gpu_shapes, from
+# its FLOP count: a target forward is 429 TFLOP (0.7 s at 60% of 989), a drafter step 718 model TFLOP
+# (1.3-2.4 s at 55-30% MFU); with start-up, building the models, the flex compile (20-60 s cold) and the
+# profile, 60-130 s. The limits below are set from these; the
 # budget cuts the last steps first.
 set -uo pipefail
 
@@ -83,8 +84,8 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every step, tiny
   JOIN_ROWS=4 LARGE_ROWS=64 REGEN_ROWS=2 REGEN=(--max_new_tokens 8 --batch_size 2)
   COMPILE_BACKEND=eager  # inductor on the CPU would time the C++ compiler, not the check
   FLEX=dense             # flex has no backward on the CPU; dense is the reference of the same mask
-  # limits in seconds: preflight, colocated_flex, plan_large, large, colocated_sparse, regenerate, gpu_shapes,
-  # split_gloo
+  # limits in seconds: preflight, colocated_flex, plan_large (and plan_long_context), large, colocated_sparse,
+  # regenerate, gpu_shapes, split_gloo, dflash2_window, long_context
   L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 L_SHAPES=120 L_SPLIT=180 L_D2=180
   L_LONG=180
   LONG=(--max_seq_len 2048 --tokens_per_batch 2048 --target_prefill_tokens 512 --sliding_window 256
@@ -101,7 +102,7 @@ else
   COMPILE_BACKEND=inductor FLEX=flex
   # cold compile cache; a step cut by its limit is reported, and the budget cuts the last ones first
   L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 L_SHAPES=150 L_SPLIT=90 L_D2=120
-  L_LONG=90
+  L_LONG=120
   LONG=(--max_seq_len 32768 --tokens_per_batch 32768 --target_prefill_tokens 8192 --sliding_window 2048
     --max_steps 5 --logging_steps 1)
   LONG_JOIN_ROWS=480 LONG_ROWS=2400
