@@ -119,12 +119,13 @@ failed=0
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 # Reads what a step left (OUT/NAME/metrics.jsonl, eval.json, OUT/plan_NAME.log, its log) into one line.
-summarize() {  # name, exit code, seconds
+summarize() {  # name, exit code, seconds, whether the step logged its recompiles (1/0)
   "$PYTHON" - "$OUT" "$@" <<'EOF'
 import json, re, sys
 from pathlib import Path
 
 out, name, code, seconds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+logs_recompiles = sys.argv[5] == "1"
 fields = {"exit": code, "seconds": seconds}
 if code == 124 or code == 137:
     fields["exit"] = f"{code}(timed-out)"
@@ -171,7 +172,7 @@ if shapes.is_file():  # the benchmark's figures, then its whole JSON on a line o
         fields["plan_gib"] = f"{drafter['predicted_peak_gib']:.2f}"
     if split:
         fields["split_8"] = split["recommended"].replace(" ", "")
-if name in ("colocated_flex", "large", "gpu_shapes", "dflash2_window", "long_context"):  # TORCH_LOGS=recompiles
+if logs_recompiles:  # the step ran with TORCH_LOGS=recompiles
     fields["recompiles"] = text.count("Recompiling function")
 last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
 if code != 0 or name == "preflight":
@@ -196,7 +197,9 @@ step() {  # name, limit in seconds, command...: run under timeout, keep its log,
   local began=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local code=$?
-  summarize "$name" "$code" "$((SECONDS - began))" | tee -a "$OUT/summary.txt"
+  local recompiles=0
+  [[ " $* " == *" TORCH_LOGS=recompiles "* ]] && recompiles=1
+  summarize "$name" "$code" "$((SECONDS - began))" "$recompiles" | tee -a "$OUT/summary.txt"
   if [ "$code" -ne 0 ]; then
     failed=$((failed + 1))
     tail -n 15 "$OUT/$name.log" | sed "s/^/   $name| /"
