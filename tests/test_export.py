@@ -202,6 +202,8 @@ def test_the_export_is_stamped_with_how_the_drafter_was_trained(tmp_path, tiny_t
         "chat_template_kwargs": {"enable_thinking": False},
         "target_model": str(tiny_target),
         "target_commit": None,  # a local directory (and a trainer_state.json from before hub names)
+        "target_model_type": "qwen3",
+        "target_architecture": "Qwen3ForCausalLM",
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "regeneration": {str(data): regeneration},
     }

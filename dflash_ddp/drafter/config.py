@@ -42,6 +42,8 @@ class DFlashDraftConfig(PretrainedConfig):
         block_size: int = 16,
         layer_types: Sequence[str] | None = None,
         sliding_window: int | None = None,
+        input_embedding_scale: float = 1.0,
+        final_logit_softcapping: float | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -63,6 +65,10 @@ class DFlashDraftConfig(PretrainedConfig):
         # per layer "full_attention" or "sliding_attention" (z-lab's and the engines' names), and the window
         self.layer_types = list(layer_types) if layer_types else ["full_attention"] * num_hidden_layers
         self.sliding_window = sliding_window
+        # the target's conventions, which the drafter computes with: its embedding's row scale (Gemma's
+        # sqrt(hidden)) and the soft-capping of its logits (None: none)
+        self.input_embedding_scale = input_embedding_scale
+        self.final_logit_softcapping = final_logit_softcapping
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -193,6 +199,8 @@ def drafter_config_for(  # noqa: PLR0913 - the run's choices a drafter's shape r
         block_size=block_size,
         layer_types=layer_types,
         sliding_window=window or None,
+        input_embedding_scale=info.embedding_scale,
+        final_logit_softcapping=info.final_logit_softcapping,
     )
     errors = config.shape_errors()
     if errors:

@@ -37,8 +37,8 @@ class DFlash2DraftConfig(DFlashDraftConfig):
     # set by the run's settings of the same names (--conv_kernel_size, ...)
     run_settings = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
     # written into (and read from) the serving config's dflash_config, under these names; training keeps the
-    # last two at 1 and none (a Qwen3 or Llama target's LM head), an exported drafter may set them
-    serving_fields = (*run_settings, "output_multiplier", "final_logit_softcapping")
+    # multiplier at 1 (the target's soft-capping, a field of every family, is the target's own)
+    serving_fields = (*run_settings, "output_multiplier")
 
     def __init__(  # noqa: PLR0913 - a transformers config: its fields are keyword arguments
         self,
@@ -47,7 +47,6 @@ class DFlash2DraftConfig(DFlashDraftConfig):
         selector_rank: int = 256,
         selector_top_k: int = 16,
         output_multiplier: float = 1.0,
-        final_logit_softcapping: float | None = None,
         **kwargs,
     ):
         self.conv_kernel_size = conv_kernel_size
@@ -55,7 +54,6 @@ class DFlash2DraftConfig(DFlashDraftConfig):
         self.selector_rank = selector_rank
         self.selector_top_k = selector_top_k
         self.output_multiplier = output_multiplier
-        self.final_logit_softcapping = final_logit_softcapping
         super().__init__(**kwargs)
 
     def shape_errors(self) -> list[str]:

@@ -89,7 +89,8 @@ class RotaryEmbedding(nn.Module):
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             base = config.rope_parameters["rope_theta"]
-            dim = config.head_dim
+            # a partial rope (Qwen3.5, Qwen3-Next) turns the first dimensions of each head only
+            dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0
         else:
@@ -115,7 +116,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, T, D]; cos/sin: [B, T, D]
+    # x: [B, heads, T, D]; cos/sin: [B, T, R], R <= D: a partial rope turns the first R dimensions only
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        turned, kept = x[..., :rotary], x[..., rotary:]
+        return torch.cat((_apply_rope(turned, cos, sin), kept), dim=-1)
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 

@@ -28,6 +28,13 @@ def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values.gather(-1, order), ids.gather(-1, order)
 
 
+def head_logits(hidden: torch.Tensor, head_weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """fp32 logits of `hidden` through the LM head, soft-capped (cap * tanh(logits / cap)) where the target
+    caps its own. The product runs in the head's dtype (bf16 on GPU): casting the rows is cheap, the head not."""
+    logits = (hidden.to(head_weight.dtype) @ head_weight.T).float()
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
 class _ChunkedLMHeadCE(torch.autograd.Function):
     """Weighted per-row loss through the LM head, `chunk` rows at a time, recomputed in backward.
 
@@ -39,15 +46,19 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, soft, settings, reweight, top_k):  # noqa: PLR0913 - autograd passes inputs positionally
-        chunk, loss, ce_weight = settings.chunk_rows, settings.loss, settings.ce_weight
+        chunk, loss, ce_weight, cap = (
+            settings.chunk_rows,
+            settings.loss,
+            settings.ce_weight,
+            settings.logit_softcap,
+        )
         soft_ids, soft_probs = soft if soft is not None else (None, None)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         candidates = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            # In the head's dtype (bf16 on GPU): casting the chunk is cheap, casting the V x H head is not.
-            logits = (hidden[rows].to(head_weight.dtype) @ head_weight.T).float()
+            logits = head_logits(hidden[rows], head_weight, cap)
             nll, loss_rows = row_losses(
                 logits, labels[rows], _rows(soft_ids, rows), _rows(soft_probs, rows), loss, ce_weight
             )
@@ -62,7 +73,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         for i, loss_rows in enumerate(row_loss):
             loss_sum += (loss_rows * weights[i * chunk : (i + 1) * chunk]).sum()
         ctx.save_for_backward(hidden, head_weight, labels, weights, soft_ids, soft_probs)
-        ctx.chunk, ctx.loss, ctx.ce_weight = chunk, loss, ce_weight
+        ctx.chunk, ctx.loss, ctx.ce_weight, ctx.cap = chunk, loss, ce_weight, cap
         ctx.mark_non_differentiable(correct, weights, candidates)
         return loss_sum, correct, weights, candidates
 
@@ -73,14 +84,17 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows].to(head_weight.dtype)
+            logits = head_logits(h, head_weight, ctx.cap)
             grad_logits = logit_gradients(
-                (h @ head_weight.T).float(),
+                logits,
                 labels[rows],
                 _rows(soft_ids, rows),
                 _rows(soft_probs, rows),
                 ctx.loss,
                 ctx.ce_weight,
             )
+            if ctx.cap:  # d(cap * tanh(z / cap)) / dz = 1 - tanh(z / cap)^2
+                grad_logits = grad_logits * (1 - (logits / ctx.cap) ** 2)
             scale = (weights[rows] * grad_loss)[:, None]
             grad_hidden[rows] = ((grad_logits * scale).to(h.dtype) @ head_weight).to(hidden.dtype)
         return grad_hidden, *([None] * 7)

@@ -79,7 +79,8 @@ class DrafterTrainer:
         self.drafter = drafter
         self.group = group  # the drafter ranks' process group when M > 1
         self.head = head
-        self.settings = settings
+        # the target's logits are the head's, soft-capped where the target caps them (Gemma)
+        self.settings = replace(settings, loss=replace(settings.loss, logit_softcap=head.logit_softcapping))
         self.device = next(drafter.parameters()).device
         # Reading a device value stalls a GPU's queue: on CUDA the finite-loss check and the metrics wait
         # for a logging step (on the CPU a read costs nothing, so the check happens before the update).
@@ -204,7 +205,7 @@ class DrafterTrainer:
         with self._autocast():
             with timer.part("drafter forward"):
                 out = self.drafter(
-                    self.head.embed_tokens(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
+                    self.head.embed(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
                 ).last_hidden_state
             with timer.part("loss"):
                 terms = self.drafter.loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss)

@@ -81,9 +81,16 @@ def to_zlab_config(config: DFlashDraftConfig) -> dict:
     if config.serving_fields or config.slides:
         # every attention layer sees its whole block (the engines' default for a sliding layer is causal)
         out["is_causal"] = False
-        # a field left unset (no soft-capping) is left out: the engines read its absence as unset
+        # a field left unset is left out: the engines read its absence as unset
         fields = {name: getattr(config, name) for name in config.serving_fields}
         out["dflash_config"].update({k: v for k, v in fields.items() if v is not None})
+    # The target's conventions, where it has any (Gemma): vLLM's DFlash2 and DSpark models read them from
+    # dflash_config, its Gemma 4 DSpark model the soft-capping at the top level.
+    if config.input_embedding_scale != 1.0:
+        out["dflash_config"]["input_embedding_scale"] = config.input_embedding_scale
+    if config.final_logit_softcapping:
+        out["dflash_config"]["final_logit_softcapping"] = config.final_logit_softcapping
+        out["final_logit_softcapping"] = config.final_logit_softcapping
     return out
 
 
@@ -126,6 +133,8 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
             if value is KeyError:
                 raise KeyError(f"dflash_config.{name}")
             kwargs[name] = value
+        for name, default in _TARGET_CONVENTIONS.items():
+            kwargs[name] = dflash.get(name, data.get(name, default))
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
     for name in ("mask_token_id", "target_layer_ids", "hidden_size", "num_hidden_layers"):
@@ -141,4 +150,6 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
 
 
 # serving fields the engines default when a config leaves them out
-_OPTIONAL_FIELDS = {"output_multiplier": 1.0, "final_logit_softcapping": None}
+_OPTIONAL_FIELDS = {"output_multiplier": 1.0}
+# the target's conventions every family carries, and their values for a target without any
+_TARGET_CONVENTIONS = {"input_embedding_scale": 1.0, "final_logit_softcapping": None}

@@ -127,7 +127,9 @@ def speculative_generate(
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
     target_cache, drafter_cache = DynamicCache(config=target.config), DynamicCache()
-    target_cache.activate_past_recording()  # lets `crop` roll back sliding-window layers too, as in transformers
+    # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the last
+    # block_size states (their recurrent state cannot be cut like keys and values), as transformers does
+    target_cache.activate_past_recording(recurrent_states_to_keep=block_size)
     accepted: list[int] = []
     contexts: list[int] = []
     _sync(device)

@@ -52,6 +52,27 @@ def weighted_by(cfg: dict, block: int) -> str:
     return f"exp(-(k-1)/gamma), gamma {end}"
 
 
+def convention_lines(dflash: dict) -> list[str]:
+    """The target's conventions the drafter computes with, where the target has any (Gemma)."""
+    lines = []
+    if dflash.get("input_embedding_scale"):
+        lines.append(
+            f"- input embeddings scaled by {dflash['input_embedding_scale']:g}, as the target scales its own"
+        )
+    if dflash.get("final_logit_softcapping"):
+        lines.append(
+            f"- logits soft-capped at {dflash['final_logit_softcapping']:g}, as the target caps its own"
+        )
+    return lines
+
+
+def target_type(stamp: dict) -> str:
+    """`, model type X (checkpoint class Y)` of the target as the stamp records it (empty before it did)."""
+    if not stamp.get("target_model_type"):
+        return ""
+    return f", model type `{stamp['target_model_type']}` (checkpoint class `{stamp['target_architecture']}`)"
+
+
 def target_license(target_dir: Path | None) -> str | None:
     """The `license` of the target's own model card (its README.md metadata header), when there is one."""
     card = target_dir / "README.md" if target_dir else None
@@ -192,6 +213,7 @@ def model_card(
         f"- mask token id {dflash['mask_token_id']}"
         + (f" (`{dflash['mask_token']}`)" if dflash.get("mask_token") else ""),
         "- the target's embedding and LM head are shared: this repository holds only the drafter's own weights",
+        *convention_lines(dflash),
         "",
     ]
     if dflash2:
@@ -209,6 +231,7 @@ def model_card(
             "",
             f"- target: `{cfg.get('target_model', '?')}`"
             + (f" at commit `{fingerprints['target_commit']}`" if fingerprints.get("target_commit") else "")
+            + target_type(config.get("dflash_ddp") or {})
             + f" (fingerprint `{fingerprints.get('target')}`)",
             f"- data: {', '.join(f'`{d}`' for d in cfg.get('data', []))} (fingerprint `{fingerprints.get('data')}`), "
             f"chat template arguments {json.dumps(cfg.get('chat_template_kwargs', {}))}",

@@ -31,6 +31,7 @@ from dflash_ddp.files import fingerprint_files
 from dflash_ddp.hub import ModelSource, hub_model_name, locate_model
 from dflash_ddp.regeneration.parts import settings_path
 from dflash_ddp.serving.card import model_card
+from dflash_ddp.target_model.text_stack import read_text_stack
 
 # Serving engines run the drafter in the target's dtype (vLLM) or resolve `dtype auto` from the drafter's
 # own config (SGLang: an fp32 config becomes float16 there, against a bf16 target); bf16 is what they expect.
@@ -187,6 +188,8 @@ def training_stamp(
             f"the tokenizer of {target} is not the one the drafter was trained with (fingerprint {now}, "
             f"trained with {fingerprints['tokenizer']}); pass --target_model with the training target"
         )
+    stack = read_text_stack(target)
+    stamp["target_model_type"], stamp["target_architecture"] = stack.config.model_type, stack.architecture
     tokenizer = load_target_tokenizer(target, template_file)
     stamp["chat_template_sha256"] = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
     stamp["regeneration"], notes = regeneration_settings(data)

@@ -19,7 +19,7 @@ from dflash_ddp.drafter.optimizer import optimizer_state_bytes
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
 from dflash_ddp.target_model.info import TargetInfo, layers_run, truncated_parameter_count
-from dflash_ddp.target_model.memory import target_memory
+from dflash_ddp.target_model.memory import TargetLoad, target_memory
 
 
 def run_device(cfg: TrainConfig) -> torch.device:
@@ -93,21 +93,20 @@ def plan_memory(
             checkpointing=checkpointing,
         )
 
-    target = target_memory(
-        info,
-        truncated_parameter_count(info, layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)),
-        c.target_layer_ids,
-        batch_tokens,
-        dtype_bytes,
-        0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
-        topology.tp_size,
-        cfg.target_topk,
-        (
-            cfg.target_prefill_tokens,
-            cfg.max_seq_len,
-            layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk),
-        ),
+    layers = layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)
+    load = TargetLoad(
+        num_params=truncated_parameter_count(info, layers),
+        target_layer_ids=c.target_layer_ids,
+        layers=layers,
+        tokens_per_batch=batch_tokens,
+        dtype_bytes=dtype_bytes,
+        inflight=0 if topology.colocated else cfg.max_inflight,  # colocated: no sends
+        tp_size=topology.tp_size,
+        topk=cfg.target_topk,
+        prefill_tokens=cfg.target_prefill_tokens,
+        max_seq_len=cfg.max_seq_len,
     )
+    target = target_memory(info, load)
     # speculative decoding verifies with the whole target: every layer and the LM head, on one device
     whole = (
         truncated_parameter_count(info, info.num_layers)

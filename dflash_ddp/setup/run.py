@@ -198,6 +198,21 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topo
     }
 
 
+def text_stack_note(info: TargetInfo) -> str:
+    """What of a wrapper checkpoint the target ranks leave out (a vision or audio tower), and the layers'
+    kinds of a hybrid target."""
+    note = ""
+    if info.other_parameters:
+        note += (
+            f"; the text model of {info.architecture}: {info.other_parameters / 1e6:.2f}M parameters beside it "
+            "(vision/audio towers) are never loaded and not counted"
+        )
+    kinds = sorted(set(info.layer_types))
+    if len(kinds) > 1:
+        note += "; layers " + ", ".join(f"{info.layer_types.count(k)} {k}" for k in kinds)
+    return note
+
+
 def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     """Topology, sizes and predicted memory per rank; loads no weights."""
     c, info, memory = setup.drafter_config, setup.info, setup.memory
@@ -212,7 +227,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     for line in topology.describe():
         print(f"{'topology':>26}: {line}")
     plan = {
-        "target": f"{info.path} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size})",
+        "target": f"{info.path} ({info.model_type}, {info.num_layers} layers, hidden {info.hidden_size})"
+        + text_stack_note(info),
         "target_layers_run": f"0..{target_layers_run(cfg, info, c.target_layer_ids) - 1} of {info.num_layers} ("
         + (
             f"all layers, the final norm and the LM head: the top {cfg.target_topk} next-token probabilities are "

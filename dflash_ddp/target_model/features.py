@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 from torch import nn
-from transformers import AutoModel, DynamicCache
+from transformers import DynamicCache
 from transformers import logging as hf_logging
 
 from dflash_ddp.data.batch import SoftTargets
@@ -17,6 +17,7 @@ from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
 from dflash_ddp.target_model.tensor_parallel import load_sharded
+from dflash_ddp.target_model.text_stack import load_text_model
 
 
 class _StopForward(Exception):
@@ -119,9 +120,7 @@ class TargetFeatureExtractor:
         hf_logging.disable_progress_bar()  # the dropped layers are reported as unused weights; that is intended
         try:
             if meshes is None:
-                self.model = AutoModel.from_pretrained(
-                    info.path, num_hidden_layers=keep, dtype=dtype, local_files_only=True
-                )
+                self.model = load_text_model(info.path, info.text_stack(), keep, dtype)
             else:
                 self.model = load_sharded(info, keep, dtype, device, meshes)
         finally:

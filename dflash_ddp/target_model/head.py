@@ -4,67 +4,61 @@ target's safetensors files without building the model.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from dflash_ddp.target_model.info import TargetInfo
-
-
-def _tensor_locations(path: Path) -> dict[str, Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
-    locations = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            locations.update({name: file for name in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
-    return locations
-
-
-def _find_tensor(locations: dict[str, Path], suffix: str) -> str | None:
-    matches = sorted(name for name in locations if name == suffix or name.endswith("." + suffix))
-    # Prefer the shortest name: "model.embed_tokens.weight" over a vision tower's embedding.
-    return min(matches, key=len) if matches else None
+from dflash_ddp.target_model.text_stack import tensor_locations
 
 
 def load_shared_embeddings(info: TargetInfo) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read ONLY the input embedding and LM head from the target's safetensors (never the whole model)."""
-    locations = _tensor_locations(info.path)
-    embed_name = _find_tensor(locations, "embed_tokens.weight")
-    if embed_name is None:
-        raise ValueError(
-            f"--target_model {info.path}: no '*embed_tokens.weight' tensor in the safetensors files"
-        )
-    head_name = _find_tensor(locations, "lm_head.weight")
-    if head_name is None and not info.tie_word_embeddings:
-        raise ValueError(
-            f"--target_model {info.path}: no 'lm_head.weight' tensor and tie_word_embeddings is false"
-        )
+    """Read ONLY the input embedding and LM head from the target's safetensors (never the whole model): the
+    tensors the checkpoint's own `get_input_embeddings()` / `get_output_embeddings()` name (text_stack.py)."""
+    stack = info.text_stack()
+    locations = tensor_locations(info.path)
     tensors = {}
-    for name in filter(None, [embed_name, head_name]):
+    for name in dict.fromkeys([stack.embed_tensor, stack.head_tensor]):
+        if name not in locations:
+            raise ValueError(
+                f"--target_model {info.path}: no '{name}' tensor in the safetensors files, where "
+                f"{stack.architecture} keeps its {'input embedding' if name == stack.embed_tensor else 'LM head'}"
+            )
         with safe_open(locations[name], framework="pt") as f:
             tensors[name] = f.get_tensor(name)
-    embed = tensors[embed_name]
-    head = tensors[head_name] if head_name else embed
-    return embed, head
+    return tensors[stack.embed_tensor], tensors[stack.head_tensor]
 
 
 class SharedTargetHead(nn.Module):
-    """The target's frozen embedding and LM head, held beside the drafter (not part of its checkpoint)."""
+    """The target's frozen embedding and LM head, held beside the drafter (not part of its checkpoint).
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    `embed` computes as the target's own embedding does: rows times `embedding_scale` (Gemma's sqrt(hidden)
+    normaliser, applied in the embedding's dtype as transformers does); the loss soft-caps the head's logits
+    at `logit_softcapping` where the target does (LossSettings.logit_softcap)."""
+
+    def __init__(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        embedding_scale: float = 1.0,
+        logit_softcapping: float | None = None,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight.float(), freeze=True)
         self.lm_head_weight = nn.Parameter(lm_head_weight.float(), requires_grad=False)
+        self.embedding_scale = embedding_scale
+        self.logit_softcapping = logit_softcapping  # the target's final logits: cap * tanh(logits / cap)
 
     @classmethod
     def from_target(cls, info: TargetInfo) -> SharedTargetHead:
-        return cls(*load_shared_embeddings(info))
+        return cls(*load_shared_embeddings(info), info.embedding_scale, info.final_logit_softcapping)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embedding of `ids`."""
+        rows = self.embed_tokens(ids)
+        if self.embedding_scale == 1.0:
+            return rows
+        return rows * torch.tensor(self.embedding_scale).to(rows.dtype)  # as transformers rounds it
 
     @property
     def vocab_size(self) -> int:

@@ -5,11 +5,13 @@ the fingerprint a checkpoint records, the default tapped layers, and parameter c
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModel
+from transformers import AutoModel
+
+from dflash_ddp.target_model.text_stack import TextStack, read_text_stack, truncated_text_config
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,18 @@ class TargetInfo:
     vocab_size: int
     rms_norm_eps: float
     max_position_embeddings: int
-    rope_parameters: dict
+    rope_parameters: dict  # of the full-attention layers where layer types have their own
     tie_word_embeddings: bool
+    layer_types: tuple[str, ...] = ()  # per decoder layer, where the family names them
+    embedding_scale: float = 1.0  # the target's input embedding multiplies its rows by this (Gemma)
+    final_logit_softcapping: float | None = None  # the target soft-caps its logits at this (Gemma)
+    architecture: str = ""  # the checkpoint's class (a causal LM or a vision-language wrapper)
+    other_parameters: int = 0  # parameters of the checkpoint a target rank never loads (a vision tower)
+    stack: TextStack | None = field(default=None, compare=False, repr=False)
+
+    def text_stack(self) -> TextStack:
+        """Where the checkpoint keeps the text model (read from the directory when not known yet)."""
+        return self.stack or read_text_stack(self.path)
 
 
 FINGERPRINT_SAMPLES = 16  # 64 KiB windows per weight file: cheap, yet any retrained weights differ
@@ -70,30 +82,65 @@ def inspect_target(path: str | Path) -> TargetInfo:
             f"--target_model {path}: no *.safetensors weights (pickled .bin weights are not loaded; "
             "convert them with `save_pretrained(..., safe_serialization=True)`)"
         )
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    return target_info_from_config(config.get_text_config(decoder=True), path)
+    stack = read_text_stack(path)
+    return target_info_from_config(stack.config, path, stack)
 
 
-def target_info_from_config(config, path: Path) -> TargetInfo:
-    """The shape of a target from its (text) config; `path` is where its files live."""
+FULL_ATTENTION = "full_attention"
+
+
+def _full_attention_layer(config) -> int:
+    """The first decoder layer with full attention (0 where the family names no layer types)."""
+    types = list(getattr(config, "layer_types", None) or ())
+    return types.index(FULL_ATTENTION) if FULL_ATTENTION in types else 0
+
+
+def layer_attribute(config, name: str, default=None):
+    """`config.name`, or for a setting given per layer (Gemma 4's head sizes) the full-attention layers'
+    value, whose shape and rope the drafter takes."""
+    try:
+        return getattr(config, name, default)
+    except AttributeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return getattr(config.per_layer_config[_full_attention_layer(config)], name, default)
+
+
+def full_attention_rope(config) -> dict:
+    """The rope of the target's full-attention layers: `rope_parameters` itself, or its full-attention
+    entry where the family gives one per layer type (Gemma 3/4, OLMo 3); plain rope for a family with none
+    (Nemotron-H's attention has no positions: the drafter's own still needs some)."""
     rope = getattr(config, "rope_parameters", None) or {
         "rope_type": "default",
         "rope_theta": getattr(config, "rope_theta", 10000.0),
     }
+    if FULL_ATTENTION in rope:
+        rope = rope[FULL_ATTENTION]
+    return dict(rope)
+
+
+def target_info_from_config(config, path: Path, stack: TextStack | None = None) -> TargetInfo:
+    """The shape of a target from its text config; `path` is where its files live, `stack` where the
+    checkpoint keeps the text model (None: a causal-LM checkpoint of `config`)."""
+    heads = config.num_attention_heads
     return TargetInfo(
         path=path,
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=getattr(config, "num_key_value_heads", config.num_attention_heads),
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        num_attention_heads=heads,
+        num_key_value_heads=layer_attribute(config, "num_key_value_heads") or heads,
+        head_dim=layer_attribute(config, "head_dim") or config.hidden_size // heads,
         vocab_size=config.vocab_size,
         rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
         max_position_embeddings=getattr(config, "max_position_embeddings", 32768),
-        rope_parameters=dict(rope),
+        rope_parameters=full_attention_rope(config),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        layer_types=tuple(getattr(config, "layer_types", None) or ()),
+        embedding_scale=stack.embedding_scale if stack else 1.0,
+        final_logit_softcapping=(stack.final_logit_softcapping if stack else None),
+        architecture=stack.architecture if stack else "",
+        other_parameters=stack.other_parameters if stack else 0,
+        stack=stack,
     )
 
 
@@ -105,8 +152,9 @@ def layers_run(num_layers: int, target_layer_ids: list[int], topk: int) -> int:
 
 def truncated_parameter_count(info: TargetInfo, layers: int) -> int:
     """Parameters of the target cut after `layers` decoder layers (what a target rank loads), counted on the
-    meta device from its own config: exact for any architecture transformers builds (biases, experts)."""
-    config = AutoConfig.from_pretrained(info.path, num_hidden_layers=layers, local_files_only=True)
+    meta device from its own text config: exact for any architecture transformers builds (biases, experts),
+    and never counting a vision tower (target ranks do not load one)."""
+    config = truncated_text_config(info.text_stack(), layers)
     with torch.device("meta"):
         return sum(p.numel() for p in AutoModel.from_config(config).parameters())
 

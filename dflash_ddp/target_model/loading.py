@@ -6,15 +6,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from dflash_ddp.hub import fetch_weights, locate_model
 from dflash_ddp.target_model.info import TargetInfo, inspect_target
+from dflash_ddp.target_model.text_stack import load_text_model
 
 
 def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The whole target with its LM head, for generation and speculative verification."""
-    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, local_files_only=True)
+    """The whole text model with its LM head, for generation and speculative verification (a vision-language
+    checkpoint's text model alone, as a causal LM)."""
+    model = load_text_model(info.path, info.text_stack(), info.num_layers, dtype, with_head=True)
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -4,39 +4,53 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model.info import TargetInfo
 
 SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once when taking the top-k
 
 
-def target_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each one named
-    info: TargetInfo,
-    num_params: int,
-    target_layer_ids: list[int],
-    tokens_per_batch: int,
-    dtype_bytes: int,
-    inflight: int,
-    tp_size: int = 1,
-    topk: int = 0,
-    prefill: tuple[int, int, int] = (0, 0, 0),
-) -> MemoryPlan:
+@dataclass(frozen=True)
+class TargetLoad:
+    """What a target rank holds and runs, as the memory formula reads it."""
+
+    num_params: int  # the parameters it loads (the truncated text model), before its tensor-parallel share
+    target_layer_ids: list[int]
+    layers: int  # decoder layers it runs
+    tokens_per_batch: int
+    dtype_bytes: int
+    inflight: int = 0  # batches sent and not yet received (0 colocated)
+    tp_size: int = 1
+    topk: int = 0  # soft targets: the whole LM head and the top-k of each position
+    prefill_tokens: int = 0  # positions run at once (0: a sequence in one pass)
+    max_seq_len: int = 0
+
+
+def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     """Predicted peak of a target rank: its share of the weights it runs (`num_params` over the `tp_size`
     ranks of its tensor-parallel group), one forward's activations, features in flight; with `topk` soft
-    targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight.
-    `prefill` = (--target_prefill_tokens, --max_seq_len, layers run): in pieces, one piece's activations
-    of every sequence in the batch, and the KV cache of the whole batch."""
+    targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
+    prefill in pieces, one piece's activations of every sequence in the batch, and the KV cache of the
+    whole batch."""
+    target_layer_ids, tokens_per_batch, dtype_bytes = (
+        load.target_layer_ids,
+        load.tokens_per_batch,
+        load.dtype_bytes,
+    )
+    inflight, tp_size, topk = load.inflight, load.tp_size, load.topk
     width = len(target_layer_ids) * info.hidden_size
     q = info.num_attention_heads * info.head_dim
     # a layer's live tensors during a no-grad forward: residual, normed input and the all-reduced output
     # whole on every rank; q/k/v, attention output, gate, up and their product split across the group
     per_token = 4 * info.hidden_size + (2 * q + 3 * info.intermediate_size) // tp_size
-    piece, max_seq_len, layers = prefill
+    piece, max_seq_len, layers = load.prefill_tokens, load.max_seq_len, load.layers
     running = tokens_per_batch
     if piece and piece < max_seq_len:  # rows of a batch (at most one per max_seq_len tokens) x one piece
         running = min(tokens_per_batch, max(1, tokens_per_batch // max_seq_len) * piece)
     parts = {
-        "weights": num_params * dtype_bytes // tp_size,
+        "weights": load.num_params * dtype_bytes // tp_size,
         "activations": running * per_token * dtype_bytes,
         "tapped features": 3 * tokens_per_batch * width * dtype_bytes,  # taps, their concat, masked copy
         "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig
 from transformers import __version__ as transformers_version
 from transformers.distributed import DistributedConfig
 
 from dflash_ddp.parallel.topology import Topology, group_mesh
 from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.text_stack import load_text_model
 
 
 def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
@@ -77,10 +78,6 @@ def load_sharded(
     tensor-parallel plan; each rank reads only its shard of every weight."""
     tp_size = meshes.get_mesh("tp").size()
     with group_mesh(meshes, device):
-        return AutoModel.from_pretrained(
-            info.path,
-            num_hidden_layers=layers,
-            dtype=dtype,
-            local_files_only=True,
-            distributed_config=DistributedConfig(tp_size=tp_size),
+        return load_text_model(
+            info.path, info.text_stack(), layers, dtype, distributed_config=DistributedConfig(tp_size=tp_size)
         )

@@ -1,0 +1,201 @@
+"""Where a checkpoint keeps the text model a drafter reads, found through the model's own accessors.
+
+A target ships as a causal LM (`Qwen3ForCausalLM`: text model at `model.`), as a vision-language or omni
+wrapper (`Qwen3_5ForConditionalGeneration`: text model at `model.language_model.`, a vision tower beside it),
+or with its own names (Nemotron-H: `backbone.embeddings`). The checkpoint's class is built once on the meta
+device (no memory, no weights read); its `get_input_embeddings()` and `get_output_embeddings()` name the two
+tensors the drafter shares, and the module that owns the input embedding is the text model that target
+ranks load, alone and truncated, from the same files. Nothing else of the checkpoint is ever built or read.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+
+@dataclass(frozen=True)
+class TextStack:
+    """The text model inside a target checkpoint and the conventions its logits are computed with."""
+
+    config: PretrainedConfig  # the text (decoder) config
+    architecture: str  # the checkpoint's class, e.g. Qwen3_5ForConditionalGeneration
+    prefix: str  # the text model's tensor-name prefix in the checkpoint's files, e.g. "model.language_model"
+    own_prefix: str  # its prefix in a causal LM of the text config ("model"), where transformers reads it
+    wrapped: bool  # the checkpoint is not that causal LM (a vision-language or omni wrapper)
+    embed_tensor: str  # the input embedding's tensor in the checkpoint's files
+    head_tensor: str  # the LM head's tensor (the embedding's when the two are tied)
+    own_head_tensor: str  # the LM head's name in a causal LM of the text config
+    embedding_scale: float  # what the input embedding multiplies its rows by (Gemma: sqrt(hidden))
+    logit_scale: float  # what the final logits are multiplied by (Falcon-H1's lm_head_multiplier)
+    final_logit_softcapping: float | None  # tanh soft-capping of the final logits (Gemma 2-4)
+    other_parameters: int  # parameters of the checkpoint outside the text model and its head (vision ...)
+
+    @property
+    def key_mapping(self) -> dict[str, str] | None:
+        """transformers' `key_mapping` that reads the text model out of a wrapper checkpoint (None for a
+        causal-LM checkpoint, which transformers reads with its own renamings)."""
+        if not self.wrapped:
+            return None
+        mapping = {f"^{re.escape(self.prefix)}\\.": f"{self.own_prefix}."}
+        if not self.head_tensor.startswith(f"{self.prefix}."):  # Mistral 3's `language_model.lm_head`
+            mapping[f"^{re.escape(self.head_tensor)}$"] = self.own_head_tensor
+        return mapping
+
+
+def tensor_locations(path: Path) -> dict[str, Path]:
+    """Every tensor name of the safetensors checkpoint in `path` and the file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    locations = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            locations.update({name: file for name in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    return locations
+
+
+def _saved_names(model: PreTrainedModel, wanted: set[str], saved: list[str]) -> dict[str, str]:
+    """{module name: saved name} for the parameter names `wanted`, found by renaming each saved tensor name as
+    transformers does when it loads the checkpoint into `model` (gemma3 and mistral3 save their text model
+    as `language_model.model.*`, Nemotron-H as `backbone.*`)."""
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    found = {}
+    for name in saved:
+        loaded = name if name in wanted else rename_source_key(name, renamings, converters)[0]
+        if loaded in wanted:
+            found.setdefault(loaded, name)
+    return found
+
+
+def checkpoint_class(config: PretrainedConfig, path: Path) -> type[PreTrainedModel]:
+    """The class a checkpoint was saved from (config.json `architectures`), else the causal-LM class
+    transformers maps its config to."""
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(
+            f"--target_model {path}: model type '{config.model_type}' has no causal-LM class in transformers "
+            f"{transformers.__version__} (config.json architectures {getattr(config, 'architectures', None)}): "
+            "a drafter needs a target that generates text"
+        ) from None
+
+
+def _input_embeddings(module: PreTrainedModel) -> nn.Module | None:
+    try:
+        return module.get_input_embeddings()
+    except NotImplementedError:  # a vision tower's model has no text embedding
+        return None
+
+
+def _owner_of(model: nn.Module, embed: nn.Module) -> tuple[str, nn.Module]:
+    """(name, module) of the innermost pretrained model whose input embedding is `embed`: the text model."""
+    owners = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, PreTrainedModel) and _input_embeddings(module) is embed
+    ]
+    return max(owners, key=lambda item: len(item[0]))
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(module): name for name, module in model.named_modules()}
+
+
+def read_text_stack(path: str | Path) -> TextStack:
+    """The text model of the checkpoint in `path` (config only; the model is built on the meta device)."""
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = config.get_text_config(decoder=True)
+    cls = checkpoint_class(config, path)
+    with torch.device("meta"):
+        model = cls._from_config(copy.deepcopy(config))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ValueError(
+            f"--target_model {path}: {cls.__name__} ({config.model_type}) has no causal-LM text head "
+            "(get_output_embeddings() is None): a drafter needs a target that generates text"
+        )
+    names = _module_names(model)
+    prefix, text_model = _owner_of(model, embed)
+    embed_name = f"{names[id(embed)]}.weight"
+    head_name = f"{names[id(embed) if head.weight is embed.weight else id(head)]}.weight"
+    saved = _saved_names(model, {embed_name, head_name}, list(tensor_locations(path)))
+    if embed_name not in saved:
+        raise ValueError(
+            f"--target_model {path}: no tensor in its safetensors files loads as {cls.__name__}'s input "
+            f"embedding `{embed_name}`; is the checkpoint complete?"
+        )
+    # the text model's prefix in the files: the saved embedding's name less its name inside the text model
+    inner = embed_name.removeprefix(f"{prefix}.")
+    with torch.device("meta"):
+        own = AutoModelForCausalLM.from_config(copy.deepcopy(text))
+    counted = {id(p) for p in text_model.parameters()} | {id(head.weight)}
+    return TextStack(
+        config=text,
+        architecture=cls.__name__,
+        prefix=saved[embed_name].removesuffix(f".{inner}"),
+        own_prefix=_owner_of(own, own.get_input_embeddings())[0],
+        wrapped=cls is not type(own),
+        own_head_tensor=f"{_module_names(own)[id(own.get_output_embeddings())]}.weight",
+        embed_tensor=saved[embed_name],
+        head_tensor=saved.get(head_name, head_name),
+        embedding_scale=float(
+            getattr(embed, "scalar_embed_scale", None) or getattr(text, "embedding_multiplier", 1.0)
+        ),
+        logit_scale=float(getattr(text, "lm_head_multiplier", 1.0)),
+        final_logit_softcapping=getattr(text, "final_logit_softcapping", None) or None,
+        other_parameters=sum(p.numel() for p in model.parameters() if id(p) not in counted),
+    )
+
+
+def truncated_text_config(stack: TextStack, layers: int) -> PretrainedConfig:
+    """The text config cut after `layers` decoder layers."""
+    config = copy.deepcopy(stack.config)
+    config.num_hidden_layers = layers
+    return config
+
+
+def load_text_model(
+    path: Path, stack: TextStack, layers: int, dtype: torch.dtype, with_head: bool = False, **kwargs
+) -> nn.Module:
+    """The text model's first `layers` decoder layers (`with_head`: as a causal LM, with its final norm and
+    LM head), read from the checkpoint in `path` and nothing else of it; `kwargs` go to `from_pretrained` (a
+    tensor-parallel `distributed_config`). A weight the text model expects and the checkpoint lacks is an
+    error: transformers would fill it with random numbers."""
+    model_class = AutoModelForCausalLM if with_head else AutoModel
+    model, loading = model_class.from_pretrained(
+        path,
+        config=truncated_text_config(stack, layers),
+        dtype=dtype,
+        local_files_only=True,
+        key_mapping=stack.key_mapping,
+        output_loading_info=True,
+        **kwargs,
+    )
+    missing = sorted(loading.get("missing_keys", ()))
+    if missing:
+        raise ValueError(
+            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of its text model's first "
+            f"{layers} layers ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); read from "
+            f"'{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by transformers?"
+        )
+    return model
