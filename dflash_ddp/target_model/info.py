@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModel
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from dflash_ddp.target_model.text_stack import TextStack, read_text_stack, truncated_text_config
 
@@ -100,7 +101,7 @@ def layer_attribute(config, name: str, default=None):
     value, whose shape and rope the drafter takes."""
     try:
         return getattr(config, name, default)
-    except AttributeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+    except AmbiguousGlobalPerLayerAttributeError:
         return getattr(config.per_layer_config[_full_attention_layer(config)], name, default)
 
 

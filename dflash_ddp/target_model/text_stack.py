@@ -41,6 +41,7 @@ class TextStack:
     logit_scale: float  # what the final logits are multiplied by (Falcon-H1's lm_head_multiplier)
     final_logit_softcapping: float | None  # tanh soft-capping of the final logits (Gemma 2-4)
     other_parameters: int  # parameters of the checkpoint outside the text model and its head (vision ...)
+    truncatable: bool  # the text model can be built with fewer layers (not Gemma 4: per-layer input tables)
 
     @property
     def key_mapping(self) -> dict[str, str] | None:
@@ -164,13 +165,38 @@ def read_text_stack(path: str | Path) -> TextStack:
         logit_scale=float(getattr(text, "lm_head_multiplier", 1.0)),
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None) or None,
         other_parameters=sum(p.numel() for p in model.parameters() if id(p) not in counted),
+        truncatable=_truncatable(text),
     )
 
 
+def _truncatable(text: PretrainedConfig) -> bool:
+    """Whether the text model's weights outside its decoder layers keep their shapes with fewer layers
+    (Gemma 4's per-layer input embedding is as wide as all its layers together: it is loaded whole)."""
+
+    def shapes(layers: int) -> dict[str, tuple]:
+        with torch.device("meta"):
+            model = AutoModel.from_config(_cut(text, layers))
+        return {n: tuple(p.shape) for n, p in model.named_parameters() if ".layers." not in f".{n}"}
+
+    return text.num_hidden_layers < 2 or shapes(1) == shapes(text.num_hidden_layers)
+
+
 def truncated_text_config(stack: TextStack, layers: int) -> PretrainedConfig:
-    """The text config cut after `layers` decoder layers."""
-    config = copy.deepcopy(stack.config)
+    """The text config cut after `layers` decoder layers (all of them where the model cannot be cut: the
+    forward then stops after the last tapped layer instead); Gemma 4's last `num_kv_shared_layers` layers
+    reuse earlier layers' keys and values, and only those of them that remain stay shared."""
+    return _cut(stack.config, layers) if stack.truncatable else copy.deepcopy(stack.config)
+
+
+def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
+    config = copy.deepcopy(text)
+    whole = config.num_hidden_layers
     config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types[:layers])
+    shared = getattr(config, "num_kv_shared_layers", None)
+    if shared:
+        config.num_kv_shared_layers = max(0, layers - (whole - shared))
     return config
 
 
