@@ -44,6 +44,7 @@ class DFlashDraftConfig(PretrainedConfig):
         sliding_window: int | None = None,
         input_embedding_scale: float = 1.0,
         final_logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -66,9 +67,10 @@ class DFlashDraftConfig(PretrainedConfig):
         self.layer_types = list(layer_types) if layer_types else ["full_attention"] * num_hidden_layers
         self.sliding_window = sliding_window
         # the target's conventions, which the drafter computes with: its embedding's row scale (Gemma's
-        # sqrt(hidden)) and the soft-capping of its logits (None: none)
+        # sqrt(hidden), Falcon-H1's multiplier), the soft-capping of its logits (None: none) and their scale
         self.input_embedding_scale = input_embedding_scale
         self.final_logit_softcapping = final_logit_softcapping
+        self.logit_scale = logit_scale
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
@@ -201,6 +203,7 @@ def drafter_config_for(  # noqa: PLR0913 - the run's choices a drafter's shape r
         sliding_window=window or None,
         input_embedding_scale=info.embedding_scale,
         final_logit_softcapping=info.final_logit_softcapping,
+        logit_scale=info.logit_scale,
     )
     errors = config.shape_errors()
     if errors:

@@ -28,10 +28,15 @@ def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values.gather(-1, order), ids.gather(-1, order)
 
 
-def head_logits(hidden: torch.Tensor, head_weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """fp32 logits of `hidden` through the LM head, soft-capped (cap * tanh(logits / cap)) where the target
-    caps its own. The product runs in the head's dtype (bf16 on GPU): casting the rows is cheap, the head not."""
+def head_logits(
+    hidden: torch.Tensor, head_weight: torch.Tensor, scale: float = 1.0, softcap: float | None = None
+) -> torch.Tensor:
+    """fp32 logits of `hidden` through the LM head as the target computes its own: times `scale`, then
+    soft-capped (cap * tanh(logits / cap)) where it caps them. The product runs in the head's dtype (bf16 on
+    GPU): casting the rows is cheap, casting the head is not."""
     logits = (hidden.to(head_weight.dtype) @ head_weight.T).float()
+    if scale != 1.0:
+        logits = logits * scale
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
@@ -46,19 +51,15 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, soft, settings, reweight, top_k):  # noqa: PLR0913 - autograd passes inputs positionally
-        chunk, loss, ce_weight, cap = (
-            settings.chunk_rows,
-            settings.loss,
-            settings.ce_weight,
-            settings.logit_softcap,
-        )
+        chunk, loss, ce_weight = settings.chunk_rows, settings.loss, settings.ce_weight
+        scale, cap = settings.logit_scale, settings.logit_softcap
         soft_ids, soft_probs = soft if soft is not None else (None, None)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         candidates = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = head_logits(hidden[rows], head_weight, cap)
+            logits = head_logits(hidden[rows], head_weight, scale, cap)
             nll, loss_rows = row_losses(
                 logits, labels[rows], _rows(soft_ids, rows), _rows(soft_probs, rows), loss, ce_weight
             )
@@ -73,7 +74,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         for i, loss_rows in enumerate(row_loss):
             loss_sum += (loss_rows * weights[i * chunk : (i + 1) * chunk]).sum()
         ctx.save_for_backward(hidden, head_weight, labels, weights, soft_ids, soft_probs)
-        ctx.chunk, ctx.loss, ctx.ce_weight, ctx.cap = chunk, loss, ce_weight, cap
+        ctx.chunk, ctx.loss, ctx.ce_weight, ctx.scale, ctx.cap = chunk, loss, ce_weight, scale, cap
         ctx.mark_non_differentiable(correct, weights, candidates)
         return loss_sum, correct, weights, candidates
 
@@ -84,7 +85,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows].to(head_weight.dtype)
-            logits = head_logits(h, head_weight, ctx.cap)
+            logits = head_logits(h, head_weight, ctx.scale, ctx.cap)
             grad_logits = logit_gradients(
                 logits,
                 labels[rows],
@@ -95,6 +96,8 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
             )
             if ctx.cap:  # d(cap * tanh(z / cap)) / dz = 1 - tanh(z / cap)^2
                 grad_logits = grad_logits * (1 - (logits / ctx.cap) ** 2)
+            if ctx.scale != 1.0:
+                grad_logits = grad_logits * ctx.scale
             scale = (weights[rows] * grad_loss)[:, None]
             grad_hidden[rows] = ((grad_logits * scale).to(h.dtype) @ head_weight).to(hidden.dtype)
         return grad_hidden, *([None] * 7)

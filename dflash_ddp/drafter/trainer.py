@@ -79,8 +79,9 @@ class DrafterTrainer:
         self.drafter = drafter
         self.group = group  # the drafter ranks' process group when M > 1
         self.head = head
-        # the target's logits are the head's, soft-capped where the target caps them (Gemma)
-        self.settings = replace(settings, loss=replace(settings.loss, logit_softcap=head.logit_softcapping))
+        # the target's logits are the head's, scaled and soft-capped where the target does (Falcon-H1, Gemma)
+        conventions = {"logit_scale": head.logit_scale, "logit_softcap": head.logit_softcapping}
+        self.settings = replace(settings, loss=replace(settings.loss, **conventions))
         self.device = next(drafter.parameters()).device
         # Reading a device value stalls a GPU's queue: on CUDA the finite-loss check and the metrics wait
         # for a logging step (on the CPU a read costs nothing, so the check happens before the update).

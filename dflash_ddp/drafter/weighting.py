@@ -28,6 +28,7 @@ class LossSettings:
     ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
     chunk_rows: int = 1024  # rows of the LM-head loss computed at once
     selector_weight: float = 1.0  # the candidate selector's loss beside the LM head's (DFlash2, selector.py)
+    logit_scale: float = 1.0  # the target's multiplier of its logits (Falcon-H1's lm_head_multiplier)
     logit_softcap: float | None = None  # the target's final soft-capping of its logits (Gemma), else None
 
     @property

@@ -84,13 +84,15 @@ def to_zlab_config(config: DFlashDraftConfig) -> dict:
         # a field left unset is left out: the engines read its absence as unset
         fields = {name: getattr(config, name) for name in config.serving_fields}
         out["dflash_config"].update({k: v for k, v in fields.items() if v is not None})
-    # The target's conventions, where it has any (Gemma): vLLM's DFlash2 and DSpark models read them from
-    # dflash_config, its Gemma 4 DSpark model the soft-capping at the top level.
+    # The target's conventions, where it has any (Gemma, Falcon-H1): vLLM's DFlash2 and DSpark models read
+    # them from dflash_config, its Gemma 4 DSpark model the soft-capping at the top level.
     if config.input_embedding_scale != 1.0:
         out["dflash_config"]["input_embedding_scale"] = config.input_embedding_scale
     if config.final_logit_softcapping:
         out["dflash_config"]["final_logit_softcapping"] = config.final_logit_softcapping
         out["final_logit_softcapping"] = config.final_logit_softcapping
+    if config.logit_scale != 1.0:  # vLLM's DFlash model scales its logits by the top-level logit_scale
+        out["logit_scale"] = out["dflash_config"]["logit_scale"] = config.logit_scale
     return out
 
 
@@ -152,4 +154,4 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
 # serving fields the engines default when a config leaves them out
 _OPTIONAL_FIELDS = {"output_multiplier": 1.0}
 # the target's conventions every family carries, and their values for a target without any
-_TARGET_CONVENTIONS = {"input_embedding_scale": 1.0, "final_logit_softcapping": None}
+_TARGET_CONVENTIONS = {"input_embedding_scale": 1.0, "final_logit_softcapping": None, "logit_scale": 1.0}

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -125,6 +126,9 @@ def speculative_generate(
     ids = _as_input(prompt_ids, device)
     eos = set(eos_token_ids)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    # the block's embeddings as the drafter trained on them: the rows times the target's scale (an embedding
+    # module that scales its rows itself, Gemma's, would scale twice; Falcon-H1 scales in its forward)
+    scale = torch.tensor(getattr(config, "input_embedding_scale", 1.0)).to(embed.weight.dtype)
     masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
     target_cache, drafter_cache = DynamicCache(config=target.config), DynamicCache()
     # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the last
@@ -148,7 +152,7 @@ def speculative_generate(
             anchor = torch.tensor([[tokens[-1]]], device=device)
             positions = torch.arange(context_start, anchor_pos + block_size, device=device)[None]
             hidden = drafter(
-                noise_embeds=embed(torch.cat([anchor, masks], dim=1)),
+                noise_embeds=F.embedding(torch.cat([anchor, masks], dim=1), embed.weight) * scale,
                 context_hidden_states=context,
                 position_ids=positions,
                 cache=drafter_cache,

@@ -59,6 +59,8 @@ def convention_lines(dflash: dict) -> list[str]:
         lines.append(
             f"- input embeddings scaled by {dflash['input_embedding_scale']:g}, as the target scales its own"
         )
+    if dflash.get("logit_scale"):
+        lines.append(f"- logits multiplied by {dflash['logit_scale']:g}, as the target multiplies its own")
     if dflash.get("final_logit_softcapping"):
         lines.append(
             f"- logits soft-capped at {dflash['final_logit_softcapping']:g}, as the target caps its own"

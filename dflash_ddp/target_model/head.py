@@ -34,7 +34,7 @@ class SharedTargetHead(nn.Module):
 
     `embed` computes as the target's own embedding does: rows times `embedding_scale` (Gemma's sqrt(hidden)
     normaliser, applied in the embedding's dtype as transformers does); the loss soft-caps the head's logits
-    at `logit_softcapping` where the target does (LossSettings.logit_softcap)."""
+    at `logit_softcapping` and scales them by `logit_scale` where the target does (LossSettings)."""
 
     def __init__(
         self,
@@ -42,16 +42,19 @@ class SharedTargetHead(nn.Module):
         lm_head_weight: torch.Tensor,
         embedding_scale: float = 1.0,
         logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
     ):
         super().__init__()
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight.float(), freeze=True)
         self.lm_head_weight = nn.Parameter(lm_head_weight.float(), requires_grad=False)
         self.embedding_scale = embedding_scale
         self.logit_softcapping = logit_softcapping  # the target's final logits: cap * tanh(logits / cap)
+        self.logit_scale = logit_scale  # ... of the head's logits times this
 
     @classmethod
     def from_target(cls, info: TargetInfo) -> SharedTargetHead:
-        return cls(*load_shared_embeddings(info), info.embedding_scale, info.final_logit_softcapping)
+        conventions = (info.embedding_scale, info.final_logit_softcapping, info.logit_scale)
+        return cls(*load_shared_embeddings(info), *conventions)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's input embedding of `ids`."""

@@ -35,6 +35,7 @@ class TargetInfo:
     layer_types: tuple[str, ...] = ()  # per decoder layer, where the family names them
     embedding_scale: float = 1.0  # the target's input embedding multiplies its rows by this (Gemma)
     final_logit_softcapping: float | None = None  # the target soft-caps its logits at this (Gemma)
+    logit_scale: float = 1.0  # the target multiplies its logits by this (Falcon-H1)
     architecture: str = ""  # the checkpoint's class (a causal LM or a vision-language wrapper)
     other_parameters: int = 0  # parameters of the checkpoint a target rank never loads (a vision tower)
     stack: TextStack | None = field(default=None, compare=False, repr=False)
@@ -139,6 +140,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         layer_types=tuple(getattr(config, "layer_types", None) or ()),
         embedding_scale=stack.embedding_scale if stack else 1.0,
         final_logit_softcapping=(stack.final_logit_softcapping if stack else None),
+        logit_scale=stack.logit_scale if stack else 1.0,
         architecture=stack.architecture if stack else "",
         other_parameters=stack.other_parameters if stack else 0,
         stack=stack,

@@ -10,6 +10,7 @@ ranks load, alone and truncated, from the same files. Nothing else of the checkp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -193,7 +194,8 @@ def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
     whole = config.num_hidden_layers
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types[:layers])
+        with contextlib.suppress(AttributeError):  # Falcon-H1 derives them from its layer count
+            config.layer_types = list(config.layer_types[:layers])
     shared = getattr(config, "num_kv_shared_layers", None)
     if shared:
         config.num_kv_shared_layers = max(0, layers - (whole - shared))
