@@ -1,0 +1,209 @@
+"""Targets as they ship: every architecture of the zoo (target_zoo.py: tiny random models built from
+transformers' own config classes, saved by `save_pretrained`, vision-language wrappers included) trains
+through the CLI, exports and decodes losslessly; the text model of a wrapper is all a target rank loads;
+the drafter computes with Gemma's conventions; hybrid caches roll back; a hybrid vision-language target
+trains as a tensor-parallel group; a target that cannot be served is refused in one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from target_zoo import ZOO_NAMES, build_zoo_target
+from transformers import BertConfig, BertModel
+
+from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
+from dflash_ddp.drafter.weighting import LossSettings
+from dflash_ddp.evaluate import main as evaluate_main
+from dflash_ddp.evaluation.decoding import greedy_generate, speculative_generate
+from dflash_ddp.export import main as export_main
+from dflash_ddp.target_model.features import TargetFeatureExtractor
+from dflash_ddp.target_model.head import SharedTargetHead
+from dflash_ddp.target_model.info import inspect_target, truncated_parameter_count
+from dflash_ddp.target_model.loading import load_causal_lm
+
+from conftest import build_tokenizer
+from helpers import torchrun_cmd, train_flags
+
+CPU = torch.device("cpu")
+HYBRIDS = ("qwen3_5", "qwen3_next", "falcon_h1", "nemotron_h", "kimi_linear")  # recurrent layers
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """name -> a directory holding that zoo target and the ChatML tokenizer (built once per module)."""
+    root = tmp_path_factory.mktemp("zoo")
+
+    def target(name: str) -> Path:
+        out = root / name
+        if not (out / "config.json").is_file():
+            tok = build_tokenizer(out)
+            build_zoo_target(name, out, len(tok))
+        return out
+
+    return target
+
+
+def train(target: Path, data: Path, out: Path, **settings) -> None:
+    """Two colocated steps of the real CLI in its own process, taps 1 and 2 (every zoo target has 4 layers)."""
+    flags = train_flags(target, data, out, max_steps=2, target_layer_ids="1,2", **settings)
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.train", *flags], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_every_zoo_target_trains_exports_and_decodes_losslessly(name, zoo, chat_data, tmp_path):
+    target = zoo(name)
+    train(target, chat_data, tmp_path / "run")
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
+    flags = ["--num_prompts", "1", "--max_new_tokens", "8", "--json", str(tmp_path / "eval.json")]
+    args = ["--target_model", str(target), "--drafter", str(tmp_path / "export"), "--data", str(chat_data)]
+    assert evaluate_main(args + flags) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["lossless"] and report["dflash"]["mismatches"] == 0 and report["dflash"]["tokens"] == 8
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    info = inspect_target(target)
+    assert exported["vocab_size"] == info.vocab_size and exported["hidden_size"] == info.hidden_size
+    assert exported["rope_parameters"] == info.rope_parameters  # the full-attention layers' rope
+    assert exported["dflash_ddp"]["target_model_type"] == info.model_type
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert f"model type `{info.model_type}`" in card
+
+
+def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_loads(zoo, chat_data, tmp_path):
+    """The Qwen3.5 checkpoint as it ships: target ranks build and read its text model (no vision tower),
+    --plan counts exactly what they load and names what it leaves out."""
+    target = zoo("qwen3_5")
+    info = inspect_target(target)
+    assert info.architecture == "Qwen3_5ForConditionalGeneration" and info.other_parameters > 0
+    extractor = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)
+    loaded = sum(p.numel() for p in extractor.model.parameters())
+    assert truncated_parameter_count(info, 3) == loaded
+    assert not any("visual" in name for name, _ in extractor.model.named_parameters())
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.train", *train_flags(target, chat_data, tmp_path), "--plan"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{info.other_parameters / 1e6:.2f}M parameters beside it" in result.stdout
+    assert "never loaded and not counted" in result.stdout and "3 linear_attention" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4_text"])
+def test_the_drafter_embeds_and_scores_as_the_gemma_target_does(name, zoo):
+    """The shared embedding equals the target's get_input_embeddings() output (sqrt(hidden) scaled), and the
+    loss's logits equal the target's own soft-capped logits on the same final hidden state."""
+    info = inspect_target(zoo(name))
+    head = SharedTargetHead.from_target(info)
+    target = load_causal_lm(info, CPU, torch.float32)
+    ids = torch.randint(0, info.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert info.embedding_scale == 8.0
+    torch.testing.assert_close(head.embed(ids), target.get_input_embeddings()(ids), rtol=0, atol=0)
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    hidden = out.hidden_states[-1]  # final-normed
+    ours = head_logits(hidden, head.lm_head_weight, head.logit_scale, head.logit_softcapping)
+    torch.testing.assert_close(ours, out.logits, rtol=1e-5, atol=1e-5)
+    if name == "gemma4_text":  # the zoo's Gemma 4 caps its logits at 30, as the released ones do
+        assert head.logit_softcapping == 30.0 and ours.abs().max() < 30
+
+
+def test_the_loss_differentiates_through_scale_and_soft_capping():
+    """The chunked loss with a logit scale and soft-capping (Falcon-H1, Gemma) equals autograd's."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(10, 16, generator=g) * 4).requires_grad_()
+    head = torch.randn(50, 16, generator=g)
+    labels, weights = torch.randint(0, 50, (10,), generator=g), torch.rand(10, generator=g)
+    settings = LossSettings(chunk_rows=3, logit_scale=0.25, logit_softcap=5.0)
+    loss, _ = chunked_weighted_ce(hidden, head, labels, weights, settings)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    reference = hidden.detach().clone().requires_grad_()
+    logits = torch.tanh(reference @ head.T * 0.25 / 5.0) * 5.0
+    expected = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, reference.grad)
+
+
+class OracleDrafter:
+    """Drafts the target's own greedy continuation with one token wrong, at a position that cycles through
+    the block: the decoder then accepts every length from 0 to block_size - 1 drafts in turn."""
+
+    def __init__(self, greedy: list[int], prompt_len: int, block_size: int = 4):
+        self.config = SimpleNamespace(block_size=block_size, mask_token_id=0, target_layer_ids=[1, 2])
+        self.greedy, self.prompt_len, self.cycles = greedy, prompt_len, 0
+
+    def __call__(self, noise_embeds, context_hidden_states, position_ids, cache):
+        self.anchor_pos = int(position_ids[0, -1]) - self.config.block_size + 1
+        return SimpleNamespace(last_hidden_state=noise_embeds)
+
+    def draft_tokens(self, hidden, head, anchor):
+        first = self.anchor_pos - self.prompt_len + 1  # index in `greedy` of the first drafted token
+        drafts = (self.greedy + [0] * 8)[first : first + self.config.block_size - 1]
+        wrong = self.cycles % self.config.block_size  # block_size - 1: every draft is right
+        if wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % 50
+        self.cycles += 1
+        return torch.tensor([drafts])
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrid_targets_recurrent_state_rolls_back_to_the_accepted_prefix(name, zoo):
+    """Linear-attention and Mamba layers cannot crop their state like keys and values: after each partial
+    acceptance the decoder continues from the last accepted token's state, so the output stays greedy."""
+    target = load_causal_lm(inspect_target(zoo(name)), CPU, torch.float32)
+    prompt = torch.randint(3, 200, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    greedy = greedy_generate(target, prompt, 24).tokens
+    result = speculative_generate(target, OracleDrafter(greedy, len(prompt)), prompt, 24)
+    assert result.tokens == greedy
+    assert {1, 2, 3, 4} <= set(result.accepted[:-1])  # every acceptance length, each rolled back
+
+
+def test_a_hybrid_vision_language_target_trains_as_a_tensor_parallel_group(zoo, chat_data, tmp_path):
+    """Qwen3.5 as it ships (Gated DeltaNet + gated attention under a vision wrapper): one group of 2 target
+    ranks + 1 drafter rank trains the colocated run's steps to the same losses."""
+    target = zoo("qwen3_5")
+    train(target, chat_data, tmp_path / "colocated", seed=1)
+    flags = train_flags(target, chat_data, tmp_path / "tp2", max_steps=2, target_layer_ids="1,2", seed=1)
+    result = subprocess.run(
+        torchrun_cmd(3) + ["-m", "dflash_ddp.train", *flags, "--target_tp_size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("colocated", "tp2")
+    ]
+    assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path):
+    target = tmp_path / "bert"
+    tok = build_tokenizer(target)
+    BertModel(
+        BertConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            intermediate_size=64,
+        )
+    ).save_pretrained(target)
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_ddp.train", *train_flags(target, chat_data, tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    [line] = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert "BertModel (bert) has no causal-LM text head" in line, result.stderr[-2000:]
