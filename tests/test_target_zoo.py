@@ -24,6 +24,7 @@ from dflash_ddp.target_model.features import TargetFeatureExtractor
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
+from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
 from helpers import torchrun_cmd, train_flags
@@ -48,12 +49,16 @@ def zoo(tmp_path_factory):
 
 
 def train(target: Path, data: Path, out: Path, **settings) -> None:
-    """Two colocated steps of the real CLI in its own process, taps 1 and 2 (every zoo target has 4 layers)."""
-    flags = train_flags(target, data, out, max_steps=2, target_layer_ids="1,2", **settings)
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_ddp.train", *flags], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    """Two colocated steps of the CLI (`python -m dflash_ddp.train`'s main, in this process with one thread
+    as torchrun's workers have), taps 1 and 2: every zoo target has 4 layers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert (
+            train_main(train_flags(target, data, out, max_steps=2, target_layer_ids="1,2", **settings)) == 0
+        )
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
