@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from target_zoo import ZOO_NAMES, build_zoo_target
-from transformers import BertConfig, BertModel
+from transformers import BertConfig, BertModel, DeepseekV4Config
 
 from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
 from dflash_ddp.drafter.weighting import LossSettings
@@ -24,6 +24,7 @@ from dflash_ddp.target_model.features import TargetFeatureExtractor
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
+from dflash_ddp.target_model.text_stack import read_text_stack
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
@@ -75,6 +76,10 @@ def test_every_zoo_target_trains_exports_and_decodes_losslessly(name, zoo, chat_
     info = inspect_target(target)
     assert exported["vocab_size"] == info.vocab_size and exported["hidden_size"] == info.hidden_size
     assert exported["rope_parameters"] == info.rope_parameters  # the full-attention layers' rope
+    # the target's conventions, where vLLM's models read them (Gemma 4: a cap of 30; Gemma: x8; Falcon-H1)
+    assert exported.get("final_logit_softcapping") == info.final_logit_softcapping
+    assert exported["dflash_config"].get("input_embedding_scale", 1.0) == info.embedding_scale
+    assert exported.get("logit_scale", 1.0) == info.logit_scale
     assert exported["dflash_ddp"]["target_model_type"] == info.model_type
     card = (tmp_path / "export" / "README.md").read_text()
     assert f"model type `{info.model_type}`" in card
@@ -212,3 +217,10 @@ def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path
     assert result.returncode == 2
     [line] = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert "BertModel (bert) has no causal-LM text head" in line, result.stderr[-2000:]
+
+
+def test_a_target_with_hyper_connections_is_refused_naming_its_model_type(tmp_path):
+    """DeepSeek V4 passes 4 residual streams between its layers: its taps are not one hidden state."""
+    DeepseekV4Config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model type 'deepseek_v4' is not supported: it carries 4 residual"):
+        read_text_stack(tmp_path)

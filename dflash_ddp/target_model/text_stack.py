@@ -5,7 +5,7 @@ wrapper (`Qwen3_5ForConditionalGeneration`: text model at `model.language_model.
 or with its own names (Nemotron-H: `backbone.embeddings`). The checkpoint's class is built once on the meta
 device (no memory, no weights read); its `get_input_embeddings()` and `get_output_embeddings()` name the two
 tensors the drafter shares, and the module that owns the input embedding is the text model that target
-ranks load, alone and truncated, from the same files. Nothing else of the checkpoint is ever built or read.
+ranks load, alone and truncated, from the same files. Nothing else of the checkpoint is ever loaded or read.
 """
 
 from __future__ import annotations
@@ -127,6 +127,12 @@ def read_text_stack(path: str | Path) -> TextStack:
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True)
+    if getattr(text, "hc_mult", 1) > 1:
+        raise ValueError(
+            f"--target_model {path}: model type '{text.model_type}' is not supported: it carries "
+            f"{text.hc_mult} residual streams between its layers (hyper-connections), and a tapped layer's "
+            "features would need the model's own reduction of them, which this trainer does not do"
+        )
     cls = checkpoint_class(config, path)
     with torch.device("meta"):
         model = cls._from_config(copy.deepcopy(config))
@@ -140,7 +146,10 @@ def read_text_stack(path: str | Path) -> TextStack:
     prefix, text_model = _owner_of(model, embed)
     embed_name = f"{names[id(embed)]}.weight"
     head_name = f"{names[id(embed) if head.weight is embed.weight else id(head)]}.weight"
-    saved = _saved_names(model, {embed_name, head_name}, list(tensor_locations(path)))
+    wanted = {embed_name, head_name}
+    # a directory holding a config alone (the benchmarks plan real targets from their configs) names none
+    files = list(tensor_locations(path))
+    saved = _saved_names(model, wanted, files) if files else {name: name for name in wanted}
     if embed_name not in saved:
         raise ValueError(
             f"--target_model {path}: no tensor in its safetensors files loads as {cls.__name__}'s input "
