@@ -214,6 +214,14 @@ class DFlash2DraftModel(DFlashDraftModel):
         """The LM head's loss plus the candidate selector's (selector.py)."""
         return selector_terms(self, last_hidden, head_weight, inputs, settings)
 
+    def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """Not defined: a DFlash2 draft is a walk through its selector's candidates, each conditioned on the one
+        before, and this project's decoder samples DFlash's independent positions only."""
+        raise ValueError(
+            "sampling (--temperature > 0) with a DFlash2 drafter: its selector's walk is not sampled by this "
+            "project's decoder; evaluate it greedily (--temperature 0)"
+        )
+
     def draft_tokens(self, hidden: torch.Tensor, head: nn.Module, anchor: torch.Tensor) -> torch.Tensor:
         """The block's drafted tokens by the selector's greedy walk, the anchor being the first predecessor."""
         c = self.config

@@ -24,7 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from dflash_ddp.drafter.attention import BlockLayout, DecodeWindow, LayerMasks, attend
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.flex import BlockMask
-from dflash_ddp.drafter.objective import block_loss_terms
+from dflash_ddp.drafter.objective import block_loss_terms, head_logits
 
 
 def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -365,6 +365,12 @@ class DFlashDraftModel(PreTrainedModel):
         """The block's drafted tokens [1, block_size - 1] from its output `hidden` [1, block_size, H]: DFlash
         takes each position's argmax under the target's LM head `head`; `anchor` [1, 1] is unused here."""
         return head(hidden[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
+
+    def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """[block_size - 1, V] fp32 logits of the drafted positions (outputs 1.. of `hidden` [1, block_size,
+        H]) as the target computes its own (its logit scale and soft-capping), for sampling."""
+        c = self.config
+        return head_logits(hidden[0, 1:], head.weight, c.logit_scale, c.final_logit_softcapping)
 
 
 def _padding_mask_to_visibility(attention_mask):

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel
+from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
 
 
@@ -75,34 +76,61 @@ def _commit(new: list[int], room: int, eos: set[int]) -> list[int]:
     return new
 
 
+class _Chooser:
+    """The next token from logits: the argmax, or with `sampling` a draw from the filtered softmax."""
+
+    def __init__(self, sampling: Sampling | None, device: torch.device):
+        self.sampling = sampling
+        self.generator = sampling.generator(device) if sampling else None
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.sampling is None:
+            return int(logits.argmax())
+        return int(draw(token_probs(logits, self.sampling), self.generator))
+
+
 @torch.inference_mode()
 def greedy_generate(
-    target: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()
+    target: nn.Module,
+    prompt_ids,
+    max_new_tokens: int,
+    eos_token_ids: Iterable[int] = (),
+    sampling: Sampling | None = None,
 ) -> DecodeResult:
-    """Plain greedy decoding with a KV cache, one target forward per token, timed."""
+    """Plain decoding with a KV cache, one target forward per token, timed: greedy, or with `sampling` the
+    target's own sampling (the distribution speculative sampling must reproduce)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = target.device
     ids = _as_input(prompt_ids, device)
     eos = set(eos_token_ids)
     cache = DynamicCache(config=target.config)
+    choose = _Chooser(sampling, device)
     _sync(device)
     start = time.perf_counter()
     logits = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    tokens = [int(logits[0, -1].argmax())]
+    tokens = [choose(logits[0, -1])]
     while len(tokens) < max_new_tokens and tokens[-1] not in eos:
         step = torch.tensor([[tokens[-1]]], device=device)
         logits = target(input_ids=step, cache=cache, use_cache=True).logits
-        tokens.append(int(logits[0, -1].argmax()))
+        tokens.append(choose(logits[0, -1]))
     _sync(device)
     return DecodeResult(tokens, time.perf_counter() - start, target_forwards=len(tokens))
 
 
 @torch.inference_mode()
-def speculative_generate(
-    target: nn.Module, drafter: nn.Module, prompt_ids, max_new_tokens: int, eos_token_ids: Iterable[int] = ()
+def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
+    target: nn.Module,
+    drafter: nn.Module,
+    prompt_ids,
+    max_new_tokens: int,
+    eos_token_ids: Iterable[int] = (),
+    sampling: Sampling | None = None,
 ) -> DecodeResult:
-    """Greedy block-draft/verify decoding (batch size 1), lossless with respect to `greedy_generate`.
+    """Block-draft/verify decoding (batch size 1): greedy, lossless with respect to `greedy_generate`; with
+    `sampling`, speculative sampling (sampling.py), lossless in distribution with respect to
+    `greedy_generate(..., sampling=...)`: the drafts are drawn from the drafter's `draft_logits` and accepted
+    by the rejection rule.
 
     The target prefills the prompt; the outputs of its tapped layers at every prompt position are the first
     context. Each cycle the drafter sees the new context features (positions not yet in its cache) and the block
@@ -146,7 +174,8 @@ def speculative_generate(
         logits = target(input_ids=ids, cache=target_cache, use_cache=True, logits_to_keep=last).logits
         context = torch.cat([captured[i] for i in layer_ids], dim=-1)
         context_start = 0  # position of context[:, 0]
-        tokens = [int(logits[0, -1].argmax())]
+        choose = _Chooser(sampling, device)
+        tokens = [choose(logits[0, -1])]
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
             anchor_pos = ids.shape[1] + len(tokens) - 1  # the anchor's own target features do not exist yet
             anchor = torch.tensor([[tokens[-1]]], device=device)
@@ -159,13 +188,22 @@ def speculative_generate(
             ).last_hidden_state
             # The cache must hold context only: the next block is written at new positions with a new anchor.
             drafter_cache.crop(-block_size)
-            drafts = drafter.draft_tokens(hidden, head, anchor)
+            if sampling is None:
+                drafts = drafter.draft_tokens(hidden, head, anchor)
+            else:
+                draft_probs = token_probs(drafter.draft_logits(hidden, head), sampling)
+                drafts = draw(draft_probs, choose.generator)[None]
             verified = target(
                 input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True
             )
-            choices = verified.logits[0].argmax(dim=-1)  # choices[k]: the target's token after verify input k
-            num_ok = int((drafts[0] == choices[:-1]).long().cumprod(dim=0).sum())
-            new = _commit(choices[: num_ok + 1].tolist(), max_new_tokens - len(tokens), eos)
+            if sampling is None:
+                choices = verified.logits[0].argmax(dim=-1)  # choices[k]: the target's token after input k
+                num_ok = int((drafts[0] == choices[:-1]).long().cumprod(dim=0).sum())
+                committed = choices[: num_ok + 1].tolist()
+            else:
+                target_probs = token_probs(verified.logits[0], sampling)
+                num_ok, committed = accept_drafts(drafts[0], draft_probs, target_probs, choose.generator)
+            new = _commit(committed, max_new_tokens - len(tokens), eos)
             accepted.append(len(new))
             contexts.append(anchor_pos)
             tokens += new
