@@ -382,6 +382,32 @@ def test_cli_prints_table_and_writes_json(target_dir, data_file, fitted, tmp_pat
     assert report["lossless"] is True and set(report["tau_by_context"]) == {"0-2K"}
 
 
+def test_cli_samples_at_a_temperature(target_dir, data_file, fitted, tmp_path, capsys):
+    """--temperature 1.0: the target sampled alone and speculatively, the same seed the same report; a fitted
+    drafter still commits more than one token per verify step; no token-for-token verdict."""
+    save_drafter(fitted, tmp_path / "drafter")
+    argv = [
+        "--target_model",
+        str(target_dir),
+        "--drafter",
+        str(tmp_path / "drafter"),
+        "--data",
+        str(data_file),
+    ]
+    argv += ["--num_prompts", "2", "--max_new_tokens", "12", "--device", "cpu", "--temperature", "1.0"]
+    reports = []
+    for run in ("a", "b"):
+        assert main(argv + ["--top_p", "0.9", "--seed", "3", "--json", str(tmp_path / f"{run}.json")]) == 0
+        reports.append(json.loads((tmp_path / f"{run}.json").read_text()))
+    assert "in distribution" in capsys.readouterr().out
+    first, second = reports
+    assert first["lossless"] is None and first["temperature"] == 1.0 and first["top_p"] == 0.9
+    assert first["dflash"]["tau"] == second["dflash"]["tau"] > 1.0
+    assert first["dflash"]["accept_histogram"] == second["dflash"]["accept_histogram"]
+    assert "prompt_lookup" not in first and any("temperature 1" in note for note in first["notes"])
+    assert main(argv[:-1] + ["-0.5"]) == 2 and "--temperature -0.5" in capsys.readouterr().err
+
+
 def _run_cli(capsys, target_dir, drafter_dir, data_file) -> tuple[int, str]:
     code = main(["--target_model", str(target_dir), "--drafter", str(drafter_dir), "--data", str(data_file)])
     return code, capsys.readouterr().err

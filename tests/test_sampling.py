@@ -90,3 +90,30 @@ def test_speculative_sampling_draws_as_the_target_samples(top_p):
     noise = float((2 * exact * (1 - exact) / (torch.pi * runs)).sqrt().sum() / 2)  # E[TV] of `runs` draws
     assert float((counts / runs - exact).abs().sum() / 2) < 3 * noise, noise
     assert float((unchecked / runs - exact).abs().sum() / 2) > 0.2  # the test tells a wrong rule apart
+
+
+def test_a_dflash2_drafter_is_not_sampled_silently():
+    """The selector's walk is not sampled by this decoder: asking for it is an error naming what to do."""
+    from dflash_ddp.drafter.dflash2 import DFlash2DraftConfig
+    from dflash_ddp.drafter.families import build_model
+
+    config = DFlash2DraftConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=49,
+        block_size=4,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=4,
+    )
+    with pytest.raises(
+        ValueError, match="DFlash2 drafter: its selector's walk is not sampled.*--temperature 0"
+    ):
+        build_model(config).draft_logits(torch.zeros(1, 4, 32), None)
