@@ -25,6 +25,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
+from dflash_ddp.hub import check_safetensors
+
 
 @dataclass(frozen=True)
 class TextStack:
@@ -64,6 +66,7 @@ def tensor_locations(path: Path) -> dict[str, Path]:
         return {name: path / file for name, file in weight_map.items()}
     locations = {}
     for file in sorted(path.glob("*.safetensors")):
+        check_safetensors(file, str(path))  # a damaged file is one line naming it, not safetensors' traceback
         with safe_open(file, framework="pt") as f:
             locations.update({name: file for name in f.keys()})  # noqa: SIM118 - safe_open has no __iter__
     return locations
