@@ -69,7 +69,7 @@ class NearbyDrafter:
         return self.logits[self.anchor].expand(self.config.block_size - 1, -1)
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
+@pytest.mark.parametrize("top_p", [1.0])
 def test_speculative_sampling_draws_as_the_target_samples(top_p):
     """At temperature 1.0 the second generated token (drafted, then accepted or drawn from the residual) of
     600 speculative runs follows the target's exact distribution within sampling noise (three times the

@@ -6,7 +6,6 @@ trains as a tensor-parallel group; a target that cannot be served is refused in 
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,7 +84,9 @@ def test_every_zoo_target_trains_exports_and_decodes_losslessly(name, zoo, chat_
     assert f"model type `{info.model_type}`" in card
 
 
-def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_loads(zoo, chat_data, tmp_path):
+def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_loads(
+    zoo, chat_data, tmp_path, capsys
+):
     """The Qwen3.5 checkpoint as it ships: target ranks build and read its text model (no vision tower),
     --plan counts exactly what they load and names what it leaves out."""
     target = zoo("qwen3_5")
@@ -95,15 +96,10 @@ def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_lo
     loaded = sum(p.numel() for p in extractor.model.parameters())
     assert truncated_parameter_count(info, 3) == loaded
     assert not any("visual" in name for name, _ in extractor.model.named_parameters())
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_ddp.train", *train_flags(target, chat_data, tmp_path), "--plan"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert f"{info.other_parameters / 1e6:.2f}M parameters beside it" in result.stdout
-    assert "never loaded and not counted" in result.stdout and "3 linear_attention" in result.stdout
+    assert train_main([*train_flags(target, chat_data, tmp_path), "--plan"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{info.other_parameters / 1e6:.2f}M parameters beside it" in printed
+    assert "never loaded and not counted" in printed and "3 linear_attention" in printed
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4_text"])
@@ -196,7 +192,7 @@ def test_a_hybrid_vision_language_target_trains_as_a_tensor_parallel_group(zoo, 
     assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-4)
 
 
-def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path):
+def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):
     target = tmp_path / "bert"
     tok = build_tokenizer(target)
     BertModel(
@@ -208,15 +204,9 @@ def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path
             intermediate_size=64,
         )
     ).save_pretrained(target)
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_ddp.train", *train_flags(target, chat_data, tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    [line] = [line for line in result.stderr.splitlines() if "error" in line.lower()]
-    assert "BertModel (bert) has no causal-LM text head" in line, result.stderr[-2000:]
+    assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "BertModel (bert) has no causal-LM text head" in line
 
 
 def test_a_target_with_hyper_connections_is_refused_naming_its_model_type(tmp_path):
