@@ -20,6 +20,7 @@ instead (see watch.py, in this folder).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from dflash_ddp.evaluation.decoding import (
     transformers_generate,
     untrained_drafter,
 )
+from dflash_ddp.evaluation.engine import EngineClient, EngineServer, engine_evaluation
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.hub import resolve_data
 from dflash_ddp.parallel.topology import resolve_device
@@ -417,6 +419,58 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def engine_main(args) -> int:
+    """`--engine vllm`: the prompts decoded by vLLM servers (started from --vllm_python, or at --engine_url)
+    with and without the drafter; 2 with one line when a server cannot run the drafter or the settings."""
+    try:
+        if not (args.vllm_python or args.engine_url):
+            raise ValueError("--engine vllm needs --vllm_python PATH (vLLM's own Python) or --engine_url URL")
+        info = whole_target(args.target_model)
+        prompts = load_prompts(
+            load_target_tokenizer(info.path, args.chat_template),
+            args.data,
+            args.num_prompts,
+            args.chat_template_kwargs,
+        )
+        drafter = Path(args.drafter).resolve()
+        block_size = load_drafter(drafter).config.block_size
+        speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block_size - 1}
+        with contextlib.ExitStack() as servers:
+            if args.engine_url:
+                urls = args.engine_url
+            else:  # fp32 on CPU as the project's own evaluation there; the engine's choice on GPUs
+                target, python = str(info.path), args.vllm_python
+                dtype = "float32" if resolve_device(args.device).type == "cpu" else "auto"
+                urls = [servers.enter_context(EngineServer(python, target, speculative, dtype)).url]
+                urls.append(servers.enter_context(EngineServer(python, target, None, dtype)).url)
+            clients = [EngineClient(url) for url in urls]
+            reference = None
+            if len(clients) == 1 and not args.temperature:  # the project's own greedy decoding of the target
+                model = load_causal_lm(info, resolve_device(args.device), torch.float32)
+                eos = eos_token_ids(load_target_tokenizer(info.path, args.chat_template), model)
+                reference = [
+                    greedy_generate(model, ids, args.max_new_tokens, eos).tokens for _, ids in prompts
+                ]
+            report = engine_evaluation(
+                clients[0],
+                clients[1] if len(clients) > 1 else None,
+                prompts,
+                args.max_new_tokens,
+                reference,
+                args.temperature,
+                args.seed,
+            )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in report.items() if k != "acceptance_by_position"}))
+    print("acceptance by position: " + " ".join(f"{a:.3f}" for a in report["acceptance_by_position"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if report["lossless"] is False else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 when every speculative output equals greedy, 1 on a mismatch, 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
@@ -440,8 +494,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--top_p", type=float, default=1.0, help="sampling: the nucleus kept (0, 1]")
     parser.add_argument("--seed", type=int, default=0, help="sampling: prompt i draws with seed + i")
+    parser.add_argument(
+        "--engine", choices=("project", "vllm"), default="project", help="who decodes: this project or vLLM"
+    )
+    parser.add_argument("--vllm_python", help="--engine vllm: the Python of vLLM's own environment")
+    parser.add_argument(
+        "--engine_url",
+        nargs="+",
+        help="--engine vllm: servers already running, the one with the drafter first (a second without it)",
+    )
     parser.add_argument("--json", help="also write the report to this JSON file")
     args = parser.parse_args(argv)
+    if args.engine == "vllm":
+        return engine_main(args)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         print(
             f"error: --temperature {args.temperature} must be >= 0, --top_p {args.top_p} in (0, 1]",

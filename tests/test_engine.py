@@ -1,0 +1,119 @@
+"""vLLM in the loop (evaluation/engine.py): a server that cannot start is one line with its reason, the
+counters and outputs of an OpenAI-compatible server become tau, acceptance by position and the lossless
+check, and (where vLLM's own environment is installed: DFLASH_DDP_VLLM_PYTHON) the embedded target's
+export served by vLLM is lossless with a tau within 2% of this project's evaluation."""
+
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from dflash_ddp.evaluate import main as evaluate_main
+from dflash_ddp.evaluation.engine import EngineClient, EngineServer, engine_evaluation
+from dflash_ddp.export import main as export_main
+from dflash_ddp.train import main as train_main
+
+ASSETS = Path(__file__).parent.parent / "dflash_ddp" / "assets"
+TARGET, HELDOUT = ASSETS / "tiny_qwen3", ASSETS / "data" / "heldout_regenerated.jsonl"
+VLLM_PYTHON = os.environ.get("DFLASH_DDP_VLLM_PYTHON")
+
+METRICS = """# HELP vllm:spec_decode_num_drafts_total drafts
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {second}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {first}
+"""
+
+
+class FakeEngine(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server that answers each prompt with its reversed ids and counts, per
+    completion, 2 drafts with 3 tokens accepted (2 at position 0, 1 at position 1)."""
+
+    completions = 0
+
+    def _send(self, body: str, kind: str = "application/json") -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == "/v1/models":
+            self._send(json.dumps({"data": [{"id": "m"}]}))
+        else:
+            n = type(self).completions
+            self._send(METRICS.format(drafts=2 * n, accepted=3 * n, first=2 * n, second=n), "text/plain")
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).completions += 1
+        self._send(json.dumps({"choices": [{"token_ids": body["prompt"][::-1][: body["max_tokens"]]}]}))
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_engine():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_counters_and_outputs_make_the_report(fake_engine):
+    client = EngineClient(fake_engine)
+    prompts = [("a:1", [1, 2, 3]), ("a:2", [4, 5, 6])]
+    report = engine_evaluation(client, None, prompts, 8, reference=[[3, 2, 1], [6, 5, 4]])
+    assert report["drafts"] == 4 and report["tau"] == 1 + 6 / 4  # each verify step: accepted + the target's
+    assert report["acceptance_by_position"] == [1.0, 0.5] and report["lossless"] is True
+    report = engine_evaluation(client, client, prompts, 8)  # a second server's outputs as the reference
+    assert report["lossless"] is True and report["tokens_per_s_without_drafter"] > 0
+    assert engine_evaluation(client, None, prompts, 8, reference=[[3, 2, 1], [0]])["mismatched"] == ["a:2"]
+
+
+def test_a_server_that_cannot_start_is_one_line_with_its_reason(tmp_path, capsys):
+    """An interpreter without vLLM: the server exits at once, its last error line is the message, and
+    nothing is left running."""
+    server = EngineServer(sys.executable, str(TARGET))
+    with pytest.raises(ValueError, match="the vLLM server exited at start .*No module named 'vllm'"):
+        server.__enter__()
+    assert server.process.poll() is not None
+    argv = [
+        "--target_model",
+        str(TARGET),
+        "--drafter",
+        str(tmp_path),
+        "--data",
+        str(HELDOUT),
+        "--engine",
+        "vllm",
+    ]
+    assert evaluate_main(argv) == 2
+    assert "--engine vllm needs --vllm_python" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")
+def test_vllm_serves_the_export_losslessly_with_the_projects_tau(tmp_path):
+    assert train_main(["--output_dir", str(tmp_path / "run"), "--max_steps", "30", "--eval_data", ""]) == 0
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
+    common = ["--target_model", str(TARGET), "--drafter", str(tmp_path / "export"), "--data", str(HELDOUT)]
+    common += ["--num_prompts", "8", "--max_new_tokens", "64", "--device", "cpu"]
+    assert evaluate_main([*common, "--json", str(tmp_path / "project.json")]) == 0
+    engine = [
+        *common,
+        "--engine",
+        "vllm",
+        "--vllm_python",
+        VLLM_PYTHON,
+        "--json",
+        str(tmp_path / "vllm.json"),
+    ]
+    assert evaluate_main(engine) == 0
+    ours, theirs = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("project", "vllm"))
+    assert theirs["lossless"] is True and theirs["drafts"] > 0
+    assert abs(theirs["tau"] / ours["tau"] - 1) < 0.02, (theirs["tau"], ours["tau"])
