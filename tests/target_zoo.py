@@ -77,6 +77,10 @@ def _qwen3_5_text(config_class: str, vocab_size: int, **moe) -> Any:
     )
 
 
+# the vision towers of the wrappers: one layer of width 32, two heads
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+
+
 def _qwen_vision(config_class: str) -> Any:
     """A one-block Qwen3.5 vision tower of width 32 that projects to the text width."""
     return getattr(transformers, config_class)(
@@ -206,10 +210,7 @@ def _gemma3_text_only(vocab_size: int) -> Built:
 def _gemma3(vocab_size: int) -> Built:
     """Gemma 3 as shipped (4B and up): the wrapper with a one-layer SigLIP tower, 4 tokens per image."""
     vision = transformers.SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+        **TINY_VISION,
         image_size=16,
         patch_size=4,
         vision_use_head=False,
@@ -228,10 +229,7 @@ def _gemma4_text_only(vocab_size: int) -> Built:
 def _gemma4(vocab_size: int) -> Built:
     """Gemma 4 as shipped: the wrapper with a one-layer vision tower (no audio tower)."""
     vision = transformers.Gemma4VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+        **TINY_VISION,
         num_key_value_heads=2,
         head_dim=16,
         patch_size=4,
@@ -245,10 +243,7 @@ def _mistral3(vocab_size: int) -> Built:
     """Mistral Small 3.x as shipped: the wrapper with a Mistral text stack and a one-layer Pixtral tower."""
     text = transformers.MistralConfig(**_dense(vocab_size=vocab_size, sliding_window=None))
     vision = transformers.PixtralVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
+        **TINY_VISION,
         image_size=16,
         patch_size=4,
     )

@@ -362,17 +362,14 @@ def test_tau_by_context_buckets_each_verify_step_by_the_tokens_before_its_block(
     assert tau_by_context([DecodeResult([1], 1.0, 1)]) == ({}, {})  # no verify step: no bucket
 
 
+def cli_args(target_dir, data_file, drafter_dir) -> list[str]:
+    return ["--target_model", str(target_dir), "--drafter", str(drafter_dir), "--data", str(data_file)]
+
+
 def test_cli_prints_table_and_writes_json(target_dir, data_file, fitted, tmp_path, capsys):
     save_drafter(fitted, tmp_path / "drafter")
     out = tmp_path / "report.json"
-    argv = [
-        "--target_model",
-        str(target_dir),
-        "--drafter",
-        str(tmp_path / "drafter"),
-        "--data",
-        str(data_file),
-    ]
+    argv = cli_args(target_dir, data_file, tmp_path / "drafter")
     code = main(argv + ["--num_prompts", "1", "--max_new_tokens", "9", "--device", "cpu", "--json", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
@@ -386,14 +383,7 @@ def test_cli_samples_at_a_temperature(target_dir, data_file, fitted, tmp_path, c
     """--temperature 1.0: the target sampled alone and speculatively, the same seed the same report; a fitted
     drafter still commits more than one token per verify step; no token-for-token verdict."""
     save_drafter(fitted, tmp_path / "drafter")
-    argv = [
-        "--target_model",
-        str(target_dir),
-        "--drafter",
-        str(tmp_path / "drafter"),
-        "--data",
-        str(data_file),
-    ]
+    argv = cli_args(target_dir, data_file, tmp_path / "drafter")
     argv += ["--num_prompts", "2", "--max_new_tokens", "12", "--device", "cpu", "--temperature", "1.0"]
     reports = []
     for run in ("a", "b"):

@@ -12,6 +12,8 @@ from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, token_probs
 from dflash_ddp.target_model.info import inspect_target
 from dflash_ddp.target_model.loading import load_causal_lm
 
+from helpers import small_draft_config
+
 EMBEDDED_TARGET = Path(__file__).parent.parent / "dflash_ddp" / "assets" / "tiny_qwen3"
 
 
@@ -98,20 +100,7 @@ def test_a_dflash2_drafter_is_not_sampled_silently():
     from dflash_ddp.drafter.families import build_model
 
     config = DFlash2DraftConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_target_layers=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=49,
-        block_size=4,
-        conv_group_size=8,
-        selector_rank=8,
-        selector_top_k=4,
+        **small_draft_config().to_dict(), conv_group_size=8, selector_rank=8, selector_top_k=4
     )
     with pytest.raises(
         ValueError, match="DFlash2 drafter: its selector's walk is not sampled.*--temperature 0"
