@@ -28,16 +28,21 @@ def best_first(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values.gather(-1, order), ids.gather(-1, order)
 
 
-def head_logits(
-    hidden: torch.Tensor, head_weight: torch.Tensor, scale: float = 1.0, softcap: float | None = None
-) -> torch.Tensor:
-    """fp32 logits of `hidden` through the LM head as the target computes its own: times `scale`, then
-    soft-capped (cap * tanh(logits / cap)) where it caps them. The product runs in the head's dtype (bf16 on
-    GPU): casting the rows is cheap, casting the head is not."""
-    logits = (hidden.to(head_weight.dtype) @ head_weight.T).float()
+def as_target_logits(logits: torch.Tensor, scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """LM-head logits in fp32 as the target (and the engines) finish them: times `scale`, then soft-capped
+    (cap * tanh(logits / cap)) where it caps them."""
+    logits = logits.float()
     if scale != 1.0:
         logits = logits * scale
     return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def head_logits(
+    hidden: torch.Tensor, head_weight: torch.Tensor, scale: float = 1.0, softcap: float | None = None
+) -> torch.Tensor:
+    """fp32 logits of `hidden` through the LM head as the target computes its own (`as_target_logits`). The
+    product runs in the head's dtype (bf16 on GPU): casting the rows is cheap, casting the head is not."""
+    return as_target_logits(hidden.to(head_weight.dtype) @ head_weight.T, scale, softcap)
 
 
 class _ChunkedLMHeadCE(torch.autograd.Function):

@@ -25,7 +25,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash_ddp.drafter.blocks import BlockInputs
-from dflash_ddp.drafter.objective import LossTerms, ScoredRows, best_first, loss_terms, scored_rows
+from dflash_ddp.drafter.objective import (
+    LossTerms,
+    ScoredRows,
+    as_target_logits,
+    best_first,
+    loss_terms,
+    scored_rows,
+)
 from dflash_ddp.drafter.weighting import LossSettings
 
 
@@ -62,10 +69,7 @@ class CandidateSelector(nn.Module):
 
 def unary_scores(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
     """The candidates' LM-head logits as the engines score them: times the multiplier, then soft-capped."""
-    logits = logits.float() * multiplier
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+    return as_target_logits(logits, multiplier, softcap)
 
 
 @torch.no_grad()

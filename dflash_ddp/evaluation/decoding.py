@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -19,6 +18,7 @@ from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
+from dflash_ddp.target_model.head import embed_as_target
 
 
 @dataclass
@@ -154,9 +154,9 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     ids = _as_input(prompt_ids, device)
     eos = set(eos_token_ids)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    # the block's embeddings as the drafter trained on them: the rows times the target's scale (an embedding
-    # module that scales its rows itself, Gemma's, would scale twice; Falcon-H1 scales in its forward)
-    scale = torch.tensor(getattr(config, "input_embedding_scale", 1.0)).to(embed.weight.dtype)
+    # the block's embeddings as the drafter trained on them: the rows times the target's scale (the module
+    # itself would scale Gemma's rows once more on top, and Falcon-H1 scales in its forward, not there)
+    scale = getattr(config, "input_embedding_scale", 1.0)
     masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
     target_cache, drafter_cache = DynamicCache(config=target.config), DynamicCache()
     # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the last
@@ -181,7 +181,7 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
             anchor = torch.tensor([[tokens[-1]]], device=device)
             positions = torch.arange(context_start, anchor_pos + block_size, device=device)[None]
             hidden = drafter(
-                noise_embeds=F.embedding(torch.cat([anchor, masks], dim=1), embed.weight) * scale,
+                noise_embeds=embed_as_target(embed.weight, torch.cat([anchor, masks], dim=1), scale),
                 context_hidden_states=context,
                 position_ids=positions,
                 cache=drafter_cache,

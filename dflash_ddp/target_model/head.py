@@ -5,6 +5,7 @@ target's safetensors files without building the model.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -58,10 +59,14 @@ class SharedTargetHead(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's input embedding of `ids`."""
-        rows = self.embed_tokens(ids)
-        if self.embedding_scale == 1.0:
-            return rows
-        return rows * torch.tensor(self.embedding_scale).to(rows.dtype)  # as transformers rounds it
+        return embed_as_target(self.embed_tokens.weight, ids, self.embedding_scale)
+
+
+def embed_as_target(weight: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """The rows of `ids` in the embedding `weight`, times the target's `scale` in the rows' dtype as
+    transformers rounds it (Gemma's sqrt(hidden), Falcon-H1's multiplier)."""
+    rows = F.embedding(ids, weight)
+    return rows if scale == 1.0 else rows * torch.tensor(scale).to(rows.dtype)
 
     @property
     def vocab_size(self) -> int:
