@@ -191,7 +191,7 @@ def test_both_ways_give_the_same_masks_on_the_embedded_data():
     )
     unmarked = ChatTokenizer(unmarked_tokenizer, {})
     assert marked.has_generation_markers and not unmarked.has_generation_markers
-    for where, messages in read_conversations(EMBEDDED_PRESET["data"])[:300]:
+    for where, messages, _ in read_conversations(EMBEDDED_PRESET["data"])[:300]:
         assert marked(messages, where) == unmarked(messages, where), where
 
 

@@ -17,6 +17,7 @@ from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.data.sources import BadRow
 from dflash_ddp.regeneration import regenerate as rg
 from dflash_ddp.regeneration.parts import settings_path
+from dflash_ddp.regeneration.turns import Answer
 from dflash_ddp.target_model.info import inspect_target
 from dflash_ddp.target_model.loading import load_causal_lm
 
@@ -90,7 +91,7 @@ class StubGenerator:
 
     def __call__(self, prompts):
         self.calls.append(prompts)
-        return [rg.Answer(f"r{len(self.calls)}:{len(p)}", 3, False) for p in prompts]
+        return [Answer(f"r{len(self.calls)}:{len(p)}", 3, False) for p in prompts]
 
 
 def test_rounds_use_the_regenerated_earlier_turns():

@@ -49,7 +49,7 @@ def test_skip_bad_rows_skips_and_counts(tmp_path, kind):
     )
     stats = DataStats()
     rows = read_conversations([str(path)], skip_bad_rows=True, stats=stats)
-    assert [where for where, _ in rows] == [f"{path}:1", f"{path}:3"]
+    assert [where for where, _, _ in rows] == [f"{path}:1", f"{path}:3"]
     assert (
         stats.rows == 3 and stats.bad_rows == 1 and BAD_ROWS[kind][1].split()[0] in stats.bad_row_examples[0]
     )
@@ -65,7 +65,7 @@ def test_missing_file_empty_dataset_and_globs(tmp_path):
     for i in range(3):
         write(tmp_path / f"shard-{i}.jsonl", [json.dumps(GOOD).encode()])
     rows = read_conversations([str(tmp_path / "shard-*.jsonl")])
-    assert [w.split("/")[-1] for w, _ in rows] == ["shard-0.jsonl:1", "shard-1.jsonl:1", "shard-2.jsonl:1"]
+    assert [w.split("/")[-1] for w, _, _ in rows] == ["shard-0.jsonl:1", "shard-1.jsonl:1", "shard-2.jsonl:1"]
 
 
 def test_sharegpt_rows_are_accepted(tmp_path):
@@ -82,10 +82,10 @@ def test_parquet_and_save_to_disk_inputs_give_the_same_rows_as_jsonl(tmp_path):
     # one schema per file, as datasets requires: messages rows in one, ShareGPT rows in the other
     datasets.Dataset.from_list(rows[:1]).to_parquet(tmp_path / "a.parquet")
     datasets.Dataset.from_list(rows[1:]).save_to_disk(tmp_path / "b_disk")
-    expected = [messages for _, messages in read_conversations([str(jsonl)])]
+    expected = [messages for _, messages, _ in read_conversations([str(jsonl)])]
     got = read_conversations([str(tmp_path / "a.parquet"), str(tmp_path / "b_disk")])
-    assert [messages for _, messages in got] == expected
-    assert [where.split("/")[-1] for where, _ in got] == ["a.parquet:row 0", "b_disk:row 0"]
+    assert [messages for _, messages, _ in got] == expected
+    assert [where.split("/")[-1] for where, _, _ in got] == ["a.parquet:row 0", "b_disk:row 0"]
 
 
 def test_bad_rows_in_parquet_name_the_row(tmp_path):

@@ -58,6 +58,18 @@ def check_template_kwargs(kwargs: dict) -> None:
         )
 
 
+def row_template_kwargs(run_kwargs: dict, row_kwargs: dict, where: str) -> dict:
+    """The template arguments of one row: its own over the run's; BadRow naming the row when it sets one of
+    apply_chat_template's own arguments."""
+    clash = sorted(RESERVED_KWARGS & set(row_kwargs))
+    if clash:
+        raise BadRow(
+            f"{where}: chat_template_kwargs sets {', '.join(clash)}, which chat rendering sets itself: keep only "
+            "the template's own variables, such as enable_thinking"
+        )
+    return {**run_kwargs, **row_kwargs}
+
+
 def load_target_tokenizer(target_dir: str | Path, template_file: str = ""):
     """The target's tokenizer (local files only) with `--chat_template` applied; ValueError naming the
     directory when it cannot be loaded or ends up without a chat template."""
@@ -102,10 +114,15 @@ class ChatTokenizer:
             )
         self.end_of_turn = self._end_of_turn_text()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, with the template's own arguments."""
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = False, kwargs: dict | None = None
+    ) -> str:
+        """The conversation as text, with the template's own arguments (`kwargs`: a row's, run's included)."""
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(self.template_kwargs if kwargs is None else kwargs),
         )
 
     def _end_of_turn_text(self) -> str | None:
@@ -137,13 +154,17 @@ class ChatTokenizer:
         token = next((t for t in specials if t and after[0].startswith(t)), None)
         return token if token and after[1].startswith(token) else None
 
-    def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-        """Token ids and the 0/1 assistant mask of one conversation; BadRow when it cannot be masked."""
+    def __call__(
+        self, messages: list[dict], where: str, row_kwargs: dict | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and the 0/1 assistant mask of one conversation (rendered with the row's own template
+        arguments over the run's); BadRow when it cannot be masked."""
+        kwargs = row_template_kwargs(self.template_kwargs, row_kwargs or {}, where)
         try:
             if self.has_generation_markers:
-                ids, mask = self._marked(messages)
+                ids, mask = self._marked(messages, kwargs)
             else:
-                ids, mask = self._by_prefixes(messages, where)
+                ids, mask = self._by_prefixes(messages, where, kwargs)
         except BadRow:
             raise
         except (
@@ -156,13 +177,9 @@ class ChatTokenizer:
             raise BadRow(f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens")
         return ids, mask
 
-    def _marked(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def _marked(self, messages: list[dict], kwargs: dict) -> tuple[list[int], list[int]]:
         out = self.tokenizer.apply_chat_template(
-            messages,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            **self.template_kwargs,
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
         )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         if self.last_turn_only and any(mask):
@@ -170,23 +187,23 @@ class ChatTokenizer:
             mask = [m if i >= last_start else 0 for i, m in enumerate(mask)]
         return ids, mask
 
-    def _by_prefixes(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-        text = self.render(messages)
+    def _by_prefixes(self, messages: list[dict], where: str, kwargs: dict) -> tuple[list[int], list[int]]:
+        text = self.render(messages, kwargs=kwargs)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if self.last_turn_only:
             turns = turns[-1:]
-        spans = [self._span(messages, i, text, where) for i in turns]
+        spans = [self._span(messages, i, text, where, kwargs) for i in turns]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         # a token overlapping a span is the model's to predict (as transformers' generation masks do)
         mask = [int(any(start < e and end > s for s, e in spans)) for start, end in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
 
-    def _span(self, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int]:
+    def _span(self, messages: list[dict], i: int, text: str, where: str, kwargs: dict) -> tuple[int, int]:
         """Character span of assistant turn i inside `text`, the rendering of the whole conversation."""
         if i == 0:
             raise BadRow(f"{where}: turn 0 is an assistant turn: nothing precedes it")
-        before = self.render(messages[:i])
-        prompt = self.render(messages[:i], add_generation_prompt=True)
+        before = self.render(messages[:i], kwargs=kwargs)
+        prompt = self.render(messages[:i], add_generation_prompt=True, kwargs=kwargs)
         start = common_prefix(prompt, text)
         if start < common_prefix(before, prompt):
             raise BadRow(
@@ -199,7 +216,7 @@ class ChatTokenizer:
             if end < 0:
                 raise BadRow(f"{where}: turn {i}: no '{self.end_of_turn}' after the assistant's text")
             return start, end + len(self.end_of_turn)
-        upto = self.render(messages[: i + 1])
+        upto = self.render(messages[: i + 1], kwargs=kwargs)
         if not text.startswith(upto):
             raise BadRow(
                 f"{where}: turn {i}: the chat template renders this turn differently inside the whole "

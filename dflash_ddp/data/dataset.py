@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from dflash_ddp.data.batch import Batch
 from dflash_ddp.data.chat_template import ChatTokenizer
-from dflash_ddp.data.sources import BadRow, DataStats, data_file_contents, read_conversations
+from dflash_ddp.data.sources import BadRow, Conversation, DataStats, data_file_contents, read_conversations
 from dflash_ddp.files import describe_error, file_sha256
 
 CHUNK_ROWS = 256  # rows per task of a tokenization worker
@@ -133,12 +133,12 @@ def _start_worker(chat: ChatTokenizer) -> None:
     _worker = chat
 
 
-def _tokenize_rows(rows: list[tuple[str, list[dict]]]) -> list[tuple[array, array] | BadRow]:
+def _tokenize_rows(rows: list[Conversation]) -> list[tuple[array, array] | BadRow]:
     """Runs in a worker process (or inline): (ids, mask) arrays or one BadRow per row, in order."""
     out = []
-    for where, messages in rows:
+    for where, messages, row_kwargs in rows:
         try:
-            ids, mask = _worker(messages, where)
+            ids, mask = _worker(messages, where, row_kwargs)
             out.append((array("i", ids), array("B", mask)))
         except BadRow as e:
             out.append(e)

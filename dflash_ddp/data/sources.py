@@ -11,6 +11,7 @@ import glob
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 ROLE_ALIASES = {
     "human": "user",
@@ -58,6 +59,26 @@ class DataStats:
 
 class BadRow(ValueError):
     """A row that cannot be used; `--skip_bad_rows` skips and counts these instead of stopping."""
+
+
+class Conversation(NamedTuple):
+    """One usable row: where it is, its turns, and its own chat template arguments (a row's
+    "chat_template_kwargs" object, applied over the run's --chat_template_kwargs; {} when absent)."""
+
+    where: str
+    messages: list[dict]
+    template_kwargs: dict
+
+
+def _row_template_kwargs(row: dict, where: str) -> dict:
+    kwargs = row.get("chat_template_kwargs")
+    if kwargs is None:  # absent, or a parquet column's null
+        return {}
+    if not isinstance(kwargs, dict):
+        raise BadRow(
+            f"{where}: 'chat_template_kwargs' must be a JSON object such as {{\"enable_thinking\": true}}"
+        )
+    return kwargs
 
 
 def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -> list[dict]:
@@ -190,7 +211,7 @@ def read_conversations(
     stats: DataStats | None = None,
     require_assistant: bool = True,
 ):
-    """Rows of the --data inputs as (where, messages), where = 'file:line' or 'file:row N'.
+    """Rows of the --data inputs as Conversations, where = 'file:line' or 'file:row N'.
 
     `require_assistant=False` accepts prompt-only rows (for regeneration).
 
@@ -206,7 +227,8 @@ def read_conversations(
                     raise row
                 if not isinstance(row, dict):
                     raise BadRow(f"{where}: a row must be a JSON object")
-                rows.append((where, _normalise_messages(row, where, require_assistant)))
+                messages = _normalise_messages(row, where, require_assistant)
+                rows.append(Conversation(where, messages, _row_template_kwargs(row, where)))
             except BadRow as e:
                 if not skip_bad_rows:
                     raise

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_ddp.data.chat_template import json_object, load_target_tokenizer
+from dflash_ddp.data.chat_template import json_object, load_target_tokenizer, row_template_kwargs
 from dflash_ddp.data.sources import read_conversations
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel
@@ -44,10 +44,11 @@ from dflash_ddp.evaluation.decoding import (
     transformers_generate,
     untrained_drafter,
 )
-from dflash_ddp.evaluation.engine import EngineClient, EngineServer, engine_evaluation
+from dflash_ddp.evaluation.engine import engine_evaluation
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.hub import resolve_data
 from dflash_ddp.parallel.topology import resolve_device
+from dflash_ddp.serving.engine import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.serving.export import load_drafter
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
@@ -103,9 +104,10 @@ def load_prompts(
     tokenizer, data_path: str | Path, num_prompts: int, template_kwargs: dict | None = None
 ) -> list[tuple[str, list[int]]]:
     """The first `num_prompts` rows of a conversation file as (where, prompt ids): each conversation up to its
-    last assistant turn, rendered with the tokenizer's chat template and the generation prompt."""
+    last assistant turn, rendered with the tokenizer's chat template and the generation prompt (a row's own
+    template arguments over `template_kwargs`)."""
     prompts = []
-    for where, messages in read_conversations(resolve_data(str(data_path))[0])[:num_prompts]:
+    for where, messages, row_kwargs in read_conversations(resolve_data(str(data_path))[0])[:num_prompts]:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if last == 0:
             raise ValueError(f"{where}: nothing precedes the assistant turn, so there is no prompt")
@@ -114,7 +116,7 @@ def load_prompts(
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
-            **(template_kwargs or {}),
+            **row_template_kwargs(template_kwargs or {}, row_kwargs, where),
         )
         prompts.append((where, list(rendered["input_ids"])))
     return prompts
@@ -426,15 +428,18 @@ def engine_main(args) -> int:
         if not (args.vllm_python or args.engine_url):
             raise ValueError("--engine vllm needs --vllm_python PATH (vLLM's own Python) or --engine_url URL")
         info = whole_target(args.target_model)
-        prompts = load_prompts(
-            load_target_tokenizer(info.path, args.chat_template),
-            args.data,
-            args.num_prompts,
-            args.chat_template_kwargs,
-        )
+        tokenizer = load_target_tokenizer(info.path, args.chat_template)
+        prompts = load_prompts(tokenizer, args.data, args.num_prompts, args.chat_template_kwargs)
         drafter = Path(args.drafter).resolve()
         block_size = load_drafter(drafter).config.block_size
         speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block_size - 1}
+        speculative["draft_sample_method"] = args.draft_sampling
+        sampling = SamplingRequest(
+            args.temperature,
+            args.top_p,
+            seed=args.seed,
+            stop_token_ids=tuple(eos_token_ids(tokenizer, info.path)),
+        )
         with contextlib.ExitStack() as servers:
             if args.engine_url:
                 urls = args.engine_url
@@ -447,7 +452,7 @@ def engine_main(args) -> int:
             reference = None
             if len(clients) == 1 and not args.temperature:  # the project's own greedy decoding of the target
                 model = load_causal_lm(info, resolve_device(args.device), torch.float32)
-                eos = eos_token_ids(load_target_tokenizer(info.path, args.chat_template), model)
+                eos = eos_token_ids(tokenizer, model)
                 reference = [
                     greedy_generate(model, ids, args.max_new_tokens, eos).tokens for _, ids in prompts
                 ]
@@ -457,9 +462,9 @@ def engine_main(args) -> int:
                 prompts,
                 args.max_new_tokens,
                 reference,
-                args.temperature,
-                args.seed,
+                sampling,
             )
+            report["draft_sampling"] = args.draft_sampling if not args.engine_url else "the server's"
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -499,20 +504,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--vllm_python", help="--engine vllm: the Python of vLLM's own environment")
     parser.add_argument(
+        "--draft_sampling",
+        choices=("greedy", "probabilistic"),
+        default="greedy",
+        help="--engine vllm at a temperature: vLLM drafts the argmax (greedy, its default) or samples the "
+        "drafter's distribution as this project's decoder does (probabilistic)",
+    )
+    parser.add_argument(
         "--engine_url",
         nargs="+",
         help="--engine vllm: servers already running, the one with the drafter first (a second without it)",
     )
     parser.add_argument("--json", help="also write the report to this JSON file")
     args = parser.parse_args(argv)
-    if args.engine == "vllm":
-        return engine_main(args)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         print(
             f"error: --temperature {args.temperature} must be >= 0, --top_p {args.top_p} in (0, 1]",
             file=sys.stderr,
         )
         return 2
+    if args.engine == "vllm":
+        return engine_main(args)
     try:
         setup = prepare_evaluation(
             args.target_model,

@@ -176,7 +176,10 @@ def merge(out: Path, parts: Path, num_rows: int, keep_truncated: bool = False) -
                 summary.hit_max_new_tokens += 1
                 if not keep_truncated:
                     continue
-            dst.write(json.dumps({"messages": record["messages"]}, ensure_ascii=False) + "\n")
+            row = {"messages": record["messages"]}
+            if "chat_template_kwargs" in record:  # the row's own: training renders it as it was generated
+                row["chat_template_kwargs"] = record["chat_template_kwargs"]
+            dst.write(json.dumps(row, ensure_ascii=False) + "\n")
             summary.written += 1
         for src in files.values():
             src.close()

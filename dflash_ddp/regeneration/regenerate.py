@@ -2,13 +2,25 @@
 
     python -m dflash_ddp.regenerate --target_model DIR --data IN.jsonl [IN2 ...] --out OUT.jsonl
     torchrun --nproc-per-node 8 -m dflash_ddp.regenerate --target_model DIR --data IN.jsonl --out OUT.jsonl
+    python -m dflash_ddp.regenerate --engine vllm --vllm_python VLLM_VENV/bin/python --target_model DIR ...
+    python -m dflash_ddp.regenerate --engine vllm --engine_url http://HOST:PORT [URL2 ...] --target_model DIR ...
 
 Each row keeps its system and user turns. Every assistant turn is replaced by what the target generates
 given the conversation before it (earlier turns already regenerated), and a row that ends with a user turn
 gets one generated assistant turn appended. Multi-turn rows go in rounds: round j generates the j-th
 assistant turn of every row of the batch that has one.
 
-Determinism and resume contract:
+Who generates: the target itself through transformers' `generate`, in batches (the default), or a serving
+engine (`--engine vllm`): a vLLM server started from vLLM's own Python (`--vllm_python`, `--vllm_args` for its
+own flags such as --tensor-parallel-size), or OpenAI-compatible servers already running (`--engine_url`, vLLM
+or SGLang), each with `--requests_in_flight` rows at a time (see served.py). The row format, the parts, the
+resume and the merge are the same for both; the engine's rows are keyed by row, not by batch.
+
+A row may carry its own "chat_template_kwargs" (e.g. {"enable_thinking": true} on some rows, false on
+others), applied over --chat_template_kwargs; it is kept in the output row, so that training renders the
+row as it was generated.
+
+Determinism and resume contract (transformers' path; the engine path: per row, see served.py):
 - Global batch k is rows [k*B, (k+1)*B) in input order (rows --skip_bad_rows skips on reading do not count);
   rank r of W (torchrun's RANK/WORLD_SIZE; no process group is created) does batches k = r, r+W, ...
   The RNG is seeded from (seed, k) before each batch, so a row's answer depends on the data, the target,
@@ -40,15 +52,16 @@ settings.json describes the output completely.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from jinja2 import TemplateError
 from transformers import GenerationConfig
 from transformers import logging as hf_logging
 
@@ -59,10 +72,14 @@ from dflash_ddp.hub import ModelSource, hub_dataset_name
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.topology import env_world, resolve_device
 from dflash_ddp.regeneration.parts import PartWriter, Summary, index_parts, locked, merge, start_parts
+from dflash_ddp.regeneration.served import ServedSettings, served_records, served_row_work
+from dflash_ddp.regeneration.turns import Answer, ChatTurns, Row, plan_row, regenerate_batch, seed_of
+from dflash_ddp.serving.engine import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.target_model.info import inspect_target
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm
 
 PROGRESS_EVERY_S = 30.0
+REQUEST_TIMEOUT_S = 3600  # one completion of a long answer, queued behind many on a busy server
 
 
 @dataclass
@@ -83,6 +100,11 @@ class RegenerateConfig:
     skip_bad_rows: bool = False
     keep_truncated: bool = False  # a merge-time choice, not in settings.json
     device: str = "auto"
+    engine: str = "transformers"  # or "vllm": a server generates (any OpenAI-compatible one at --engine_url)
+    vllm_python: str = ""  # start a vLLM server from this interpreter
+    vllm_args: str = ""  # that server's own extra flags, e.g. "--tensor-parallel-size 8"
+    engine_url: list[str] = field(default_factory=list)  # servers already running
+    requests_in_flight: int = 64  # per server
 
     def validate(self) -> None:
         """Reject impossible settings with the flag name and what to pass instead."""
@@ -99,6 +121,15 @@ class RegenerateConfig:
             raise ValueError("--top_p / --top_k only apply when sampling: also pass --temperature > 0")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device}: choose auto, cpu or cuda")
+        if self.requests_in_flight < 1:
+            raise ValueError(f"--requests_in_flight {self.requests_in_flight}: must be a positive integer")
+        if self.engine == "vllm" and bool(self.vllm_python) == bool(self.engine_url):
+            raise ValueError(
+                "--engine vllm needs one of --vllm_python PATH (vLLM's own Python: a server is started) or "
+                "--engine_url URL [URL ...] (servers already running)"
+            )
+        if self.engine == "transformers" and (self.vllm_python or self.engine_url or self.vllm_args):
+            raise ValueError("--vllm_python, --vllm_args and --engine_url need --engine vllm")
         check_template_kwargs(self.chat_template_kwargs)
         out = Path(self.out).resolve()
         if out in {p.resolve() for p in data_files([d for d in self.data if hub_dataset_name(d) is None])}:
@@ -128,10 +159,23 @@ def parse_args(argv: list[str] | None) -> RegenerateConfig:
         ("chat_template", str, "jinja file replacing the tokenizer's chat template"),
         ("chat_template_kwargs", json_object, """template variables, e.g. '{"enable_thinking": false}'"""),
         ("device", str, "auto | cpu | cuda (cuda:LOCAL_RANK in bf16; the CPU runs fp32)"),
+        ("vllm_python", str, "--engine vllm: start a vLLM server from this Python (vLLM's own environment)"),
+        ("vllm_args", str, "--engine vllm: that server's own flags, e.g. '--tensor-parallel-size 8'"),
+        ("requests_in_flight", int, "--engine vllm: rows generated at a time, per server"),
     ):
         default = getattr(defaults, name)
         text += f"; default {default}" if default != "" else ""
         parser.add_argument(f"--{name}", type=kind, default=default, help=text)
+    parser.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="who generates: the target through transformers' generate, or a serving engine (vLLM, or any "
+        "OpenAI-compatible server at --engine_url)",
+    )
+    parser.add_argument(
+        "--engine_url", nargs="+", default=[], help="--engine vllm: servers already running (vLLM, SGLang)"
+    )
     for name, text in (
         ("skip_bad_rows", "skip and count unusable rows"),
         ("keep_truncated", "also write rows whose answer --max_new_tokens cut off (merge-time choice)"),
@@ -142,40 +186,14 @@ def parse_args(argv: list[str] | None) -> RegenerateConfig:
     return config
 
 
-@dataclass
-class Row:
-    """One input conversation and the positions of the assistant turns to generate, in order."""
-
-    index: int
-    where: str
-    messages: list[dict]
-    targets: list[int]  # message positions; len(messages) means "append a turn"
-
-
-def plan_row(index: int, where: str, messages: list[dict]) -> Row:
-    """Every assistant turn is regenerated, except those that call tools (the tool results after them answer
-    those very calls, so they are kept as written); a trailing user or tool turn gets a reply. BadRow if
-    nothing is left."""
-    targets = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
-    if messages[-1]["role"] in ("user", "tool"):
-        targets.append(len(messages))
-    if not targets:
-        raise BadRow(
-            f"{where}: nothing to generate (no assistant turn, and the last turn is not a user turn)"
-        )
-    if targets[0] == 0:
-        raise BadRow(f"{where}: turn 0 is an assistant turn, so there is no prompt to answer")
-    return Row(index, where, messages, targets)
-
-
 def load_rows(cfg: RegenerateConfig) -> tuple[list[Row], DataStats]:
     """The input rows in order, numbered after bad rows are skipped (so the numbers are stable per input)."""
     stats = DataStats()
     conversations = read_conversations(cfg.data, cfg.skip_bad_rows, stats, require_assistant=False)
     rows = []
-    for where, messages in conversations:
+    for where, messages, row_kwargs in conversations:
         try:
-            rows.append(plan_row(len(rows), where, messages))
+            rows.append(plan_row(len(rows), where, messages, row_kwargs))
         except BadRow as e:
             if not cfg.skip_bad_rows:
                 raise
@@ -186,22 +204,12 @@ def load_rows(cfg: RegenerateConfig) -> tuple[list[Row], DataStats]:
     return rows, stats
 
 
-@dataclass
-class Answer:
-    """One generated turn: decoded text (special tokens and surrounding whitespace removed) and its length."""
-
-    text: str
-    new_tokens: int  # generated tokens, EOS included
-    hit_max_new_tokens: bool  # stopped by --max_new_tokens before any EOS
-
-
-class TargetGenerator:
-    """The target and its tokenizer: chat-template rendering and batched, left-padded `generate`."""
+class TargetGenerator(ChatTurns):
+    """The target itself, through transformers' batched, left-padded `generate`."""
 
     def __init__(self, model, tokenizer, cfg: RegenerateConfig):
-        self.model, self.tokenizer = model, tokenizer
-        self.template_kwargs = cfg.chat_template_kwargs
-        self.eos = set(eos_token_ids(tokenizer, model))
+        super().__init__(tokenizer, cfg.chat_template_kwargs, set(eos_token_ids(tokenizer, model)))
+        self.model = model
         if not self.eos:
             raise ValueError(
                 f"--target_model {cfg.target_model}: neither the tokenizer nor generation_config has an EOS"
@@ -220,17 +228,6 @@ class TargetGenerator:
         if cfg.temperature > 0:
             self.kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
 
-    def prompt_ids(self, row: Row, messages: list[dict]) -> list[int]:
-        """Prompt ids ending in the generation prompt; BadRow naming the row when the template refuses it."""
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.template_kwargs
-            )
-        # e.g. a template's raise_exception on a role order it does not accept
-        except (TemplateError, ValueError, TypeError) as e:
-            raise BadRow(f"{row.where}: the chat template failed on this conversation ({e})") from None
-        return list(rendered["input_ids"])
-
     @torch.inference_mode()
     def __call__(self, prompts: list[list[int]]) -> list[Answer]:
         longest = max(len(p) for p in prompts)
@@ -241,70 +238,13 @@ class TargetGenerator:
             mask[b, longest - len(prompt) :] = 1
         device = self.model.device
         out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **self.kwargs)
-        answers = []
-        for generated in out[:, longest:].tolist():
-            end = next((i for i, t in enumerate(generated) if t in self.eos), None)
-            tokens = generated if end is None else generated[:end]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            # Without an EOS the row never finished, so `generated` has no padding and is max_new_tokens long.
-            answers.append(Answer(text, len(generated) if end is None else end + 1, end is None))
-        return answers
+        return [self.answer(generated) for generated in out[:, longest:].tolist()]
 
 
-def batch_seed(seed: int, batch: int) -> int:
-    """The RNG seed of global batch `batch`: a hash, so that neighbouring batches get unrelated streams."""
-    digest = hashlib.sha256(f"dflash-regenerate:{seed}:{batch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def regenerate_batch(
-    generate: TargetGenerator, rows: list[Row], seed: int, skip_bad_rows: bool = False
-) -> list[dict]:
-    """The finished records of `rows` (one global batch), round by round; seeded first, so recomputing a
-    batch gives the same answers whatever ran before.
-
-    A row whose prompt the chat template refuses (in any round) raises BadRow, or with `skip_bad_rows`
-    leaves this and later rounds and is finished as {"row", "bad"}: done for good, never retried."""
-    torch.manual_seed(seed)
-    messages = [[dict(m) for m in row.messages] for row in rows]
-    hit, new_tokens = [False] * len(rows), [0] * len(rows)
-    bad: dict[int, str] = {}  # batch position -> the reason
-    for j in range(max(len(row.targets) for row in rows)):
-        prompts = {}  # batch position -> prompt ids, for the rows taking part in round j
-        for b, row in enumerate(rows):
-            if j >= len(row.targets) or b in bad:
-                continue
-            try:
-                prompts[b] = generate.prompt_ids(row, messages[b][: row.targets[j]])
-            except BadRow as e:
-                if not skip_bad_rows:
-                    raise BadRow(
-                        f"{e}. Pass --skip_bad_rows to skip and count such rows; the finished rows are kept, "
-                        "so the same command with --skip_bad_rows continues this run"
-                    ) from None
-                bad[b] = str(e)
-        if not prompts:  # every row left is bad
-            continue
-        for b, answer in zip(prompts, generate(list(prompts.values())), strict=True):
-            position, turn = rows[b].targets[j], {"role": "assistant", "content": answer.text}
-            if position == len(messages[b]):
-                messages[b].append(turn)
-            else:
-                messages[b][position] = turn
-            hit[b] |= answer.hit_max_new_tokens
-            new_tokens[b] += answer.new_tokens
-    return [
-        {"row": row.index, "messages": messages[b], "hit_max_new_tokens": hit[b], "new_tokens": new_tokens[b]}
-        if b not in bad
-        else {"row": row.index, "bad": bad[b]}
-        for b, row in enumerate(rows)
-    ]
-
-
-def run_settings(
-    cfg: RegenerateConfig, source: ModelSource, tokenizer, dtype: torch.dtype, num_rows: int
-) -> dict:
-    """What decides the output: a parts directory started with other values must not be continued."""
+def run_settings(cfg: RegenerateConfig, source: ModelSource, tokenizer, engine: dict, num_rows: int) -> dict:
+    """What decides the output: a parts directory started with other values must not be continued. `engine`
+    names who generates: the dtype and batch size of transformers' path, or the server's model (and, for a
+    server started here, its dtype and flags)."""
     data = [
         {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
         for f in data_file_contents(cfg.data)
@@ -315,11 +255,8 @@ def run_settings(
         "target_model": f"{source.repo_id}@{source.commit}" if source.repo_id else str(source.path.resolve()),
         "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
         "chat_template_kwargs": cfg.chat_template_kwargs,
-        "dtype": str(dtype).removeprefix("torch."),
-        **{
-            name: getattr(cfg, name)
-            for name in ("batch_size", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
-        },
+        **engine,
+        **{name: getattr(cfg, name) for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed")},
     }
 
 
@@ -339,10 +276,96 @@ def say_finished(out: Path, parts: Path, rank: int) -> None:
         print(f"{out} already exists and no run is in progress ({parts.name}/ is absent): nothing to do")
 
 
+class RegenerationRun:
+    """The parts of one run on this rank: what is done, the part file it appends to, progress and rate."""
+
+    def __init__(self, writer: PartWriter, done: set[int], rank: int):
+        self.writer, self.done, self.rank = writer, done, rank
+        self.rows = self.tokens = 0
+        self.start = self.last_report = time.perf_counter()
+
+    def write(self, records: list[dict], where: str) -> None:
+        """Append finished rows (a batch cut short by a kill was recomputed whole: rows already on disk are
+        not written again); a progress line every PROGRESS_EVERY_S on rank 0."""
+        records = [r for r in records if r["row"] not in self.done]
+        self.writer.write(records)
+        self.rows += len(records)
+        self.tokens += sum(r.get("new_tokens", 0) for r in records)
+        now = time.perf_counter()
+        if self.rank == 0 and now - self.last_report > PROGRESS_EVERY_S:
+            self.last_report = now
+            seconds = now - self.start
+            print(f"rank 0: {where}, {self.rows / seconds:.2f} rows/s, {self.tokens / seconds:.0f} tokens/s")
+
+    def rate(self) -> str:
+        """This process's rows, tokens and speed, for the closing line."""
+        seconds = time.perf_counter() - self.start
+        return (
+            f"{self.rows} rows, {self.tokens} tokens in {seconds:.1f} s "
+            f"({self.rows / max(seconds, 1e-9):.2f} rows/s, {self.tokens / max(seconds, 1e-9):.0f} tokens/s)"
+        )
+
+
+def run_batches(
+    cfg: RegenerateConfig, rows: list[Row], run: RegenerationRun, generate: TargetGenerator, world: int
+):
+    """Transformers' path: global batches k = rank, rank + world, ..., each seeded from (seed, k)."""
+    num_batches = -(-len(rows) // cfg.batch_size)
+    for k in range(run.rank, num_batches, world):
+        batch = rows[k * cfg.batch_size : (k + 1) * cfg.batch_size]
+        if all(row.index in run.done for row in batch):
+            continue
+        run.write(
+            regenerate_batch(generate, batch, seed_of(cfg.seed, k), cfg.skip_bad_rows),
+            f"batch {k + 1}/{num_batches}",
+        )
+
+
+def run_served(
+    cfg: RegenerateConfig, rows: list[Row], run: RegenerationRun, chat: ChatTurns, clients: list[EngineClient]
+):
+    """The engine's path: every row not done, `requests_in_flight` at a time on each server."""
+    sampling = SamplingRequest(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed, tuple(sorted(chat.eos)))
+    work = served_row_work(chat, ServedSettings(cfg.max_new_tokens, sampling, cfg.skip_bad_rows))
+    todo = [row for row in rows if row.index not in run.done]
+    for records in served_records(todo, clients, cfg.requests_in_flight, work):
+        run.write(records, f"{len(run.done) + run.rows + len(records)}/{len(rows)} rows")
+
+
+def start_engine(
+    cfg: RegenerateConfig, target: Path, servers: contextlib.ExitStack
+) -> tuple[list[EngineClient], dict]:
+    """The servers' clients and the engine's settings: a vLLM server started from --vllm_python (stopped
+    with `servers`), or the servers at --engine_url."""
+    if cfg.engine_url:
+        clients = [EngineClient(url, timeout_s=REQUEST_TIMEOUT_S) for url in cfg.engine_url]
+        models = sorted({c.model for c in clients})
+        if len(models) > 1:
+            raise ValueError(f"--engine_url: the servers serve different models ({', '.join(models)})")
+        return clients, {"engine": "server", "served_model": models[0]}
+    # fp32 on a machine without a GPU (as transformers' path there); the engine's own choice on GPUs
+    dtype = "auto" if torch.cuda.is_available() else "float32"
+    extra = tuple(shlex.split(cfg.vllm_args))
+    print(f"starting a vLLM server for {target} ({dtype})")
+    server = servers.enter_context(EngineServer(cfg.vllm_python, str(target), None, dtype, extra_args=extra))
+    client = EngineClient(server.url, timeout_s=REQUEST_TIMEOUT_S)
+    return [client], {
+        "engine": "vllm",
+        "served_model": client.model,
+        "dtype": dtype,
+        "vllm_args": cfg.vllm_args,
+    }
+
+
 def regenerate(cfg: RegenerateConfig) -> Summary | None:
-    """Run this rank's share of the batches, then merge if every row is finished. Returns the summary on
+    """Run this rank's share of the rows, then merge if every row is finished. Returns the summary on
     the process that merged; None elsewhere. Bad input raises ValueError."""
     rank, world, local_rank = env_world()
+    if cfg.engine == "vllm" and world > 1:
+        raise ValueError(
+            "--engine vllm runs as one process (it sends every row to the servers): start it with python, not "
+            "torchrun; more GPUs serve through --vllm_args (--data-parallel-size) or more --engine_url servers"
+        )
     out = Path(cfg.out)
     parts, lock = out.with_name(out.name + ".parts"), out.with_name(out.name + ".lock")
     if out.exists() and not parts.is_dir():  # a finished run: say so before reading data or weights
@@ -352,52 +375,44 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
     rows, stats = load_rows(cfg)
     source = resolve_target(cfg.target_model)
     info = inspect_target(source.path)
-    fetch_target_weights(source, None)
+    if not cfg.engine_url:  # servers already running have their weights; tokenizer and config suffice here
+        fetch_target_weights(source, None)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
-    device, dtype = pick_device(cfg.device, local_rank)
-    settings = run_settings(cfg, source, tokenizer, dtype, len(rows))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with locked(lock):
-        if not start_parts(out, parts, settings):  # another rank merged since the check above
-            lock.unlink(missing_ok=True)  # see the merge below
-            say_finished(out, parts, rank)
-            return None
-        writer = PartWriter(parts / f"rank{rank}-of-{world}.jsonl")
-        done = set(index_parts(parts, len(rows)))
-    if rank != 0:
-        hf_logging.disable_progress_bar()  # one "Loading weights" bar per job, not one per rank
-    generate = TargetGenerator(load_causal_lm(info, device, dtype), tokenizer, cfg)
-    num_batches = -(-len(rows) // cfg.batch_size)
-    if rank == 0:
-        print(
-            f"regenerating {len(rows)} rows ({stats.bad_rows} bad rows skipped, {len(done)} already done) "
-            f"in {num_batches} batches of {cfg.batch_size} on {world} process(es), {device} {dtype}"
-        )
-    generated_rows = generated_tokens = 0
-    start = last_report = time.perf_counter()
-    try:  # closed on a stop too (a bad row): the same process may run again, as the tests do
-        for k in range(rank, num_batches, world):
-            batch = rows[k * cfg.batch_size : (k + 1) * cfg.batch_size]
-            if all(row.index in done for row in batch):
-                continue
-            records = regenerate_batch(generate, batch, batch_seed(cfg.seed, k), cfg.skip_bad_rows)
-            # A batch cut short by a kill was recomputed whole; its rows already on disk are not written again.
-            records = [r for r in records if r["row"] not in done]
-            writer.write(records)
-            generated_rows += len(records)
-            generated_tokens += sum(r.get("new_tokens", 0) for r in records)
-            if rank == 0 and time.perf_counter() - last_report > PROGRESS_EVERY_S:
-                last_report = time.perf_counter()
+    with contextlib.ExitStack() as servers:
+        if cfg.engine == "vllm":
+            clients, engine = start_engine(cfg, info.path, servers)
+            chat = ChatTurns(tokenizer, cfg.chat_template_kwargs, set(eos_token_ids(tokenizer, info.path)))
+            where = f"{len(clients)} server(s), {cfg.requests_in_flight} rows in flight each"
+        else:
+            device, dtype = pick_device(cfg.device, local_rank)
+            engine = {"dtype": str(dtype).removeprefix("torch."), "batch_size": cfg.batch_size}
+            where = f"batches of {cfg.batch_size} on {world} process(es), {device} {dtype}"
+        settings = run_settings(cfg, source, tokenizer, engine, len(rows))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with locked(lock):
+            if not start_parts(out, parts, settings):  # another rank merged since the check above
+                lock.unlink(missing_ok=True)  # see the merge below
+                say_finished(out, parts, rank)
+                return None
+            run = RegenerationRun(
+                PartWriter(parts / f"rank{rank}-of-{world}.jsonl"), set(index_parts(parts, len(rows))), rank
+            )
+        try:  # closed on a stop too (a bad row): the same process may run again, as the tests do
+            if rank == 0:
                 print(
-                    f"rank 0: batch {k + 1}/{num_batches}, {generated_tokens / (last_report - start):.0f} tokens/s"
+                    f"regenerating {len(rows)} rows ({stats.bad_rows} bad rows skipped, {len(run.done)} already "
+                    f"done) with {where}"
                 )
-    finally:
-        writer.close()
-    seconds = time.perf_counter() - start
-    rate = (
-        f"{generated_rows} rows, {generated_tokens} tokens in {seconds:.1f} s "
-        f"({generated_tokens / max(seconds, 1e-9):.0f} tokens/s)"
-    )
+            if cfg.engine == "vllm":
+                run_served(cfg, rows, run, chat, clients)
+            else:
+                if rank != 0:
+                    hf_logging.disable_progress_bar()  # one "Loading weights" bar per job, not one per rank
+                model = load_causal_lm(info, device, dtype)
+                run_batches(cfg, rows, run, TargetGenerator(model, tokenizer, cfg), world)
+        finally:
+            run.writer.close()
+    rate = run.rate()
     with locked(lock):
         merged_before = not parts.is_dir()  # by a rank that finished first and found every row done
         summary = None if merged_before else merge(out, parts, len(rows), cfg.keep_truncated)

@@ -19,10 +19,20 @@ def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -
     return model.to(device).eval().requires_grad_(False)
 
 
-def eos_token_ids(tokenizer, target: nn.Module) -> list[int]:
-    """EOS ids of the tokenizer and of the target's generation config (either may be a list or missing)."""
+def eos_token_ids(tokenizer, target: nn.Module | Path) -> list[int]:
+    """EOS ids of the tokenizer and of the target's generation config (either may be a list or missing); the
+    target is the loaded model, or its directory where no weights are loaded (a serving engine decodes)."""
+    if isinstance(target, Path):
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            generation = GenerationConfig.from_pretrained(target, local_files_only=True)
+        except OSError:  # no generation_config.json: the model config's own ids, as a loaded model has
+            generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(target))
+    else:
+        generation = target.generation_config
     ids = set()
-    for value in (tokenizer.eos_token_id, target.generation_config.eos_token_id):
+    for value in (tokenizer.eos_token_id, generation.eos_token_id):
         if value is not None:
             ids.update(value if isinstance(value, list) else [value])
     return sorted(ids)
