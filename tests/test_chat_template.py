@@ -92,6 +92,18 @@ def test_qwen3_style_without_thinking():
     ]
 
 
+def test_a_rows_own_template_arguments_win_over_the_runs():
+    """A row regenerated with thinking off (its "chat_template_kwargs") is rendered with it off in a run whose
+    --chat_template_kwargs leave it on: the same masks as a run with thinking off."""
+    tokenizer = qwen3_tokenizer(QWEN3_UNMARKED)
+    messages = [USER_1, PLAIN_1, USER_2, PLAIN_2]
+    row = ChatTokenizer(tokenizer, {"enable_thinking": True})(messages, "row 1", {"enable_thinking": False})
+    assert row == ChatTokenizer(tokenizer, {"enable_thinking": False})(messages, "row 1")
+    assert row != ChatTokenizer(tokenizer, {"enable_thinking": True})(messages, "row 1")
+    with pytest.raises(BadRow, match="row 1: chat_template_kwargs sets tokenize, which chat rendering sets"):
+        ChatTokenizer(tokenizer, {})(messages, "row 1", {"tokenize": False})
+
+
 def test_llama3_style_without_generation_markers():
     tokenizer = llama3_tokenizer()
     messages = [SYSTEM, USER_1, PLAIN_1, USER_2, {"role": "assistant", "content": "  the lazy dog \n"}]

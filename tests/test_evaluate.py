@@ -348,6 +348,11 @@ def test_evaluate_report(target_dir, data_file, fitted):
     assert report["tau"] == report["dflash"]["tau"]
     assert report["tau_by_context"] == {"0-2K": pytest.approx(report["tau"])}
     assert report["dflash"]["verify_steps_by_context"] == {"0-2K": report["dflash"]["verify_steps"]}
+    # the row at temperature 1.0: this drafter sampled, a tau of its own, never counted as a mismatch
+    sampled = report["dflash_sampled"]
+    assert sampled["tau"] >= 1.0 and sampled["mismatches"] == 0 and sampled["verify_steps"] > 0
+    again = evaluate(target_dir, fitted, data_file, num_prompts=2, max_new_tokens=18, device="cpu")
+    assert again["dflash_sampled"]["tokens"] == sampled["tokens"]  # seeded: the same samples each time
 
 
 def test_tau_by_context_buckets_each_verify_step_by_the_tokens_before_its_block():
@@ -374,6 +379,7 @@ def test_cli_prints_table_and_writes_json(target_dir, data_file, fitted, tmp_pat
     assert code == 0
     printed = capsys.readouterr().out
     assert "tau" in printed and "speedup" in printed and "lossless" in printed
+    assert "this drafter, T=1.0" in printed and "in distribution" in printed
     assert "tau by tokens of context before the block" in printed and "0-2K" in printed
     report = json.loads(out.read_text())
     assert report["lossless"] is True and set(report["tau_by_context"]) == {"0-2K"}

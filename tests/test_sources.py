@@ -136,3 +136,14 @@ def test_a_json_file_holding_json_lines_is_read_line_by_line(tmp_path):
     with pytest.raises(BadRow, match="d.json:2: malformed JSON"):
         read_conversations([str(path)])
     assert len(read_conversations([str(path)], skip_bad_rows=True)) == 1
+
+
+def test_a_rows_chat_template_kwargs_are_read_and_checked(tmp_path):
+    row = {**GOOD, "chat_template_kwargs": {"enable_thinking": False}}
+    rows = read_conversations(
+        [str(write(tmp_path / "k.jsonl", [json.dumps(row).encode(), json.dumps(GOOD).encode()]))]
+    )
+    assert [r.template_kwargs for r in rows] == [{"enable_thinking": False}, {}]
+    path = write(tmp_path / "bad.jsonl", [json.dumps({**GOOD, "chat_template_kwargs": "thinking"}).encode()])
+    with pytest.raises(BadRow, match="bad.jsonl:1: 'chat_template_kwargs' must be a JSON object"):
+        read_conversations([str(path)])

@@ -129,6 +129,7 @@ def tau_table(report: dict, family: str = "DFlash") -> list[str]:
     else:
         labels = {
             "dflash": f"{family}, this drafter",
+            "dflash_sampled": f"{family}, this drafter, sampled at temperature 1.0",
             "transformers_dflash": "the same drafter in transformers' generate",
             "dflash_untrained": "an untrained drafter of the same shape",
             "prompt_lookup": "prompt lookup (transformers)",
