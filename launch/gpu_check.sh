@@ -31,6 +31,12 @@
 #                     layers, anchors scaled with the length, flex, 5 steps: measured peak against the plan
 #   colocated_sparse  the embedded default with --attention sparse, 40 steps, no evaluation
 #   regenerate        64 prompts, 128 new tokens, batches of 16
+# Where VLLM_PYTHON names the Python of a vLLM environment (README: vLLM in the loop), three more steps:
+#   vllm_dflash       the colocated_flex run exported and served by vLLM (`evaluate --engine vllm`: a server
+#                     with the drafter and one without): lossless and vLLM's tau beside this project's
+#   vllm_dflash2      the dflash2_window run (DFlash2, a sliding-window layer) exported and served by vLLM:
+#                     its V2 runner on the GPU (the CPU build refuses it, as the dry run shows)
+#   vllm_regenerate   the regenerate step's prompts through a vLLM server (`regenerate --engine vllm`)
 # The flex steps run with TORCH_LOGS=recompiles (the summary counts the recompiles); the compile caches
 # (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) live in OUT/compile_cache and are removed at the end unless
 # KEEP_COMPILE_CACHE=1; output is unbuffered, so a step killed at its limit keeps its log up to the kill.
@@ -87,7 +93,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: every step, tiny
   # limits in seconds: preflight, colocated_flex, plan_large (and plan_long_context), large, colocated_sparse,
   # regenerate, gpu_shapes, split_gloo, dflash2_window, long_context
   L_PRE=120 L_FLEX=180 L_PLAN=120 L_LARGE=180 L_SPARSE=180 L_REGEN=120 L_SHAPES=120 L_SPLIT=180 L_D2=180
-  L_LONG=180
+  L_LONG=180 L_VLLM=240
   LONG=(--max_seq_len 2048 --tokens_per_batch 2048 --target_prefill_tokens 512 --sliding_window 256
     --max_steps 1 --logging_steps 1)
   LONG_JOIN_ROWS=30 LONG_ROWS=60
@@ -102,7 +108,7 @@ else
   COMPILE_BACKEND=inductor FLEX=flex
   # cold compile cache; a step cut by its limit is reported, and the budget cuts the last ones first
   L_PRE=60 L_FLEX=150 L_PLAN=40 L_LARGE=150 L_SPARSE=75 L_REGEN=45 L_SHAPES=150 L_SPLIT=90 L_D2=120
-  L_LONG=120
+  L_LONG=120 L_VLLM=180
   LONG=(--max_seq_len 32768 --tokens_per_batch 32768 --target_prefill_tokens 8192 --sliding_window 2048
     --max_steps 5 --logging_steps 1)
   LONG_JOIN_ROWS=480 LONG_ROWS=2400
@@ -148,7 +154,8 @@ if metrics:
     fields["tau_train"] = f"{metrics[-1]['tau_estimate']:.2f}"
 if (run / "eval.json").is_file():
     report = json.loads((run / "eval.json").read_text())
-    fields["tau_eval"] = f"{report['dflash']['tau']:.2f}"
+    tau = report["dflash"]["tau"] if "dflash" in report else report.get("tau")  # vLLM's report: top level
+    fields["tau_eval"] = "none" if tau is None else f"{tau:.2f}"
     fields["lossless"] = report["lossless"]
 plan = out / f"plan_{name}.log"
 if plan.is_file():
@@ -343,10 +350,26 @@ step colocated_sparse "$L_SPARSE" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}
 # 10. regeneration on the device (bf16 generate on CUDA, left padding)
 step regenerate "$L_REGEN" "$PYTHON" -u -m dflash_ddp.regenerate --target_model "$ASSETS/tiny_qwen3" \
   --data "$OUT/prompts.jsonl" --out "$OUT/regenerated.jsonl" --device "$DEVICE" "${REGEN[@]}"
+# 11-13. vLLM serving what this project exported, and regenerating through it (VLLM_PYTHON only)
+if [ -n "${VLLM_PYTHON:-}" ]; then
+  serve() {  # name, run directory: export the run, then evaluate it in vLLM
+    local name=$1 run=$2
+    "$PYTHON" -m dflash_ddp.export "$run" "$OUT/$name.export" > "$OUT/$name.export.log" 2>&1 &&
+      step "$name" "$L_VLLM" "$PYTHON" -u -m dflash_ddp.evaluate --engine vllm --vllm_python "$VLLM_PYTHON" \
+        --target_model "$ASSETS/tiny_qwen3" --drafter "$OUT/$name.export" --data "$ASSETS/data/heldout_regenerated.jsonl" \
+        --num_prompts "${EVAL[1]}" --max_new_tokens "${EVAL[3]}" --device "$DEVICE" --json "$OUT/$name/eval.json"
+  }
+  mkdir -p "$OUT/vllm_dflash" "$OUT/vllm_dflash2"
+  serve vllm_dflash "$OUT/colocated_flex"
+  serve vllm_dflash2 "$OUT/dflash2_window"  # on the CPU build: one line with vLLM's refusal, exit 2
+  step vllm_regenerate "$L_VLLM" "$PYTHON" -u -m dflash_ddp.regenerate --engine vllm --vllm_python "$VLLM_PYTHON" \
+    --target_model "$ASSETS/tiny_qwen3" --data "$OUT/prompts.jsonl" --out "$OUT/regenerated_vllm.jsonl" \
+    --max_new_tokens "${REGEN[1]}"
+fi
 
 # keep logs, metrics.jsonl, data_stats.json, eval.json, the summary; drop weights and caches
 note "compile cache: $(du -sh "$OUT/compile_cache" 2> /dev/null | cut -f1 || echo none)"
-rm -rf "$OUT"/*/checkpoints "$OUT/data_cache" "$OUT/regenerated.jsonl.parts"
+rm -rf "$OUT"/*/checkpoints "$OUT"/*.export "$OUT/data_cache" "$OUT"/regenerated*.jsonl.parts
 [ "${KEEP_COMPILE_CACHE:-0}" = 1 ] || rm -rf "$OUT/compile_cache"
 note "$failed step(s) failed; $((SECONDS - START)) s in all"
 exit "$failed"

@@ -8,7 +8,11 @@ tau by context length, memory and s/step against --plan at 2K-16K tokens (long_c
 cores, resumable).
 
 `python -m dflash_ddp.bench --method [--quick] [--jobs 2] [--method_out DIR]`: the objective variants at equal
-budget on two targets, by real tau over 3 seeds (method.py; about an hour on 2 cores, resumable)."""
+budget on two targets, by real tau over 3 seeds (method.py; about an hour on 2 cores, resumable).
+
+`python -m dflash_ddp.bench --only engine_tau,regeneration --vllm_python PATH [--drafter EXPORT]`: vLLM beside
+this project: tau at temperatures 0 / 0.6 / 1.0 in both decoders, and regeneration's rows/s through
+transformers and through vLLM (engines.py; minutes, vLLM's own environment needed)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from dflash_ddp.bench import __doc__ as summary
 from dflash_ddp.bench.channel import bench_channel, bench_job
 from dflash_ddp.bench.drafter import bench_attention_paths, bench_chunked_recipe
+from dflash_ddp.bench.engines import bench_engine_tau, bench_regeneration
 from dflash_ddp.bench.gpu_shapes import add_arguments as add_gpu_shapes_arguments
 from dflash_ddp.bench.gpu_shapes import run as bench_gpu_shapes
 from dflash_ddp.bench.long_context import bench_long_context
@@ -55,6 +60,10 @@ SECTIONS = {
         [t.strip() for t in args.targets.split(",")],
         [v.strip() for v in args.variants.split(",")],
     ),
+    "engine_tau": lambda args: bench_engine_tau(
+        args.drafter, needs_vllm(args), args.engine_prompts, args.engine_tokens
+    ),
+    "regeneration": lambda args: bench_regeneration(needs_vllm(args), args.regen_rows, args.regen_tokens),
 }
 DEFAULT = [
     "channel",
@@ -65,6 +74,15 @@ DEFAULT = [
     "recipe",
     "long_plan",
 ]  # the CPU figures of docs/benchmarks.md
+
+
+def needs_vllm(args) -> str:
+    """--vllm_python, which the engine sections need."""
+    if not args.vllm_python:
+        raise SystemExit(
+            "--only engine_tau / regeneration: pass --vllm_python PATH (vLLM's own Python; README)"
+        )
+    return args.vllm_python
 
 
 def main() -> None:
@@ -108,6 +126,15 @@ def main() -> None:
     method.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}"
     )
+    engines = parser.add_argument_group("--only engine_tau,regeneration (vLLM beside this project)")
+    engines.add_argument("--vllm_python", default="", help="the Python of vLLM's own environment")
+    engines.add_argument(
+        "--drafter", default="runs/embedded-default-export", help="engine_tau: an exported drafter"
+    )
+    engines.add_argument("--engine_prompts", type=int, default=20, help="engine_tau: held-out prompts")
+    engines.add_argument("--engine_tokens", type=int, default=128, help="engine_tau: new tokens per prompt")
+    engines.add_argument("--regen_rows", type=int, default=64, help="regeneration: rows of the embedded data")
+    engines.add_argument("--regen_tokens", type=int, default=128, help="regeneration: max_new_tokens")
     args = parser.parse_args()
     if args.gpu:
         args.only = "gpu_shapes"
