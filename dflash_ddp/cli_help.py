@@ -10,16 +10,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from dflash_ddp.config import (
-    EMBEDDED_NAME,
-    EMBEDDED_PRESET,
-    Setting,
-    TrainConfig,
-    allowed_values,
-    field_types,
-    load_yaml,
-    parse_flags,
-)
+from dflash_ddp.config import EMBEDDED_NAME, EMBEDDED_PRESET, TrainConfig
+from dflash_ddp.settings import Setting, allowed_values, field_types, load_yaml, parse_flags
 
 REQUIRED = ("target_model", "data")  # required once the embedded default is not used
 

@@ -7,24 +7,21 @@ errors (with the closest known key suggested), never ignored.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import math
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.blocks import ANCHOR_RULES
 from dflash_ddp.drafter.distillation import LOSSES
+from dflash_ddp.drafter.dspark import MARKOV_HEAD_TYPES
 from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, OPTIMIZERS, ORTHOGONALISATIONS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
+from dflash_ddp.setting_checks import check_family, check_loss, check_sliding
+from dflash_ddp.settings import check_setting, field_types, load_yaml, parse_flags, setting
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -58,63 +55,7 @@ EMBEDDED_PRESET: dict[str, typing.Any] = {
 }
 
 
-@dataclass(frozen=True)
-class Setting:
-    """What a setting is besides its type and default: the --help group and line, and its allowed values."""
-
-    group: str
-    help: str
-    allowed: str | typing.Callable[[], str] = ""  # in words, for --help and errors; "": from the rest
-    choices: tuple[str, ...] = ()  # the only values of a text setting
-    minimum: int | None = None  # the smallest value of an integer setting
-    in_range: tuple[typing.Callable[[float], bool], str] | None = None  # a number's range (besides finite)
-    overridable: bool = False  # a resumed run may change it (--resume_override)
-
-
-def setting(default: typing.Any, group: str, help: str, **details) -> typing.Any:
-    """A TrainConfig field with its `Setting`; a list or dict default is copied for every config."""
-    metadata = {"setting": Setting(group, help, **details)}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def choice_words(choices: tuple[str, ...]) -> str:
-    """'a, b or c'."""
-    return " or ".join([", ".join(choices[:-1]), choices[-1]] if len(choices) > 1 else choices)
-
-
-def check_setting(name: str, value: typing.Any, spec: Setting) -> None:
-    """Refuse a value outside its setting's choices, minimum or range, naming the flag."""
-    if spec.choices and value not in spec.choices:
-        raise ValueError(f"--{name} {value}: choose {allowed_text(spec) or choice_words(spec.choices)}")
-    if spec.minimum is not None and value < spec.minimum:
-        wanted = "a positive integer" if spec.minimum == 1 else f"at least {spec.minimum}"
-        raise ValueError(f"--{name} {value}: must be {wanted}")
-    if spec.in_range is not None and value is not None:
-        in_range, what = spec.in_range
-        if not (math.isfinite(value) and in_range(value)):
-            raise ValueError(f"--{name} {value}: must be {what}")
-
-
-def allowed_text(spec: Setting) -> str:
-    """The setting's own words for its allowed values ('' when it has none)."""
-    return spec.allowed() if callable(spec.allowed) else spec.allowed
-
-
-def allowed_values(spec: Setting, hint: typing.Any) -> str:
-    """The allowed values of a setting of type `hint`, in words, as --help and docs/cli.md show them."""
-    if allowed_text(spec):
-        return allowed_text(spec)
-    if spec.choices:
-        return choice_words(spec.choices)
-    if spec.minimum is not None:
-        return f"an integer >= {spec.minimum}"
-    if spec.in_range is not None:
-        return spec.in_range[1].removeprefix("a ").replace("in [", "a number in [")
-    if hint is bool:
-        return "true | false (a bare --flag means true)"
-    return str(hint).replace("typing.", "") if typing.get_args(hint) else hint.__name__
+_WEIGHT = {"in_range": (lambda x: x >= 0, "a number >= 0"), "overridable": True}
 
 
 @dataclass
@@ -165,7 +106,8 @@ class TrainConfig:
         "dflash",
         "model",
         "the drafter family: dflash drafts a block's positions independently; dflash2 adds convolutions "
-        "inside the block and a candidate selector that drafts each position given the one before it",
+        "inside the block and a candidate selector that drafts each position given the one before it; "
+        "dspark adds a Markov head (a bias from the previous token) and a confidence head (needs --target_topk)",
         choices=tuple(FAMILIES),
     )
     conv_kernel_size: int = setting(
@@ -188,6 +130,22 @@ class TrainConfig:
         "no-op, to measure the convolutions alone)",
         in_range=(lambda x: x >= 0, "a number >= 0"),
         overridable=True,
+    )
+    markov_rank: int = setting(
+        256, "dspark", "rank of the Markov head's tables (0: no Markov head)", minimum=0
+    )
+    markov_head_type: str = setting(
+        "vanilla", "dspark", "the Markov head's bias from the previous token", choices=MARKOV_HEAD_TYPES
+    )
+    confidence_head_with_markov: bool = setting(
+        True, "dspark", "the confidence head also reads the previous token's Markov embedding"
+    )
+    dspark_ce_alpha: float = setting(0.1, "dspark", "weight of the CE of the Markov-biased logits", **_WEIGHT)
+    dspark_l1_alpha: float = setting(
+        0.9, "dspark", "weight of their L1 distance to the target's distribution (--target_topk)", **_WEIGHT
+    )
+    confidence_alpha: float = setting(
+        1.0, "dspark", "weight of the confidence head's BCE (0: no confidence head)", **_WEIGHT
     )
     # data
     data: list[str] = setting(
@@ -504,15 +462,15 @@ class TrainConfig:
             raise ValueError(f"--mask_token_id {self.mask_token_id}: must be a token id >= 0")
         check_template_kwargs(self.chat_template_kwargs)
         resolve_report_to(self.report_to)  # unknown names, and packages not installed, refused now
-        self._check_loss()
+        check_loss(self)
         for name in ("loss_gamma", "loss_gamma_start"):
             if getattr(self, name) is not None and self.position_weighting != "decay":
                 raise ValueError(
                     f"--{name} {getattr(self, name)} sets the decay of --position_weighting decay, and D-PACE "
                     "(the default) has no decay: pass --position_weighting decay with it, or drop it"
                 )
-        self._check_family()
-        self._check_sliding()
+        check_family(self)
+        check_sliding(self)
         if self.calibrate and not self.plan:
             raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
         if self.channel_backend == "nccl" and self.device == "cpu":
@@ -543,57 +501,6 @@ class TrainConfig:
         """The most tokens one batch holds: the budget, or one sequence longer than it."""
         return max(self.tokens_per_batch, self.max_seq_len)
 
-    def _check_family(self) -> None:
-        """A setting of another drafter family (its --help group) would be silently ignored: refuse it."""
-        for f in dataclasses.fields(self):
-            family = f.metadata["setting"].group
-            if family in FAMILIES and family != self.drafter and getattr(self, f.name) != f.default:
-                raise ValueError(
-                    f"--{f.name} {getattr(self, f.name)} sets the {family} drafter, and this run trains "
-                    f"--drafter {self.drafter}: pass --drafter {family} with it, or drop it"
-                )
-        if self.conv_kernel_size > self.block_size:
-            raise ValueError(
-                f"--conv_kernel_size {self.conv_kernel_size}: a convolution looks back inside a block only, so "
-                f"at most --block_size {self.block_size} taps"
-            )
-
-    def _check_sliding(self) -> None:
-        """--sliding_window and --sliding_layers together, the layers among the drafter's."""
-        if self.sliding_layers is not None and not self.sliding_window:
-            raise ValueError(
-                f"--sliding_layers {self.sliding_layers} names the layers that slide, and --sliding_window is 0 "
-                "(full attention everywhere): pass --sliding_window N, or drop --sliding_layers"
-            )
-        if self.sliding_window and self.sliding_window < self.block_size:
-            raise ValueError(
-                f"--sliding_window {self.sliding_window}: a block always sees itself whole, so at least "
-                f"--block_size {self.block_size}"
-            )
-        outside = [i for i in self.sliding_layers or () if not 0 <= i < self.num_draft_layers]
-        if outside:
-            raise ValueError(
-                f"--sliding_layers {self.sliding_layers}: {outside} are not layers of the drafter "
-                f"(--num_draft_layers {self.num_draft_layers}: ids 0..{self.num_draft_layers - 1})"
-            )
-
-    def _check_loss(self) -> None:
-        """--loss, --target_topk and --ce_weight together: each soft-target setting needs the others."""
-        if self.loss != "ce" and not self.target_topk:
-            raise ValueError(
-                f"--loss {self.loss} trains against the target's top-k next-token distribution: pass "
-                "--target_topk K (e.g. 8), or --loss ce"
-            )
-        if self.loss == "ce" and self.target_topk:
-            raise ValueError(
-                f"--target_topk {self.target_topk} makes the target ranks run every layer and send soft targets "
-                "that --loss ce does not read: pass --loss kl or --loss tv, or drop --target_topk"
-            )
-        if self.loss == "ce" and self.ce_weight:
-            raise ValueError(
-                f"--ce_weight {self.ce_weight} mixes the token's CE into --loss kl or tv; --loss ce is that CE alone"
-            )
-
     def _check_paths(self) -> None:
         """Paths read only after training (--eval_data) or written later (--output_dir), checked now."""
         if self.eval_data and not Path(self.eval_data).is_file() and hub_dataset_name(self.eval_data) is None:
@@ -615,109 +522,6 @@ RESUME_OVERRIDABLE = (
     *(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["setting"].overridable),
     "global_batch",
 )
-
-
-def field_types(cls) -> dict[str, typing.Any]:
-    """{field name: its type} of a config dataclass, as the flags and the YAML loader convert to."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return ValueError(f"{where}: unknown key '{key}'{hint}")
-
-
-def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
-    """Turn a YAML value or command-line string into the field's type, or say what was expected."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-            return None
-        hint = next(a for a in args if a is not type(None))
-        args = typing.get_args(hint)
-    try:
-        if hint is dict:
-            parsed = json.loads(value) if isinstance(value, str) else value
-            if not isinstance(parsed, dict):
-                raise ValueError
-            return parsed
-        if typing.get_origin(hint) is list:
-            # `--key a b`, `--key a,b` and YAML lists all work
-            items = [
-                part
-                for v in (value if isinstance(value, list) else [value])
-                for part in (v.split(",") if isinstance(v, str) else [v])
-                if not isinstance(part, str) or part.strip()
-            ]
-            return [_convert(v.strip() if isinstance(v, str) else v, args[0], where) for v in items]
-        if hint is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if hint is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return hint(value)
-    except (ValueError, TypeError):
-        name = "a JSON object" if hint is dict else getattr(hint, "__name__", str(hint))
-        raise ValueError(f"{where}: expected {name}, got {value!r}") from None
-
-
-def load_yaml(path: str, types_: dict) -> dict:
-    """The settings of a --config YAML file, converted to the fields' types; unknown keys are errors."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--config {path}: file not found")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"--config {path}: the top level must be a mapping of key: value")
-    values = {}
-    for key, value in raw.items():
-        if key not in types_:
-            raise _unknown_key_error(key, list(types_), f"{path}")
-        values[key] = _convert(value, types_[key], f"{path}: key '{key}'")
-    return values
-
-
-def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
-    """`--key value`, `--key=value`, `--key v1 v2` for lists, bare `--flag` for booleans."""
-    config_file, values, i = None, {}, 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument '{arg}': settings are given as --key value")
-        key, _, inline = arg[2:].partition("=")
-        if key != "config" and key not in types_:
-            raise _unknown_key_error(key, ["config", *types_], "command line")
-        i += 1
-        raw: list[str] = [inline] if inline else []
-        while not inline and i < len(argv) and not argv[i].startswith("--"):
-            raw.append(argv[i])
-            i += 1
-        if key == "config":
-            if len(raw) != 1:
-                raise ValueError("--config takes exactly one YAML file")
-            config_file = raw[0]
-            continue
-        hint = types_[key]
-        if not raw:
-            if hint is not bool:
-                raise ValueError(f"--{key}: missing value")
-            values[key] = True
-            continue
-        value = raw if typing.get_origin(hint) is list or len(raw) > 1 else raw[0]
-        if len(raw) > 1 and typing.get_origin(hint) is not list:
-            raise ValueError(f"--{key}: takes one value, got {raw}")
-        values[key] = _convert(value, hint, f"--{key}")
-    return config_file, values
 
 
 def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:

@@ -121,20 +121,21 @@ def test_vllm_serves_the_export_losslessly_with_the_projects_tau(tmp_path):
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")
-def test_a_dflash2_export_is_refused_by_vllms_cpu_build_in_one_line_naming_the_runner(tmp_path, capsys):
-    """vLLM serves candidate-head drafters on its V2 runner (GPU) only: the CPU build's refusal is the
-    message and the exit is 2, never a silent fallback to another family."""
-    argv = [
-        "--output_dir",
-        str(tmp_path / "run"),
-        "--drafter",
-        "dflash2",
-        "--max_steps",
-        "2",
-        "--eval_data",
-        "",
-    ]
-    assert train_main(argv) == 0
+@pytest.mark.parametrize(
+    "family, flags, refusal",
+    [
+        ("dflash2", [], "does not support"),
+        ("dspark", ["--target_topk", "8"], "does not support: dspark speculative decoding"),
+    ],
+)
+def test_a_v2_runner_export_is_refused_by_vllms_cpu_build_in_one_line_naming_the_runner(
+    tmp_path, capsys, family, flags, refusal
+):
+    """vLLM serves DFlash2 (candidate heads) and DSpark on its V2 runner (GPU) only: the CPU build's refusal,
+    which comes after its config validation accepted the export, is the message and the exit is 2, never a
+    silent fallback to another family."""
+    argv = ["--output_dir", str(tmp_path / "run"), "--drafter", family, "--max_steps", "2", "--eval_data", ""]
+    assert train_main([*argv, *flags]) == 0
     assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
     capsys.readouterr()
     engine = ["--target_model", str(TARGET), "--drafter", str(tmp_path / "export"), "--data", str(HELDOUT)]
@@ -142,4 +143,4 @@ def test_a_dflash2_export_is_refused_by_vllms_cpu_build_in_one_line_naming_the_r
     assert evaluate_main(engine) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the vLLM server exited at start" in err[0]
-    assert "does not support" in err[0] and "V1" in err[0], err[0]
+    assert refusal in err[0] and "V1" in err[0], err[0]

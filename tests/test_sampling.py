@@ -70,6 +70,10 @@ class NearbyDrafter:
             self.logits[self.anchor] = 0.5 * logits + torch.linspace(0, 2, logits.shape[0])
         return self.logits[self.anchor].expand(self.config.block_size - 1, -1)
 
+    def sample_drafts(self, hidden, head, anchor, draw_from):
+        tokens, probs = draw_from(self.draft_logits(hidden, head))
+        return tokens[None], probs
+
 
 @pytest.mark.parametrize("top_p", [1.0])
 def test_speculative_sampling_draws_as_the_target_samples(top_p):

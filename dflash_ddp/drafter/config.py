@@ -21,6 +21,8 @@ class DFlashDraftConfig(PretrainedConfig):
     family = "dflash"  # the --drafter value (families.py)
     run_settings: tuple[str, ...] = ()  # the family's own fields, set by the run's settings of those names
     serving_fields: tuple[str, ...] = ()  # the family's own fields of the serving config's dflash_config
+    serving_top_level = False  # whether the engines read those fields at the config's top level too
+    top_level_serving: tuple[tuple[str, object], ...] = ()  # (name, value) constants read at the top level
 
     def __init__(  # noqa: PLR0913 - a transformers config: its fields are keyword arguments
         self,
@@ -73,6 +75,11 @@ class DFlashDraftConfig(PretrainedConfig):
         self.logit_scale = logit_scale
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
+
+    @classmethod
+    def run_values(cls, run) -> dict:
+        """The family's own fields from the run's settings of the same names (`run`: the run's config)."""
+        return {name: getattr(run, name) for name in cls.run_settings}
 
     @property
     def slides(self) -> bool:

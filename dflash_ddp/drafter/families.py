@@ -1,19 +1,21 @@
 """The drafter families `--drafter` chooses from: each is a config class and a model class, the model carrying
 its own loss (`loss_terms`) and its own way of drafting a block (`draft_tokens`). The trainer, the decoding,
-the checkpoints and the export read a drafter through these alone, so a third family (DSpark, LiLiCorr) is
-one more module and one more entry here.
+the checkpoints and the export read a drafter through these alone, so a family is one more module and one more
+entry here.
 """
 
 from __future__ import annotations
 
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.dflash2 import DFlash2DraftConfig, DFlash2DraftModel
+from dflash_ddp.drafter.dspark import DSparkDraftConfig, DSparkDraftModel
 from dflash_ddp.drafter.model import DFlashDraftModel
 
 # --drafter value -> (config class, model class); the model class's name is the serving architecture
 FAMILIES: dict[str, tuple[type[DFlashDraftConfig], type[DFlashDraftModel]]] = {
     "dflash": (DFlashDraftConfig, DFlashDraftModel),
     "dflash2": (DFlash2DraftConfig, DFlash2DraftModel),
+    "dspark": (DSparkDraftConfig, DSparkDraftModel),
 }
 
 

@@ -366,6 +366,13 @@ class DFlashDraftModel(PreTrainedModel):
         takes each position's argmax under the target's LM head `head`; `anchor` [1, 1] is unused here."""
         return head(hidden[:, 1:].to(head.weight.dtype)).argmax(dim=-1)
 
+    def sample_drafts(self, hidden, head, anchor, draw_from) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts [1, block_size - 1] drawn by `draw_from(logits [n, V])` -> (tokens [n], probs [n, V]) and the
+        distributions q [block_size - 1, V] they were drawn from: DFlash draws every position at once from its
+        `draft_logits`; `anchor` [1, 1] is unused here."""
+        tokens, probs = draw_from(self.draft_logits(hidden, head))
+        return tokens[None], probs
+
     def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         """[block_size - 1, V] fp32 logits of the drafted positions (outputs 1.. of `hidden` [1, block_size,
         H]) as the target computes its own (its logit scale and soft-capping), for sampling."""

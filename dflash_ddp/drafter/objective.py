@@ -146,11 +146,16 @@ class LossTerms:
     selector_rows: torch.Tensor  # scored positions the selector chose for
     candidate_hits: torch.Tensor  # of those, the ones whose label was among the candidates
     unary_correct: torch.Tensor  # of those, the ones whose LM-head argmax alone was right
+    # DSpark's share (dspark.py); zeros for another family
+    dspark_rows: torch.Tensor  # scored positions
+    distill_sum: torch.Tensor  # their L1 distance to the target's distribution, summed, detached
+    predicted_acceptance_sum: torch.Tensor  # the confidence head's sigmoid, summed
+    observed_acceptance_sum: torch.Tensor  # 1 - L1 / 2, what the confidence head learns, summed
 
     @classmethod
     def zeros(cls, block_size: int, device: torch.device) -> LossTerms:
         """The sums of nothing: where a step's totals start."""
-        shapes = ((), (), block_size, block_size, (), (), (), (), (), ())
+        shapes = ((), (), block_size, block_size, *([()] * 10))
         return cls(*(torch.zeros(n, device=device) for n in shapes))
 
     def metrics(self) -> dict[str, float]:
@@ -168,6 +173,11 @@ class LossTerms:
             metrics["selector_loss"] = float(self.selector_loss_sum / self.weight_sum.clamp(min=1e-12))
             metrics["unary_accuracy"] = float(self.unary_correct / rows)
             metrics["candidate_recall"] = float(self.candidate_hits / rows)
+        if self.dspark_rows > 0:  # accuracy and tau above are the Markov-biased logits'
+            rows = self.dspark_rows
+            metrics["distill_l1"] = float(self.distill_sum / rows)
+            metrics["predicted_acceptance"] = float(self.predicted_acceptance_sum / rows)
+            metrics["observed_acceptance"] = float(self.observed_acceptance_sum / rows)
         return metrics
 
 
@@ -209,9 +219,9 @@ def scored_rows(
     return ScoredRows(hidden, flat_idx, labels, weights, correct, candidates, loss_sum)
 
 
-def loss_terms(inputs: BlockInputs, rows: ScoredRows, correct_rows: torch.Tensor, **selector) -> LossTerms:
+def loss_terms(inputs: BlockInputs, rows: ScoredRows, correct_rows: torch.Tensor, **family) -> LossTerms:
     """The chunk's LossTerms from its scored rows, `correct_rows` deciding the accuracy and the estimated
-    acceptance; `selector`: the selector's sums (LossTerms' selector fields)."""
+    acceptance; `family`: a family's own sums (LossTerms' selector and DSpark fields)."""
     weights = inputs.weights
     scored = weights > 0
     correct = torch.zeros(scored.numel(), dtype=torch.bool, device=weights.device)
@@ -228,11 +238,20 @@ def loss_terms(inputs: BlockInputs, rows: ScoredRows, correct_rows: torch.Tensor
         count_per_pos=scored.sum(dim=(0, 1)).float(),
         accepted_sum=((1 + prefix) * blocks).sum().float(),
         num_blocks=blocks.sum().float(),
-        selector_loss_sum=selector.get("selector_loss_sum", zero),
-        selector_rows=selector.get("selector_rows", zero),
-        candidate_hits=selector.get("candidate_hits", zero),
-        unary_correct=selector.get("unary_correct", zero),
+        **{name: family.get(name, zero) for name in _FAMILY_SUMS},
     )
+
+
+_FAMILY_SUMS = (
+    "selector_loss_sum",
+    "selector_rows",
+    "candidate_hits",
+    "unary_correct",
+    "dspark_rows",
+    "distill_sum",
+    "predicted_acceptance_sum",
+    "observed_acceptance_sum",
+)
 
 
 def block_loss_terms(

@@ -175,7 +175,7 @@ class DrafterTrainer:
                 cfg.mask_token_id,
                 loss,
                 min_slots,
-                soft_rows(soft, rows, context_len) if loss.loss != "ce" else None,
+                soft_rows(soft, rows, context_len) if loss.soft_targets else None,
             )
             rows_t = torch.tensor(rows, device=features.device)
             chunks.append(
@@ -229,7 +229,7 @@ class DrafterTrainer:
             features = torch.zeros(rows, length, width, dtype=compute_dtype(self.device), device=self.device)
             weight_sum = torch.ones((), device=self.device)
             soft = None
-            if self.settings.loss.loss != "ce":  # made-up soft targets: the top 2 tokens, equally likely
+            if self.settings.loss.soft_targets:  # made-up soft targets: the top 2 tokens, equally likely
                 soft = SoftTargets(
                     torch.stack([ids, ids + 1], -1).remainder(config.vocab_size).int(),
                     torch.full((rows, length, 2), 0.5, dtype=torch.bfloat16),

@@ -19,7 +19,8 @@ POSITION_WEIGHTINGS = ("decay", "dpace", "auf")
 @dataclass(frozen=True)
 class LossSettings:
     """What the loss scores against and how it weighs block positions (--loss, --ce_weight,
-    --position_weighting, --loss_gamma, --dpace_smoothing, --loss_chunk_size, --selector_loss_alpha)."""
+    --position_weighting, --loss_gamma, --dpace_smoothing, --loss_chunk_size, --selector_loss_alpha, and
+    DSpark's --dspark_ce_alpha, --dspark_l1_alpha, --confidence_alpha)."""
 
     weighting: str = "decay"  # decay | dpace | auf
     gamma: float | None = None  # the decay's constant; None: the paper's for the block size
@@ -28,6 +29,12 @@ class LossSettings:
     ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
     chunk_rows: int = 1024  # rows of the LM-head loss computed at once
     selector_weight: float = 1.0  # the candidate selector's loss beside the LM head's (DFlash2, selector.py)
+    # DSpark's terms (dspark.py): CE of the Markov-biased logits, their L1 distance to the target's
+    # distribution, and the confidence head's BCE (the reference's 0.1 / 0.9 / 1.0)
+    soft_targets: bool = False  # the target sends its top-k distribution (--target_topk): kl, tv, DSpark
+    dspark_ce_alpha: float = 0.1
+    dspark_l1_alpha: float = 0.9
+    confidence_alpha: float = 1.0
     logit_scale: float = 1.0  # the target's multiplier of its logits (Falcon-H1's lm_head_multiplier)
     logit_softcap: float | None = None  # the target's final soft-capping of its logits (Gemma), else None
 

@@ -24,8 +24,9 @@ _QWEN3_FIELDS = (
 )
 
 
-def zlab_keys(num_layers: int, family: str = "dflash") -> set[str]:
-    """The exact tensor names of a z-lab drafter of `family` with `num_layers` layers."""
+def zlab_keys(num_layers: int, family: str = "dflash", markov_head_type: str | None = "vanilla") -> set[str]:
+    """The exact tensor names of a z-lab drafter of `family` with `num_layers` layers (DSpark: with a Markov
+    head of `markov_head_type`, None for none, and a confidence head)."""
     per_layer = [
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
@@ -43,11 +44,31 @@ def zlab_keys(num_layers: int, family: str = "dflash") -> set[str]:
     if family == "dflash2":  # the codebooks are bare parameters: no ".weight"
         per_layer += [f"{conv}.{k}" for conv in ("attention_conv", "mlp_conv") for k in DFLASH2_CONV_KEYS]
         extra = DFLASH2_SELECTOR_KEYS
+    if family == "dspark":
+        extra = (*DSPARK_KEYS[None], *(DSPARK_KEYS[markov_head_type] if markov_head_type else ()))
     keys = {f"layers.{i}.{k}" for i in range(num_layers) for k in per_layer}
     return keys | {"fc.weight", "hidden_norm.weight", "norm.weight", *extra}
 
 
 DFLASH2_CONV_KEYS = ("base_kernel", "kernel_projection.weight")
+# vLLM's DSpark models load the vanilla head and the confidence head (gated and rnn heads are this project's
+# and the reference's; vLLM refuses their extra tensors)
+DSPARK_KEYS = {
+    None: ("confidence_head.proj.weight", "confidence_head.proj.bias"),
+    "vanilla": ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"),
+    "gated": (
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "markov_head.gate_proj.weight",
+        "markov_head.gate_proj.bias",
+    ),
+    "rnn": (
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "markov_head.joint_proj.weight",
+        "markov_head.joint_proj.bias",
+    ),
+}
 DFLASH2_SELECTOR_KEYS = (
     "candidate_selector.hidden_projection.weight",
     "candidate_selector.predecessor_codebook",
@@ -84,6 +105,8 @@ def to_zlab_config(config: DFlashDraftConfig) -> dict:
         # a field left unset is left out: the engines read its absence as unset
         fields = {name: getattr(config, name) for name in config.serving_fields}
         out["dflash_config"].update({k: v for k, v in fields.items() if v is not None})
+        if config.serving_top_level:  # vLLM's DSpark models read their fields at the top level
+            out.update({k: v for k, v in fields.items() if v is not None}, **dict(config.top_level_serving))
     # The target's conventions, where it has any (Gemma, Falcon-H1): vLLM's DFlash2 and DSpark models read
     # them from dflash_config, its Gemma 4 DSpark model the soft-capping at the top level.
     if config.input_embedding_scale != 1.0:
@@ -152,6 +175,11 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
 
 
 # serving fields the engines default when a config leaves them out
-_OPTIONAL_FIELDS = {"output_multiplier": 1.0}
+_OPTIONAL_FIELDS = {
+    "output_multiplier": 1.0,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": False,
+    "confidence_head_with_markov": False,
+}
 # the target's conventions every family carries, and their values for a target without any
 _TARGET_CONVENTIONS = {"input_embedding_scale": 1.0, "final_logit_softcapping": None, "logit_scale": 1.0}

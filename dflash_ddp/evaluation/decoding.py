@@ -88,6 +88,11 @@ class _Chooser:
             return int(logits.argmax())
         return int(draw(token_probs(logits, self.sampling), self.generator))
 
+    def draw_from(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts from rows of logits [n, V]: (tokens [n], the filtered distributions [n, V] drawn from)."""
+        probs = token_probs(logits, self.sampling)
+        return draw(probs, self.generator), probs
+
 
 @torch.inference_mode()
 def greedy_generate(
@@ -191,8 +196,7 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
             if sampling is None:
                 drafts = drafter.draft_tokens(hidden, head, anchor)
             else:
-                draft_probs = token_probs(drafter.draft_logits(hidden, head), sampling)
-                drafts = draw(draft_probs, choose.generator)[None]
+                drafts, draft_probs = drafter.sample_drafts(hidden, head, anchor, choose.draw_from)
             verified = target(
                 input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True
             )

@@ -422,8 +422,8 @@ def print_report(report: dict, console=None) -> None:
 
 
 def family_label(family: str) -> str:
-    """A drafter family's name as people write it (dflash2 -> DFlash2)."""
-    return family.replace("dflash", "DFlash")
+    """A drafter family's name as people write it (dflash2 -> DFlash2, dspark -> DSpark)."""
+    return family.replace("dflash", "DFlash").replace("dspark", "DSpark")
 
 
 def method_label(name: str, family: str) -> str:
@@ -450,7 +450,8 @@ def engine_main(args) -> int:
         prompts = load_prompts(tokenizer, args.data, args.num_prompts, args.chat_template_kwargs)
         drafter = Path(args.drafter).resolve()
         block_size = load_drafter(drafter).config.block_size
-        speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block_size - 1}
+        method = "dspark" if load_drafter(drafter).config.family == "dspark" else "dflash"
+        speculative = {"method": method, "model": str(drafter), "num_speculative_tokens": block_size - 1}
         speculative["draft_sample_method"] = args.draft_sampling
         sampling = SamplingRequest(
             args.temperature,

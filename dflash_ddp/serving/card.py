@@ -149,6 +149,40 @@ def tau_table(report: dict, family: str = "DFlash") -> list[str]:
     return rows + [f"\n{note}" for note in report.get("notes", [])]
 
 
+def dspark_lines(config: dict) -> list[str]:
+    """What a DSpark drafter adds to DFlash, with its own numbers."""
+    rank, kind = config.get("markov_rank", 0), config.get("markov_head_type", "vanilla")
+    heads = [
+        f"a {kind} Markov head of rank {rank} (a bias on each drafted position's logits from the token "
+        "before it)"
+        if rank
+        else "no Markov head"
+    ]
+    if config.get("enable_confidence_head"):
+        heads.append("a confidence head (each position's predicted acceptance, for adaptive verification)")
+    return [f"It is a DSpark drafter: DFlash's backbone with {' and '.join(heads)}.", ""]
+
+
+def dspark_serving(target_ref: str, export: str, block: int) -> list[str]:
+    """How a DSpark export is served: vLLM's DSpark method (its V2 runner, on GPUs), the block as its fill-in
+    mode."""
+    return [
+        "## Serving",
+        "",
+        f"With this export at `{export}`. vLLM serves DSpark on its Model Runner V2 (GPUs; its CPU build refuses "
+        f"it), with `sample_from_anchor: false` from this config: the anchor given, {block - 1} positions drafted.",
+        "",
+        "```bash",
+        f"vllm serve {target_ref} --speculative-config "
+        f'\'{{"method": "dspark", "model": "{export}", "num_speculative_tokens": {block - 1}}}\'',
+        "```",
+        "",
+        "transformers' `generate` does not run DSpark drafters; dflash_ddp's own decoding does "
+        f"(`python -m dflash_ddp.evaluate --target_model {target_ref} --drafter {export} --data FILE`).",
+        "",
+    ]
+
+
 def dflash2_lines(dflash: dict) -> list[str]:
     """What a DFlash2 drafter adds to DFlash, with its own numbers."""
     return [
@@ -174,7 +208,8 @@ def model_card(
     dflash = config["dflash_config"]
     block = config["block_size"]
     dflash2 = config["architectures"] == ["DFlash2DraftModel"]
-    family = "DFlash2" if dflash2 else "DFlash"
+    dspark = config["architectures"] == ["DSparkDraftModel"]
+    family = "DFlash2" if dflash2 else "DSpark" if dspark else "DFlash"
     hub = hub_model_name(target_name) if target_name else None
     base_model = hub[0] if hub else None
     header = {
@@ -182,7 +217,7 @@ def model_card(
         "pipeline_tag": "text-generation",
         "tags": [
             "dflash",
-            *(["dflash2"] if dflash2 else []),
+            *(["dflash2"] if dflash2 else ["dspark"] if dspark else []),
             "speculative-decoding",
             "draft-model",
             "dflash_ddp",
@@ -204,7 +239,7 @@ def model_card(
         "verifies in one pass; greedy output is exactly the target's own. Trained with dflash_ddp (one torchrun "
         "job: target ranks stream hidden states to drafter ranks).",
         "",
-        *(dflash2_lines(dflash) if dflash2 else []),
+        *(dflash2_lines(dflash) if dflash2 else dspark_lines(config) if dspark else []),
         "## The drafter",
         "",
         f"- block size {block} ({block - 1} drafted tokens per step, plus the target's bonus token)",
@@ -261,6 +296,8 @@ def model_card(
             "",
         ]
     export = str(export_dir.resolve())
+    if dspark:
+        return "\n".join(lines + dspark_serving(target_ref, export, block))
     lines += [
         "## Serving",
         "",

@@ -87,7 +87,7 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         mask_id,
         cfg.block_size,
         config_class,
-        {name: getattr(cfg, name) for name in config_class.run_settings},
+        config_class.run_values(cfg),
         (cfg.sliding_window, cfg.sliding_layers),
     )
     if cfg.target_topk > info.vocab_size:

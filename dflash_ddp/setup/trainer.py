@@ -36,6 +36,10 @@ def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
         ce_weight=cfg.ce_weight,
         chunk_rows=cfg.loss_chunk_size,
         selector_weight=cfg.selector_loss_alpha,
+        soft_targets=cfg.target_topk > 0,
+        dspark_ce_alpha=cfg.dspark_ce_alpha,
+        dspark_l1_alpha=cfg.dspark_l1_alpha,
+        confidence_alpha=cfg.confidence_alpha,
     )
     return StepSettings(
         cfg.num_anchors,

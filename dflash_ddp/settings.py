@@ -1,0 +1,179 @@
+"""A setting of a config dataclass, and how its values are read: each field's `Setting` (its --help group and
+line, its allowed values, whether a resume may change it), the check of a value against it, and the reading of
+command-line flags and YAML files into the fields' types, with errors naming the flag or the file and key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a setting is besides its type and default: the --help group and line, and its allowed values."""
+
+    group: str
+    help: str
+    allowed: str | typing.Callable[[], str] = ""  # in words, for --help and errors; "": from the rest
+    choices: tuple[str, ...] = ()  # the only values of a text setting
+    minimum: int | None = None  # the smallest value of an integer setting
+    in_range: tuple[typing.Callable[[float], bool], str] | None = None  # a number's range (besides finite)
+    overridable: bool = False  # a resumed run may change it (--resume_override)
+
+
+def setting(default: typing.Any, group: str, help: str, **details) -> typing.Any:
+    """A TrainConfig field with its `Setting`; a list or dict default is copied for every config."""
+    metadata = {"setting": Setting(group, help, **details)}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def choice_words(choices: tuple[str, ...]) -> str:
+    """'a, b or c'."""
+    return " or ".join([", ".join(choices[:-1]), choices[-1]] if len(choices) > 1 else choices)
+
+
+def check_setting(name: str, value: typing.Any, spec: Setting) -> None:
+    """Refuse a value outside its setting's choices, minimum or range, naming the flag."""
+    if spec.choices and value not in spec.choices:
+        raise ValueError(f"--{name} {value}: choose {allowed_text(spec) or choice_words(spec.choices)}")
+    if spec.minimum is not None and value < spec.minimum:
+        wanted = "a positive integer" if spec.minimum == 1 else f"at least {spec.minimum}"
+        raise ValueError(f"--{name} {value}: must be {wanted}")
+    if spec.in_range is not None and value is not None:
+        in_range, what = spec.in_range
+        if not (math.isfinite(value) and in_range(value)):
+            raise ValueError(f"--{name} {value}: must be {what}")
+
+
+def allowed_text(spec: Setting) -> str:
+    """The setting's own words for its allowed values ('' when it has none)."""
+    return spec.allowed() if callable(spec.allowed) else spec.allowed
+
+
+def allowed_values(spec: Setting, hint: typing.Any) -> str:
+    """The allowed values of a setting of type `hint`, in words, as --help and docs/cli.md show them."""
+    if allowed_text(spec):
+        return allowed_text(spec)
+    if spec.choices:
+        return choice_words(spec.choices)
+    if spec.minimum is not None:
+        return f"an integer >= {spec.minimum}"
+    if spec.in_range is not None:
+        return spec.in_range[1].removeprefix("a ").replace("in [", "a number in [")
+    if hint is bool:
+        return "true | false (a bare --flag means true)"
+    return str(hint).replace("typing.", "") if typing.get_args(hint) else hint.__name__
+
+
+def field_types(cls) -> dict[str, typing.Any]:
+    """{field name: its type} of a config dataclass, as the flags and the YAML loader convert to."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ValueError(f"{where}: unknown key '{key}'{hint}")
+
+
+def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
+    """Turn a YAML value or command-line string into the field's type, or say what was expected."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    try:
+        if hint is dict:
+            parsed = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(parsed, dict):
+                raise ValueError
+            return parsed
+        if typing.get_origin(hint) is list:
+            # `--key a b`, `--key a,b` and YAML lists all work
+            items = [
+                part
+                for v in (value if isinstance(value, list) else [value])
+                for part in (v.split(",") if isinstance(v, str) else [v])
+                if not isinstance(part, str) or part.strip()
+            ]
+            return [_convert(v.strip() if isinstance(v, str) else v, args[0], where) for v in items]
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return hint(value)
+    except (ValueError, TypeError):
+        name = "a JSON object" if hint is dict else getattr(hint, "__name__", str(hint))
+        raise ValueError(f"{where}: expected {name}, got {value!r}") from None
+
+
+def load_yaml(path: str, types_: dict) -> dict:
+    """The settings of a --config YAML file, converted to the fields' types; unknown keys are errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {path}: file not found")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: the top level must be a mapping of key: value")
+    values = {}
+    for key, value in raw.items():
+        if key not in types_:
+            raise _unknown_key_error(key, list(types_), f"{path}")
+        values[key] = _convert(value, types_[key], f"{path}: key '{key}'")
+    return values
+
+
+def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
+    """`--key value`, `--key=value`, `--key v1 v2` for lists, bare `--flag` for booleans."""
+    config_file, values, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument '{arg}': settings are given as --key value")
+        key, _, inline = arg[2:].partition("=")
+        if key != "config" and key not in types_:
+            raise _unknown_key_error(key, ["config", *types_], "command line")
+        i += 1
+        raw: list[str] = [inline] if inline else []
+        while not inline and i < len(argv) and not argv[i].startswith("--"):
+            raw.append(argv[i])
+            i += 1
+        if key == "config":
+            if len(raw) != 1:
+                raise ValueError("--config takes exactly one YAML file")
+            config_file = raw[0]
+            continue
+        hint = types_[key]
+        if not raw:
+            if hint is not bool:
+                raise ValueError(f"--{key}: missing value")
+            values[key] = True
+            continue
+        value = raw if typing.get_origin(hint) is list or len(raw) > 1 else raw[0]
+        if len(raw) > 1 and typing.get_origin(hint) is not list:
+            raise ValueError(f"--{key}: takes one value, got {raw}")
+        values[key] = _convert(value, hint, f"--{key}")
+    return config_file, values
