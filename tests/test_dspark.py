@@ -158,4 +158,13 @@ def test_a_dspark_run_trains_resumes_exactly_exports_and_decodes_losslessly(
     report = json.loads(report_path.read_text())
     assert report["drafter"] == "dspark" and report["lossless"] and report["dflash"]["mismatches"] == 0
     assert report["dflash_sampled"]["tau"] >= 1.0
+    calibration = report["dflash"]["confidence_calibration"]
+    assert calibration[0]["position"] == 1 and all(0 <= r["predicted"] <= 1 for r in calibration)
+    assert report["dflash"]["drafts_skipped"] == 0  # no threshold: every draft verified
     assert "DSpark, this drafter" in capsys.readouterr().out
+    # a threshold above every prediction verifies no draft: one token per step, still lossless
+    argv = [*args[:-2], "--json", str(report_path), "--confidence_threshold", "1.0"]
+    assert evaluate_main(argv) == 0
+    cut = json.loads(report_path.read_text())
+    assert cut["lossless"] and cut["dflash"]["tau"] == 1.0 and cut["dflash"]["drafts_skipped"] > 0
+    assert "drafts not verified (below --confidence_threshold)" in capsys.readouterr().out

@@ -430,6 +430,11 @@ def test_bad_inputs_exit_2_with_clear_messages(target_dir, data_file, tmp_path, 
         + ["--device", "tpu"]
     )
     assert code == 2 and "use auto, cpu or cuda" in capsys.readouterr().err
+    argv = ["--target_model", str(target_dir), "--drafter", str(tmp_path / "ok"), "--data", str(data_file)]
+    assert main([*argv, "--confidence_threshold", "0.5"]) == 2
+    assert "has no confidence head (DSpark drafters" in capsys.readouterr().err
+    assert main([*argv, "--confidence_threshold", "1.5"]) == 2
+    assert "--confidence_threshold 1.5 must be in [0, 1]" in capsys.readouterr().err
 
 
 def test_check_compatibility_mask_token(target_dir):

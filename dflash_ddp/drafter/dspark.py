@@ -234,9 +234,11 @@ class DSparkDraftModel(DFlashDraftModel):
         return tokens[None], torch.cat(probs)
 
     @torch.no_grad()
-    def confidences(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    def confidences(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
         """[bs-1] predicted acceptance (sigmoid) of the drafted positions of `hidden` [1, bs, H] whose
-        previous tokens are `previous` [bs-1] (the anchor, then the drafts)."""
+        previous tokens are `previous` [bs-1] (the anchor, then the drafts); None without the head."""
+        if self.confidence_head is None:
+            return None
         return torch.sigmoid(self.confidence(hidden[0, 1:], previous))
 
 

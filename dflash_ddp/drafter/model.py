@@ -373,6 +373,11 @@ class DFlashDraftModel(PreTrainedModel):
         tokens, probs = draw_from(self.draft_logits(hidden, head))
         return tokens[None], probs
 
+    def confidences(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:
+        """The drafted positions' predicted acceptance, where the family has a confidence head (DSpark's);
+        DFlash has none."""
+        return None
+
     def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         """[block_size - 1, V] fp32 logits of the drafted positions (outputs 1.. of `hidden` [1, block_size,
         H]) as the target computes its own (its logit scale and soft-capping), for sampling."""

@@ -30,6 +30,10 @@ class DecodeResult:
     target_forwards: int  # calls of the target's forward
     accepted: list[int] = field(default_factory=list)  # tokens committed per verify step (bonus included)
     contexts: list[int] = field(default_factory=list)  # tokens before each verify step's block
+    # a drafter with a confidence head (DSpark): each drafted position the decoding reached, as (position in
+    # the block from 1, the predicted acceptance, whether it was accepted), and the drafts not verified
+    calibration: list[tuple[int, float, bool]] = field(default_factory=list)
+    drafts_skipped: int = 0
 
 
 # Context lengths (tokens before a block) that tau is reported by: (first, end or None, name)
@@ -131,11 +135,14 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     max_new_tokens: int,
     eos_token_ids: Iterable[int] = (),
     sampling: Sampling | None = None,
+    confidence_threshold: float = 0.0,
 ) -> DecodeResult:
     """Block-draft/verify decoding (batch size 1): greedy, lossless with respect to `greedy_generate`; with
     `sampling`, speculative sampling (sampling.py), lossless in distribution with respect to
     `greedy_generate(..., sampling=...)`: the drafts are drawn from the drafter's `draft_logits` and accepted
-    by the rejection rule.
+    by the rejection rule. A drafter with a confidence head (DSpark) has its drafts verified only up to the
+    first position whose predicted acceptance is below `confidence_threshold` (0: all of them), which saves
+    verify tokens and stays lossless (fewer drafts, the same rule).
 
     The target prefills the prompt; the outputs of its tapped layers at every prompt position are the first
     context. Each cycle the drafter sees the new context features (positions not yet in its cache) and the block
@@ -169,6 +176,8 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     target_cache.activate_past_recording(recurrent_states_to_keep=block_size)
     accepted: list[int] = []
     contexts: list[int] = []
+    calibration: list[tuple[int, float, bool]] = []
+    skipped = 0
     _sync(device)
     start = time.perf_counter()
     final_norm = last_layer_norm(target, layer_ids, target.config.get_text_config().num_hidden_layers)
@@ -194,9 +203,16 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
             # The cache must hold context only: the next block is written at new positions with a new anchor.
             drafter_cache.crop(-block_size)
             if sampling is None:
-                drafts = drafter.draft_tokens(hidden, head, anchor)
+                drafts, draft_probs = drafter.draft_tokens(hidden, head, anchor), None
             else:
                 drafts, draft_probs = drafter.sample_drafts(hidden, head, anchor, choose.draw_from)
+            confidence = drafter.confidences(hidden, torch.cat([anchor[0], drafts[0, :-1]]))
+            if confidence is not None and confidence_threshold > 0:
+                low = (confidence < confidence_threshold).nonzero().flatten()
+                if len(low):  # verify up to the first position predicted below the threshold
+                    skipped += drafts.shape[1] - int(low[0])
+                    drafts = drafts[:, : int(low[0])]
+                    draft_probs = None if draft_probs is None else draft_probs[: int(low[0])]
             verified = target(
                 input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True
             )
@@ -211,13 +227,22 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
             accepted.append(len(new))
             contexts.append(anchor_pos)
             tokens += new
+            if confidence is not None:  # the positions reached: every one before them was accepted
+                reached = range(min(num_ok + 1, drafts.shape[1]))
+                calibration += [(j + 1, float(confidence[j]), j < num_ok) for j in reached]
             # The anchor and the accepted drafts stay in the target cache; the bonus token is the next anchor.
-            target_cache.crop(-(block_size - num_ok - 1))
+            target_cache.crop(-(drafts.shape[1] - num_ok))
             context = torch.cat([captured[i] for i in layer_ids], dim=-1)[:, : num_ok + 1]
             context_start = anchor_pos
     _sync(device)
     return DecodeResult(
-        tokens, time.perf_counter() - start, 1 + len(accepted), accepted=accepted, contexts=contexts
+        tokens,
+        time.perf_counter() - start,
+        1 + len(accepted),
+        accepted=accepted,
+        contexts=contexts,
+        calibration=calibration,
+        drafts_skipped=skipped,
     )
 
 

@@ -186,18 +186,22 @@ def run_evaluation(
     max_new_tokens: int,
     on_prompt: Callable[[int, int], None] | None = None,
     sampling: Sampling | None = None,
+    confidence_threshold: float = 0.0,
 ) -> dict:
     """Decode every prompt with every method; return the report (see `evaluate`). With `sampling`, the
     target samples alone and with the drafters (speculative sampling), prompt i with seed `sampling.seed + i`;
-    transformers' comparisons are greedy only and left out."""
+    transformers' comparisons are greedy only and left out. `confidence_threshold`: this drafter's drafts are
+    verified up to its confidence head's first position below it (DSpark; 0: all)."""
     target, eos = setup.target, setup.eos
     block_size = setup.drafter.config.block_size
     lookup_tokens = block_size - 1  # the same largest step as the drafter: block_size tokens per verify
     if sampling is not None:
-        return _run_sampled(setup, max_new_tokens, on_prompt, sampling)
+        return _run_sampled(setup, max_new_tokens, on_prompt, sampling, confidence_threshold)
     runs: dict[str, Callable[[list[int], int], DecodeResult]] = {
         "greedy": lambda p, n: greedy_generate(target, p, n, eos),
-        "dflash": lambda p, n: speculative_generate(target, setup.drafter, p, n, eos),
+        "dflash": lambda p, n: speculative_generate(
+            target, setup.drafter, p, n, eos, None, confidence_threshold
+        ),
         "dflash_untrained": lambda p, n: speculative_generate(target, setup.untrained, p, n, eos),
         "prompt_lookup": lambda p, n: transformers_generate(
             target, p, n, eos, prompt_lookup_num_tokens=lookup_tokens
@@ -220,7 +224,9 @@ def run_evaluation(
             results[name].append(run(prompt, max_new_tokens))
         if sampled_row:
             seeded = replace(SAMPLED_ROW, seed=SAMPLED_ROW.seed + index)
-            sampled = speculative_generate(target, setup.drafter, prompt, max_new_tokens, eos, seeded)
+            sampled = speculative_generate(
+                target, setup.drafter, prompt, max_new_tokens, eos, seeded, confidence_threshold
+            )
             results.setdefault("dflash_sampled", []).append(sampled)
         truth = results["greedy"][-1].tokens
         for name in [m for m in methods(results) if m != "dflash_sampled"]:  # a sample: not token for token
@@ -234,7 +240,9 @@ def run_evaluation(
     return _summarise(results, mismatched, setup, max_new_tokens, lookup_tokens)
 
 
-def _run_sampled(setup: EvalSetup, max_new_tokens: int, on_prompt, sampling: Sampling) -> dict:
+def _run_sampled(
+    setup: EvalSetup, max_new_tokens: int, on_prompt, sampling: Sampling, threshold: float
+) -> dict:
     """`run_evaluation` at temperature > 0: each output is a sample, so there is no token-for-token check;
     speculative sampling is lossless in distribution (its test: tests/test_sampling.py)."""
     target, eos = setup.target, setup.eos
@@ -244,7 +252,10 @@ def _run_sampled(setup: EvalSetup, max_new_tokens: int, on_prompt, sampling: Sam
         seeded = replace(sampling, seed=sampling.seed + index)
         results["greedy"].append(greedy_generate(target, prompt, max_new_tokens, eos, seeded))
         for name, drafter in drafters.items():
-            results[name].append(speculative_generate(target, drafter, prompt, max_new_tokens, eos, seeded))
+            cut = threshold if name == "dflash" else 0.0
+            results[name].append(
+                speculative_generate(target, drafter, prompt, max_new_tokens, eos, seeded, cut)
+            )
         if on_prompt is not None:
             on_prompt(index + 1, len(setup.prompts))
     report = _summarise(results, [], setup, max_new_tokens, setup.drafter.config.block_size - 1)
@@ -255,6 +266,24 @@ def _run_sampled(setup: EvalSetup, max_new_tokens: int, on_prompt, sampling: Sam
         "token; transformers' comparisons run greedy only"
     )
     return report
+
+
+def confidence_calibration(runs: list[DecodeResult], block_size: int) -> list[dict]:
+    """By block position: the confidence head's mean predicted acceptance against the observed acceptance, over
+    the positions the decoding reached (every draft before them accepted)."""
+    rows = []
+    for position in range(1, block_size):
+        seen = [(p, ok) for r in runs for k, p, ok in r.calibration if k == position]
+        if seen:
+            rows.append(
+                {
+                    "position": position,
+                    "predicted": sum(p for p, _ in seen) / len(seen),
+                    "observed": sum(ok for _, ok in seen) / len(seen),
+                    "reached": len(seen),
+                }
+            )
+    return rows
 
 
 def methods(found: dict) -> list[str]:
@@ -304,6 +333,9 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
             entry["accept_histogram"] = counts  # entry k-1: verify steps that committed k tokens
             # tau by the tokens before the block (prompt and generated): where a drafter stops paying off
             entry["tau_by_context"], entry["verify_steps_by_context"] = tau_by_context(runs)
+            entry["drafts_skipped"] = sum(r.drafts_skipped for r in runs)  # below --confidence_threshold
+            if any(r.calibration for r in runs):
+                entry["confidence_calibration"] = confidence_calibration(runs, block_size)
         report[name] = entry
     report["tau"] = report["dflash"]["tau"]  # this drafter's, as the eval.jsonl records name it
     report["tau_by_context"] = report["dflash"]["tau_by_context"]
@@ -409,6 +441,19 @@ def print_report(report: dict, console=None) -> None:
             by_context.add_row(bucket, *cells)
     console.print(by_context)
 
+    calibration = report["dflash"].get("confidence_calibration")
+    if calibration or report["dflash"].get("drafts_skipped"):
+        table = Table(title="confidence head: predicted vs observed acceptance")
+        for column in ("position", "predicted", "observed", "reached"):
+            table.add_column(column, justify="right")
+        for row in calibration or []:
+            table.add_row(
+                str(row["position"]), f"{row['predicted']:.3f}", f"{row['observed']:.3f}", str(row["reached"])
+            )
+        console.print(table)
+        console.print(
+            f"{report['dflash']['drafts_skipped']} drafts not verified (below --confidence_threshold)"
+        )
     for m in report["mismatched"]:
         console.print(
             f"[bold red]{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}"
@@ -519,6 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top_p", type=float, default=1.0, help="sampling: the nucleus kept (0, 1]")
     parser.add_argument("--seed", type=int, default=0, help="sampling: prompt i draws with seed + i")
     parser.add_argument(
+        "--confidence_threshold",
+        type=float,
+        default=0.0,
+        help="a drafter with a confidence head (DSpark): verify its drafts up to the first position predicted "
+        "below this acceptance (0: all)",
+    )
+    parser.add_argument(
         "--engine", choices=("project", "vllm"), default="project", help="who decodes: this project or vLLM"
     )
     parser.add_argument("--vllm_python", help="--engine vllm: the Python of vLLM's own environment")
@@ -536,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the report to this JSON file")
     args = parser.parse_args(argv)
+    if not 0 <= args.confidence_threshold <= 1:
+        print(f"error: --confidence_threshold {args.confidence_threshold} must be in [0, 1]", file=sys.stderr)
+        return 2
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         print(
             f"error: --temperature {args.temperature} must be >= 0, --top_p {args.top_p} in (0, 1]",
@@ -557,10 +612,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.confidence_threshold and getattr(setup.drafter, "confidence_head", None) is None:
+        print(
+            f"error: --confidence_threshold {args.confidence_threshold}: the drafter {args.drafter} has no confidence "
+            "head (DSpark drafters trained with --confidence_alpha > 0 have one)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed) if args.temperature else None
         report = run_evaluation(
-            setup, args.max_new_tokens, lambda i, n: print(f"prompt {i}/{n}", file=sys.stderr), sampling
+            setup,
+            args.max_new_tokens,
+            lambda i, n: print(f"prompt {i}/{n}", file=sys.stderr),
+            sampling,
+            args.confidence_threshold,
         )
     except ValueError as e:  # a setting the drafter's family cannot decode with
         print(f"error: {e}", file=sys.stderr)
