@@ -76,6 +76,16 @@ VARIANTS = {
     "dflash2-convs-only": {**DEFAULT_OBJECTIVE, "drafter": "dflash2", "selector_loss_alpha": 0.0},
     "dflash2-selector-only": {**DEFAULT_OBJECTIVE, "drafter": "dflash2", "conv_kernel_size": 1},
     "dflash2-pe3": {**DEFAULT_OBJECTIVE, **POLAR_EXPRESS_3, "drafter": "dflash2"},
+    # DSpark on today's default objective: its own loss (the reference's 0.1 CE + 0.9 L1 against the
+    # target's top 64 + 1.0 confidence BCE) with D-PACE's position weights, rank-256 Markov head
+    "dspark": {**DEFAULT_OBJECTIVE, "drafter": "dspark", "target_topk": 64},
+    "dspark-gated": {
+        **DEFAULT_OBJECTIVE,
+        "drafter": "dspark",
+        "target_topk": 64,
+        "markov_head_type": "gated",
+    },
+    "dspark-rnn": {**DEFAULT_OBJECTIVE, "drafter": "dspark", "target_topk": 64, "markov_head_type": "rnn"},
 }
 # The embedded default's shape and batches (the README's run) for both targets, at the learning rate every
 # variant was first measured with (a variant that changes it names the change).
@@ -160,6 +170,9 @@ def run_one(out: Path, target: str, paths: dict, variant: str, seed: int, budget
         "variant": variant,
         "seed": seed,
         "tau": report["dflash"]["tau"],
+        # by block position: verify steps that committed k tokens; the confidence head's calibration (DSpark)
+        "accept_histogram": report["dflash"]["accept_histogram"],
+        "confidence_calibration": report["dflash"].get("confidence_calibration"),
         "lossless": report["lossless"],
         "prompts": report["num_prompts"],
         "train_s": int(trained.group(1)) if trained else None,
