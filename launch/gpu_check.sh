@@ -25,6 +25,8 @@
 #   dflash2_window    the embedded default as a DFlash2 drafter (dynamic convolutions, candidate selector)
 #                     with a 64-token sliding window in layer 0 (full attention in layer 1), flex, 40 steps,
 #                     then its evaluation (the selector's walk and the windowed cache in real decoding)
+#   dspark            the embedded default as a DSpark drafter (Markov head, confidence head, the target's top
+#                     64 sent with the features), flex, 40 steps, then its evaluation (the walk, the calibration)
 #   plan_long_context --plan of the next step
 #   long_context      32K-token conversations (480 joined rows each) on the embedded target: the target
 #                     prefilled in pieces of 8192 sharing a KV cache, a 2048-token window in both drafter
@@ -36,6 +38,7 @@
 #                     with the drafter and one without): lossless and vLLM's tau beside this project's
 #   vllm_dflash2      the dflash2_window run (DFlash2, a sliding-window layer) exported and served by vLLM:
 #                     its V2 runner on the GPU (the CPU build refuses it, as the dry run shows)
+#   vllm_dspark       the dspark run exported and served by vLLM (`"method": "dspark"`, V2 runner)
 #   vllm_regenerate   the regenerate step's prompts through a vLLM server (`regenerate --engine vllm`)
 # The flex steps run with TORCH_LOGS=recompiles (the summary counts the recompiles); the compile caches
 # (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) live in OUT/compile_cache and are removed at the end unless
@@ -337,6 +340,11 @@ EOF
 step dflash2_window "$L_D2" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" \
   "${DATA[@]}" --drafter dflash2 --sliding_window 64 --sliding_layers 0 --attention "$FLEX" \
   --max_steps "$STEPS" --logging_steps "$LOG_STEPS" "${EVAL[@]}" --output_dir "$OUT/dflash2_window"
+# 7b. DSpark on the device: the Markov and confidence heads under bf16 autocast, the target's top-k through
+#     the colocated path, and its evaluation (the left-to-right walk, the confidence calibration)
+step dspark "$L_D2" env TORCH_LOGS=recompiles "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" \
+  "${DATA[@]}" --drafter dspark --target_topk 64 --attention "$FLEX" \
+  --max_steps "$STEPS" --logging_steps "$LOG_STEPS" "${EVAL[@]}" --output_dir "$OUT/dspark"
 # 8. long context: predicted peak, then measured (prefill pieces, windowed flex masks over 32K keys)
 LONG+=(--target_model embedded --data "$OUT/long_context.jsonl" --attention "$FLEX" --eval_data "")
 step plan_long_context "$L_PLAN" "$PYTHON" -u -m dflash_ddp.train "${COMMON[@]}" "${LONG[@]}" --plan \
@@ -359,9 +367,10 @@ if [ -n "${VLLM_PYTHON:-}" ]; then
         --target_model "$ASSETS/tiny_qwen3" --drafter "$OUT/$name.export" --data "$ASSETS/data/heldout_regenerated.jsonl" \
         --num_prompts "${EVAL[1]}" --max_new_tokens "${EVAL[3]}" --device "$DEVICE" --json "$OUT/$name/eval.json"
   }
-  mkdir -p "$OUT/vllm_dflash" "$OUT/vllm_dflash2"
+  mkdir -p "$OUT/vllm_dflash" "$OUT/vllm_dflash2" "$OUT/vllm_dspark"
   serve vllm_dflash "$OUT/colocated_flex"
   serve vllm_dflash2 "$OUT/dflash2_window"  # on the CPU build: one line with vLLM's refusal, exit 2
+  serve vllm_dspark "$OUT/dspark"  # likewise
   step vllm_regenerate "$L_VLLM" "$PYTHON" -u -m dflash_ddp.regenerate --engine vllm --vllm_python "$VLLM_PYTHON" \
     --target_model "$ASSETS/tiny_qwen3" --data "$OUT/prompts.jsonl" --out "$OUT/regenerated_vllm.jsonl" \
     --max_new_tokens "${REGEN[1]}"

@@ -18,6 +18,7 @@ STEPS = [
     "large",
     "split_gloo",
     "dflash2_window",
+    "dspark",
     "plan_long_context",
     "long_context",
     "colocated_sparse",
@@ -90,6 +91,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "s_per_step=" in summary["colocated_flex"] and "lossless=True" in summary["colocated_flex"]
     assert re.search(r"plan_gib=\d", summary["large"]) and "recompiles=0" in summary["large"]
     assert "lossless=True" in summary["dflash2_window"] and "recompiles=0" in summary["dflash2_window"]
+    assert "lossless=True" in summary["dspark"] and "recompiles=0" in summary["dspark"]
     assert re.search(r"peak_gib=\d.*plan_gib=\d", summary["long_context"]), summary["long_context"]
     text = (out / "summary.txt").read_text()
     assert "0 step(s) failed" in text

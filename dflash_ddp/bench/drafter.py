@@ -20,7 +20,7 @@ from dflash_ddp.config import EMBEDDED_TARGET
 from dflash_ddp.data.batch import Batch
 from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.drafter.config import DFlashDraftConfig, default_target_layer_ids, drafter_config_for
-from dflash_ddp.drafter.memory import drafter_memory
+from dflash_ddp.drafter.memory import DrafterLoad, drafter_memory
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
 from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.target_model.head import SharedTargetHead
@@ -73,19 +73,19 @@ def run_point(point: dict) -> dict:
     anchors = min(point["anchors"], point["seq_len"] - point["seq_len"] // 8 - 1)  # response positions
     positions = min(point["chunk_tokens"], point["sequences"] * anchors * 16)
     tokens = point["sequences"] * point["seq_len"]
-    plan = drafter_memory(
-        config,
-        0,
-        0,
-        positions,
-        tokens,
-        point["seq_len"],
-        1024,
-        point["attention"],
-        4,
-        0,
-        drafter.gradient_checkpointing,
+    load = DrafterLoad(
+        num_params=0,
+        optimizer_state=0,
+        chunk_tokens=positions,
+        tokens_per_batch=tokens,
+        max_seq_len=point["seq_len"],
+        loss_chunk_size=1024,
+        attention=point["attention"],
+        dtype_bytes=4,
+        received_batches=0,
+        checkpointing=drafter.gradient_checkpointing,
     )
+    plan = drafter_memory(config, load)
     # weights and the head exist before `before`; gradients and AdamW moments only after the first step
     head_part = plan.parts["target embedding+LM head"]
     predicted = plan.total - head_part + sum(p.numel() for p in drafter.parameters()) * 12

@@ -4,7 +4,7 @@ block size) and the decisions that derive it from the target before anything tra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from transformers import PretrainedConfig
@@ -19,62 +19,52 @@ class DFlashDraftConfig(PretrainedConfig):
 
     model_type = "dflash_draft"
     family = "dflash"  # the --drafter value (families.py)
-    run_settings: tuple[str, ...] = ()  # the family's own fields, set by the run's settings of those names
-    serving_fields: tuple[str, ...] = ()  # the family's own fields of the serving config's dflash_config
-    serving_top_level = False  # whether the engines read those fields at the config's top level too
-    top_level_serving: tuple[tuple[str, object], ...] = ()  # (name, value) constants read at the top level
+    run_settings: ClassVar[
+        tuple[str, ...]
+    ] = ()  # the family's own fields, set by the run's settings of those names
+    serving_fields: ClassVar[
+        tuple[str, ...]
+    ] = ()  # the family's own fields of the serving config's dflash_config
+    serving_top_level: ClassVar[bool] = (
+        False  # whether the engines read those fields at the config's top level too
+    )
+    top_level_serving: ClassVar[
+        tuple[tuple[str, object], ...]
+    ] = ()  # (name, value) constants read at the top level
 
-    def __init__(  # noqa: PLR0913 - a transformers config: its fields are keyword arguments
-        self,
-        vocab_size: int = 151936,
-        hidden_size: int = 4096,
-        intermediate_size: int = 12288,
-        num_hidden_layers: int = 5,
-        num_attention_heads: int = 32,
-        num_key_value_heads: int = 8,
-        head_dim: int = 128,
-        hidden_act: str = "silu",
-        rms_norm_eps: float = 1e-6,
-        max_position_embeddings: int = 40960,
-        rope_parameters: dict | None = None,
-        initializer_range: float = 0.02,
-        num_target_layers: int = 36,
-        target_layer_ids: Sequence[int] = (1, 9, 17, 25, 33),
-        mask_token_id: int = 151669,
-        block_size: int = 16,
-        layer_types: Sequence[str] | None = None,
-        sliding_window: int | None = None,
-        input_embedding_scale: float = 1.0,
-        final_logit_softcapping: float | None = None,
-        logit_scale: float = 1.0,
-        **kwargs,
-    ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim
-        self.hidden_act = hidden_act
-        self.rms_norm_eps = rms_norm_eps
-        self.max_position_embeddings = max_position_embeddings
-        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 1000000.0})
-        self.initializer_range = initializer_range
-        self.num_target_layers = num_target_layers
-        self.target_layer_ids = list(target_layer_ids)
-        self.mask_token_id = mask_token_id
-        self.block_size = block_size
-        # per layer "full_attention" or "sliding_attention" (z-lab's and the engines' names), and the window
-        self.layer_types = list(layer_types) if layer_types else ["full_attention"] * num_hidden_layers
-        self.sliding_window = sliding_window
-        # the target's conventions, which the drafter computes with: its embedding's row scale (Gemma's
-        # sqrt(hidden), Falcon-H1's multiplier), the soft-capping of its logits (None: none) and their scale
-        self.input_embedding_scale = input_embedding_scale
-        self.final_logit_softcapping = final_logit_softcapping
-        self.logit_scale = logit_scale
-        kwargs.setdefault("tie_word_embeddings", False)
-        super().__init__(**kwargs)
+    # the fields (a transformers 5 config is a dataclass: each one a keyword argument with its default)
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 5
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    rope_parameters: dict | None = None  # None: plain RoPE, theta 1e6
+    initializer_range: float = 0.02
+    num_target_layers: int = 36
+    target_layer_ids: list[int] | tuple[int, ...] = (1, 9, 17, 25, 33)
+    mask_token_id: int = 151669
+    block_size: int = 16
+    # per layer "full_attention" or "sliding_attention" (z-lab's and the engines' names; None: all full),
+    # and the window
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    # the target's conventions, which the drafter computes with: its embedding's row scale (Gemma's
+    # sqrt(hidden), Falcon-H1's multiplier), the soft-capping of its logits (None: none) and their scale
+    input_embedding_scale: float = 1.0
+    final_logit_softcapping: float | None = None
+    logit_scale: float = 1.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        self.rope_parameters = dict(self.rope_parameters or {"rope_type": "default", "rope_theta": 1000000.0})
+        self.target_layer_ids = list(self.target_layer_ids)
+        self.layer_types = list(self.layer_types) if self.layer_types else [FULL] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
 
     @classmethod
     def run_values(cls, run) -> dict:

@@ -40,21 +40,11 @@ class DFlash2DraftConfig(DFlashDraftConfig):
     # multiplier at 1 (the target's soft-capping, a field of every family, is the target's own)
     serving_fields = (*run_settings, "output_multiplier")
 
-    def __init__(  # noqa: PLR0913 - a transformers config: its fields are keyword arguments
-        self,
-        conv_kernel_size: int = 2,
-        conv_group_size: int = 16,
-        selector_rank: int = 256,
-        selector_top_k: int = 16,
-        output_multiplier: float = 1.0,
-        **kwargs,
-    ):
-        self.conv_kernel_size = conv_kernel_size
-        self.conv_group_size = conv_group_size
-        self.selector_rank = selector_rank
-        self.selector_top_k = selector_top_k
-        self.output_multiplier = output_multiplier
-        super().__init__(**kwargs)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
 
     def shape_errors(self) -> list[str]:
         """What makes this shape unservable, each naming the setting to change (empty when it is sound)."""

@@ -51,19 +51,10 @@ class DSparkDraftConfig(DFlashDraftConfig):
     serving_top_level = True
     top_level_serving = (("sample_from_anchor", False),)
 
-    def __init__(
-        self,
-        markov_rank: int = 256,
-        markov_head_type: str = "vanilla",
-        confidence_head_with_markov: bool = True,
-        enable_confidence_head: bool = True,
-        **kwargs,
-    ):
-        self.markov_rank = markov_rank
-        self.markov_head_type = markov_head_type
-        self.confidence_head_with_markov = confidence_head_with_markov
-        self.enable_confidence_head = enable_confidence_head
-        super().__init__(**kwargs)
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    confidence_head_with_markov: bool = True
+    enable_confidence_head: bool = True
 
     @classmethod
     def run_values(cls, run) -> dict:

@@ -7,6 +7,8 @@ optimizer's state, and the target's frozen embedding and LM head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dflash_ddp.drafter.attention import WORKSPACE_BYTES
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import MLP_ROWS
@@ -38,21 +40,26 @@ def backward_per_position(c: DFlashDraftConfig) -> int:
     return 4 * c.hidden_size + 4 * q_width + 6 * kv_width
 
 
-def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each one named
-    c: DFlashDraftConfig,
-    num_params: int,
-    optimizer_state: int,
-    chunk_tokens: int,
-    tokens_per_batch: int,
-    max_seq_len: int,
-    loss_chunk_size: int,
-    attention: str,
-    dtype_bytes: int,
-    received_batches: int,
-    checkpointing: bool = False,
-) -> MemoryPlan:
+@dataclass(frozen=True)
+class DrafterLoad:
+    """What a drafter rank holds and works on, besides the drafter's shape: the sizes `drafter_memory` reads."""
+
+    num_params: int
+    optimizer_state: int  # bytes of the optimizer's state (`optimizer_state_bytes`)
+    chunk_tokens: int  # draft positions of one chunk
+    tokens_per_batch: int
+    max_seq_len: int
+    loss_chunk_size: int
+    attention: str  # dense | sparse | flex
+    dtype_bytes: int
+    received_batches: (
+        int  # feature batches held at once (split: up to --max_inflight arrive while one trains)
+    )
+    checkpointing: bool = False
+
+
+def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
     """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features.
-    `optimizer_state`: bytes of the optimizer's state (`optimizer_state_bytes`).
 
     A chunk's tensors peak in one of two moments, whichever holds more: at the loss (every layer's saved
     tensors and the loss's logits chunks) or inside the backward of the last layer (the other layers'
@@ -63,15 +70,18 @@ def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each 
     With per-layer gradient checkpointing the layers keep only their inputs, and one layer's activations
     exist again while its backward recomputes them."""
     width = len(c.target_layer_ids) * c.hidden_size
-    positions = chunk_tokens
+    positions, max_seq_len, dtype_bytes = load.chunk_tokens, load.max_seq_len, load.dtype_bytes
+    tokens_per_batch, loss_chunk_size = load.tokens_per_batch, load.loss_chunk_size
     # a chunk's padded context is bounded like its positions, except that one sequence longer than a chunk
     # is a chunk of its own with its whole context (long-context runs)
-    context = min(max(chunk_tokens, max_seq_len), tokens_per_batch)
+    context = min(max(positions, max_seq_len), tokens_per_batch)
     per_layer = positions * saved_per_position(c) + context * saved_per_context_token(c)
     # once per chunk: the features, fc's output, the block embeddings, the final norm and the loss's copy
     once = context * (width + c.hidden_size) + positions * 3 * c.hidden_size
     last_input = positions * c.hidden_size
-    if checkpointing:  # every layer's input, and the last one recomputed in full (not measured: generous)
+    if (
+        load.checkpointing
+    ):  # every layer's input, and the last one recomputed in full (not measured: generous)
         shared, last_rest = c.num_hidden_layers * last_input + per_layer, 0
     else:
         shared, last_rest = (c.num_hidden_layers - 1) * per_layer + last_input, per_layer - last_input
@@ -81,23 +91,24 @@ def drafter_memory(  # noqa: PLR0913 - the sizes the memory formula reads, each 
     backward += 5 * MLP_ROWS * c.intermediate_size * 4
     loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
     loss_ws += c.extra_loss_bytes(min(loss_chunk_size, positions), dtype_bytes)
-    if attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
+    if load.attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
         # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
         # scores and their softmax per head
         per_entry = 8 * c.num_attention_heads if dtype_bytes == 2 else 10
         attention_ws = per_entry * positions * (max_seq_len + positions)
-    elif attention == "sparse":
+    elif load.attention == "sparse":
         attention_ws = 3 * WORKSPACE_BYTES
     else:  # flex: tiles in on-chip memory; the BlockMask is small
         attention_ws = 0
-    # lookup tables (DFlash2's codebooks): fp32 weights and gradients and AdamW's two moments, shown apart
+    # lookup tables (DFlash2's codebooks, DSpark's Markov tables): fp32 weights and gradients and AdamW's two
+    # moments, shown apart
     tables = c.lookup_table_params() * 16
     return MemoryPlan(
         {
-            "weights+grads+optimizer": num_params * 8 + optimizer_state - tables,
+            "weights+grads+optimizer": load.num_params * 8 + load.optimizer_state - tables,
             **({"selector codebooks": tables} if tables else {}),
             "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
-            "received features": received_batches * tokens_per_batch * width * dtype_bytes,
+            "received features": load.received_batches * tokens_per_batch * width * dtype_bytes,
             "activations": activations,
             "backward or loss": max(backward, last_rest * dtype_bytes + loss_ws),
             "attention workspace": attention_ws,

@@ -55,7 +55,9 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, soft, settings, reweight, top_k):  # noqa: PLR0913 - autograd passes inputs positionally
+    def forward(ctx, hidden, head_weight, labels, weights, soft, scoring):
+        """`scoring`: (the LossSettings, the reweighting map or None, how many best tokens to return)."""
+        settings, reweight, top_k = scoring
         chunk, loss, ce_weight = settings.chunk_rows, settings.loss, settings.ce_weight
         scale, cap = settings.logit_scale, settings.logit_softcap
         soft_ids, soft_probs = soft if soft is not None else (None, None)
@@ -105,7 +107,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                 grad_logits = grad_logits * ctx.scale
             scale = (weights[rows] * grad_loss)[:, None]
             grad_hidden[rows] = ((grad_logits * scale).to(h.dtype) @ head_weight).to(hidden.dtype)
-        return grad_hidden, *([None] * 7)
+        return grad_hidden, *([None] * 5)
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -126,7 +128,7 @@ def chunked_weighted_ce(
     ("kl" or "tv", with `settings.ce_weight` of the hard label's CE mixed in). `reweight`, when given, maps
     the rows' detached label CE and argmax-correct flags to the weights used instead of `weights`."""
     loss_sum, correct, _, _ = _ChunkedLMHeadCE.apply(
-        hidden, head_weight, labels, weights, soft, settings, reweight, 0
+        hidden, head_weight, labels, weights, soft, (settings, reweight, 0)
     )
     return loss_sum, correct
 
@@ -214,7 +216,7 @@ def scored_rows(
         soft = tuple(t.flatten(0, 2)[flat_idx] for t in (inputs.soft_ids, inputs.soft_probs))
     labels = inputs.labels.flatten()[flat_idx]
     loss_sum, correct, weights, candidates = _ChunkedLMHeadCE.apply(
-        hidden, head_weight, labels, inputs.weights.flatten()[flat_idx], soft, settings, reweight, top_k
+        hidden, head_weight, labels, inputs.weights.flatten()[flat_idx], soft, (settings, reweight, top_k)
     )
     return ScoredRows(hidden, flat_idx, labels, weights, correct, candidates, loss_sum)
 

@@ -14,7 +14,7 @@ import torch
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig, resolve_attention
 from dflash_ddp.drafter.families import build_model
-from dflash_ddp.drafter.memory import drafter_memory
+from dflash_ddp.drafter.memory import DrafterLoad, drafter_memory
 from dflash_ddp.drafter.optimizer import optimizer_state_bytes
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
@@ -78,20 +78,20 @@ def plan_memory(
     positions = min(cfg.drafter_chunk_tokens, c.block_size * min(batch_tokens, cfg.num_anchors * rows))
 
     def drafter(checkpointing: bool) -> MemoryPlan:
-        return drafter_memory(
-            c,
-            params,
-            optimizer_state,
-            positions,
-            batch_tokens,
-            cfg.max_seq_len,
-            cfg.loss_chunk_size,
-            resolve_attention(cfg.attention, device),
-            dtype_bytes,
+        load = DrafterLoad(
+            num_params=params,
+            optimizer_state=optimizer_state,
+            chunk_tokens=positions,
+            tokens_per_batch=batch_tokens,
+            max_seq_len=cfg.max_seq_len,
+            loss_chunk_size=cfg.loss_chunk_size,
+            attention=resolve_attention(cfg.attention, device),
+            dtype_bytes=dtype_bytes,
             # split: up to --max_inflight batches arrive while one trains
             received_batches=1 if topology.colocated else 1 + cfg.max_inflight,
             checkpointing=checkpointing,
         )
+        return drafter_memory(c, load)
 
     layers = layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)
     load = TargetLoad(
