@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ddp.engines import EngineClient, EngineServer
 from dflash_ddp.evaluate import main as evaluate_main
 from dflash_ddp.evaluation.engine import engine_evaluation
 from dflash_ddp.export import main as export_main
-from dflash_ddp.serving.engine import EngineClient, EngineServer
 from dflash_ddp.train import main as train_main
 
 ASSETS = Path(__file__).parent.parent / "dflash_ddp" / "assets"

@@ -10,6 +10,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflash_ddp"
 # Entry modules at the top (train.py and the thin `python -m dflash_ddp.X` modules) may import anything.
 FLOORS = [
     "files",
+    "settings",
+    "engines",
     "hub",
     "data",
     "parallel",
@@ -20,6 +22,7 @@ FLOORS = [
     "serving",
     "evaluation",
     "observe",
+    "setting_checks",
     "config",
     "setup",
     "roles",

@@ -19,11 +19,11 @@ import torch
 
 from dflash_ddp.config import EMBEDDED_PRESET
 from dflash_ddp.data.chat_template import load_target_tokenizer
+from dflash_ddp.engines import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.evaluation.engine import engine_evaluation
 from dflash_ddp.evaluation.evaluate import load_prompts, prepare_evaluation, run_evaluation
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.regeneration.regenerate import RegenerateConfig, regenerate
-from dflash_ddp.serving.engine import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.serving.export import load_drafter
 from dflash_ddp.target_model.loading import eos_token_ids
 

@@ -161,7 +161,7 @@ def resolve_target_layer_ids(info: TargetInfo, requested: list[int] | None) -> l
     return ids
 
 
-def drafter_config_for(  # noqa: PLR0913 - the run's choices a drafter's shape reads, each one named
+def drafter_config_for(
     info: TargetInfo,
     num_layers: int,
     target_layer_ids: list[int],

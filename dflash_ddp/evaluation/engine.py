@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from dflash_ddp.serving.engine import EngineClient, SamplingRequest
+from dflash_ddp.engines import EngineClient, SamplingRequest
 
 
 def _decode(client: EngineClient, prompts, max_new_tokens: int, sampling: SamplingRequest):

@@ -34,8 +34,8 @@ from dflash_ddp.data.chat_template import json_object, load_target_tokenizer, ro
 from dflash_ddp.data.sources import read_conversations
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel
+from dflash_ddp.engines import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.evaluation.decoding import (
-    CONTEXT_BUCKETS,
     DecodeResult,
     as_transformers_assistant,
     greedy_generate,
@@ -45,15 +45,14 @@ from dflash_ddp.evaluation.decoding import (
     untrained_drafter,
 )
 from dflash_ddp.evaluation.engine import engine_evaluation
+from dflash_ddp.evaluation.report import METHOD_LABELS, family_label, methods, print_report
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.hub import resolve_data
 from dflash_ddp.parallel.topology import resolve_device
-from dflash_ddp.serving.engine import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.serving.export import load_drafter
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 
-METHODS = ("dflash", "dflash_sampled", "dflash_untrained", "prompt_lookup", "transformers_dflash")
 # the greedy evaluation's row at temperature 1.0: this drafter with speculative sampling, prompt i seeded with
 # SAMPLED_ROW.seed + i (lossless in distribution, so not compared token for token)
 SAMPLED_ROW = Sampling(temperature=1.0, top_p=1.0, seed=0)
@@ -79,16 +78,6 @@ def transformers_note(config) -> str | None:
     if config.family != "dflash":
         return NO_TRANSFORMERS_ROW.format(family_label(config.family))
     return NO_TRANSFORMERS_WINDOW if config.slides else None
-
-
-METHOD_LABELS = {
-    "greedy": "greedy (baseline)",
-    "dflash": "DFlash, this drafter",
-    "dflash_sampled": "DFlash, this drafter, T=1.0",
-    "dflash_untrained": "DFlash, untrained drafter",
-    "prompt_lookup": "prompt lookup (transformers)",
-    "transformers_dflash": "DFlash in transformers generate",
-}
 
 
 def check_compatibility(config: DFlashDraftConfig, info: TargetInfo) -> None:
@@ -286,11 +275,6 @@ def confidence_calibration(runs: list[DecodeResult], block_size: int) -> list[di
     return rows
 
 
-def methods(found: dict) -> list[str]:
-    """The METHODS that `found` (decoding results, or a report) has, in METHODS' order."""
-    return [name for name in METHODS if name in found]
-
-
 def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, lookup_tokens: int) -> dict:
     block_size = setup.drafter.config.block_size
     family = setup.drafter.config.family
@@ -376,105 +360,6 @@ def evaluate(
         target_dir, drafter, data_path, num_prompts, device, chat_template, template_kwargs
     )
     return run_evaluation(setup, max_new_tokens)
-
-
-def print_report(report: dict, console=None) -> None:
-    """The report as rich tables: methods (tau, speed, lossless) and the accepted-length histogram."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    family = report.get("drafter", "dflash")
-    table = Table(
-        title=(
-            f"{family_label(family)} evaluation: {report['num_prompts']} prompts, max_new_tokens {report['max_new_tokens']}, "
-            f"block_size {report['block_size']}, {report['device']} {report['dtype']}"
-        )
-    )
-    for column in ("method", "tau", "tokens/s", "speedup", "equals greedy"):
-        table.add_column(column, justify="left" if column == "method" else "right")
-    sampled = report["lossless"] is None
-    baseline = "target alone, sampled" if sampled else METHOD_LABELS["greedy"]
-    table.add_row(baseline, "1.00", f"{report['greedy']['tokens_per_s']:.1f}", "1.00x", "-")
-    for name in methods(report):
-        entry = report[name]
-        ok = report["num_prompts"] - entry["mismatches"]
-        verdict = f"{ok}/{report['num_prompts']}" + ("" if entry["mismatches"] == 0 else " MISMATCH")
-        verdict = "in distribution" if sampled or name == "dflash_sampled" else verdict
-        table.add_row(
-            method_label(name, family),
-            "-" if entry["tau"] is None else f"{entry['tau']:.2f}",
-            f"{entry['tokens_per_s']:.1f}",
-            f"{entry['speedup']:.2f}x",
-            verdict,
-            style=None if entry["mismatches"] == 0 else "bold red",
-        )
-    console.print(table)
-    for note in report.get("notes", []):
-        console.print(note)
-
-    histogram = Table(title="tokens committed per verify step (bonus included)")
-    histogram.add_column("accepted", justify="right")
-    for name in ("dflash", "dflash_untrained"):
-        histogram.add_column(method_label(name, family), justify="right")
-    totals = {name: max(1, sum(report[name]["accept_histogram"])) for name in ("dflash", "dflash_untrained")}
-    for length in range(1, report["block_size"] + 1):
-        cells = []
-        for name in ("dflash", "dflash_untrained"):
-            count = report[name]["accept_histogram"][length - 1]
-            cells.append(f"{count} ({100 * count / totals[name]:.1f}%)")
-        histogram.add_row(str(length), *cells)
-    console.print(histogram)
-
-    by_context = Table(title="tau by tokens of context before the block (prompt and generated)")
-    by_context.add_column("context", justify="right")
-    for name in ("dflash", "dflash_untrained"):
-        by_context.add_column(f"{method_label(name, family)}: tau (verify steps)", justify="right")
-    for _, _, bucket in CONTEXT_BUCKETS:
-        cells = [
-            f"{report[n]['tau_by_context'][bucket]:.2f} ({report[n]['verify_steps_by_context'][bucket]})"
-            if bucket in report[n].get("tau_by_context", {})
-            else "-"
-            for n in ("dflash", "dflash_untrained")
-        ]
-        if cells != ["-", "-"]:
-            by_context.add_row(bucket, *cells)
-    console.print(by_context)
-
-    calibration = report["dflash"].get("confidence_calibration")
-    if calibration or report["dflash"].get("drafts_skipped"):
-        table = Table(title="confidence head: predicted vs observed acceptance")
-        for column in ("position", "predicted", "observed", "reached"):
-            table.add_column(column, justify="right")
-        for row in calibration or []:
-            table.add_row(
-                str(row["position"]), f"{row['predicted']:.3f}", f"{row['observed']:.3f}", str(row["reached"])
-            )
-        console.print(table)
-        console.print(
-            f"{report['dflash']['drafts_skipped']} drafts not verified (below --confidence_threshold)"
-        )
-    for m in report["mismatched"]:
-        console.print(
-            f"[bold red]{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}"
-        )
-    if report["lossless"] is not None:  # None: sampled, lossless in distribution (said in the notes)
-        console.print(
-            "lossless: every output of this project's decoding equals greedy"
-            if report["lossless"]
-            else "[bold red]NOT lossless"
-        )
-
-
-def family_label(family: str) -> str:
-    """A drafter family's name as people write it (dflash2 -> DFlash2, dspark -> DSpark)."""
-    return family.replace("dflash", "DFlash").replace("dspark", "DSpark")
-
-
-def method_label(name: str, family: str) -> str:
-    """The table's label of method `name` for a drafter of `family` (the drafter's rows say its family)."""
-    label = METHOD_LABELS[name]
-    return label if name == "transformers_dflash" else label.replace("DFlash,", f"{family_label(family)},")
 
 
 def _positive_int(text: str) -> int:

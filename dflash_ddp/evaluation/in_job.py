@@ -13,7 +13,8 @@ import torch
 
 from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
-from dflash_ddp.evaluation.evaluate import evaluate, print_report
+from dflash_ddp.evaluation.evaluate import evaluate
+from dflash_ddp.evaluation.report import print_report
 from dflash_ddp.evaluation.watch import LOG_FILE, start_in_job
 
 

@@ -67,6 +67,7 @@ from transformers import logging as hf_logging
 
 from dflash_ddp.data.chat_template import check_template_kwargs, json_object, load_target_tokenizer
 from dflash_ddp.data.sources import BadRow, DataStats, data_file_contents, data_files, read_conversations
+from dflash_ddp.engines import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.files import file_sha256
 from dflash_ddp.hub import ModelSource, hub_dataset_name
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
@@ -74,7 +75,6 @@ from dflash_ddp.parallel.topology import env_world, resolve_device
 from dflash_ddp.regeneration.parts import PartWriter, Summary, index_parts, locked, merge, start_parts
 from dflash_ddp.regeneration.served import ServedSettings, served_records, served_row_work
 from dflash_ddp.regeneration.turns import Answer, ChatTurns, Row, plan_row, regenerate_batch, seed_of
-from dflash_ddp.serving.engine import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.target_model.info import inspect_target
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm
 

@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable, Iterator
 
 from dflash_ddp.data.sources import BadRow
+from dflash_ddp.engines import EngineClient, SamplingRequest
 from dflash_ddp.regeneration.turns import Answer, ChatTurns, Row, regenerate_batch, seed_of
-from dflash_ddp.serving.engine import EngineClient, SamplingRequest
 
 MAX_RECORDS_PER_WRITE = 256  # finished rows made durable together (one fsync), at most
 

@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_ddp.tools.make_tiny_target import log, save_target, write_jsonl
+from dflash_ddp.tools.make_tiny_target import save_target, write_jsonl
+from dflash_ddp.tools.tiny_corpus import log
 
 SOURCE = Path("dflash_ddp/assets")
 LAST_TURN_ROOM = 400  # tokens kept free for a held-out conversation's last turn (a turn is about 160)
