@@ -65,6 +65,7 @@ class FakeServer(BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_server():
     FakeServer.delay, FakeServer.fail, FakeServer.max_model_len, FakeServer.requests = 0.0, 0, 4096, []
+    ThreadingHTTPServer.request_queue_size = 256  # many requests in flight: none refused at connect
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -195,7 +196,7 @@ def test_a_failing_server_stops_the_run_with_one_line_and_keeps_the_rows(
 ):
     FakeServer.fail = 500
     out = tmp_path / "out.jsonl"
-    assert rg.main(argv(tiny_target, chat_data, out, fake_server)) == 1
+    assert rg.main(argv(tiny_target, chat_data, out, fake_server, requests_in_flight=2)) == 1
     err = capsys.readouterr().err
     assert f"the server at {fake_server} failed (HTTP 500)" in err and "engine core died" in err
     FakeServer.fail = 0
