@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -379,9 +380,15 @@ def engine_main(args) -> int:
         tokenizer = load_target_tokenizer(info.path, args.chat_template)
         prompts = load_prompts(tokenizer, args.data, args.num_prompts, args.chat_template_kwargs)
         drafter = Path(args.drafter).resolve()
-        block_size = load_drafter(drafter).config.block_size
-        method = "dspark" if load_drafter(drafter).config.family == "dspark" else "dflash"
-        speculative = {"method": method, "model": str(drafter), "num_speculative_tokens": block_size - 1}
+        config = load_drafter(drafter).config
+        method = (
+            "dspark" if config.family == "dspark" else "dflash"
+        )  # DFlash2: vLLM's dflash, by architecture
+        speculative = {
+            "method": method,
+            "model": str(drafter),
+            "num_speculative_tokens": config.block_size - 1,
+        }
         speculative["draft_sample_method"] = args.draft_sampling
         sampling = SamplingRequest(
             args.temperature,
@@ -390,13 +397,14 @@ def engine_main(args) -> int:
             stop_token_ids=tuple(eos_token_ids(tokenizer, info.path)),
         )
         with contextlib.ExitStack() as servers:
-            if args.engine_url:
-                urls = args.engine_url
-            else:  # fp32 on CPU as the project's own evaluation there; the engine's choice on GPUs
+            urls = list(args.engine_url or [])
+            if not urls:  # fp32 on CPU as the project's own evaluation there; the engine's choice on GPUs
                 target, python = str(info.path), args.vllm_python
                 dtype = "float32" if resolve_device(args.device).type == "cpu" else "auto"
-                urls = [servers.enter_context(EngineServer(python, target, speculative, dtype)).url]
-                urls.append(servers.enter_context(EngineServer(python, target, None, dtype)).url)
+                extra = tuple(shlex.split(args.vllm_args))
+                for spec in (speculative, None):
+                    server = EngineServer(python, target, spec, dtype, extra_args=extra)
+                    urls.append(servers.enter_context(server).url)
             clients = [EngineClient(url) for url in urls]
             reference = None
             if len(clients) == 1 and not args.temperature:  # the project's own greedy decoding of the target
@@ -459,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         "--engine", choices=("project", "vllm"), default="project", help="who decodes: this project or vLLM"
     )
     parser.add_argument("--vllm_python", help="--engine vllm: the Python of vLLM's own environment")
+    parser.add_argument(
+        "--vllm_args",
+        default="",
+        help="--engine vllm: the servers' own flags, e.g. '--tensor-parallel-size 8'",
+    )
     parser.add_argument(
         "--draft_sampling",
         choices=("greedy", "probabilistic"),
