@@ -149,6 +149,7 @@ class OracleDrafter(nn.Module):
         self.wrong_at = wrong_at
 
     draft_tokens = DFlashDraftModel.draft_tokens  # each position's argmax under the LM head
+    confidences = DFlashDraftModel.confidences  # none: it has no confidence head
 
     def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None):
         anchor_pos = int(position_ids[0, -BLOCK])

@@ -70,6 +70,9 @@ class NearbyDrafter:
             self.logits[self.anchor] = 0.5 * logits + torch.linspace(0, 2, logits.shape[0])
         return self.logits[self.anchor].expand(self.config.block_size - 1, -1)
 
+    def confidences(self, hidden, previous):
+        return None  # no confidence head
+
     def sample_drafts(self, hidden, head, anchor, draw_from):
         tokens, probs = draw_from(self.draft_logits(hidden, head))
         return tokens[None], probs

@@ -150,6 +150,9 @@ class OracleDrafter:
         self.anchor_pos = int(position_ids[0, -1]) - self.config.block_size + 1
         return SimpleNamespace(last_hidden_state=noise_embeds)
 
+    def confidences(self, hidden, previous):
+        return None  # no confidence head
+
     def draft_tokens(self, hidden, head, anchor):
         first = self.anchor_pos - self.prompt_len + 1  # index in `greedy` of the first drafted token
         drafts = (self.greedy + [0] * 8)[first : first + self.config.block_size - 1]

@@ -154,7 +154,8 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     outputs of the committed verified positions (anchor and accepted drafts) become the next new context.
 
     `drafter` is called as transformers' DFlash candidate generator calls it and needs `config.block_size`,
-    `config.mask_token_id`, `config.target_layer_ids` and `draft_tokens` (DFlashDraftModel's). Returns the
+    `config.mask_token_id`, `config.target_layer_ids`, `draft_tokens`, `confidences` and, to sample,
+    `sample_drafts` (DFlashDraftModel's). Returns the
     generated tokens, the number of tokens committed by each verify step (bonus included, cut at EOS /
     max_new_tokens like the tokens), the tokens of context before each step's block, and wall time.
     """
