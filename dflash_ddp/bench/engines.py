@@ -24,7 +24,6 @@ from dflash_ddp.evaluation.engine import engine_evaluation
 from dflash_ddp.evaluation.evaluate import load_prompts, prepare_evaluation, run_evaluation
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.regeneration.regenerate import RegenerateConfig, regenerate
-from dflash_ddp.serving.export import load_drafter
 from dflash_ddp.target_model.loading import eos_token_ids
 
 TEMPERATURES = (0.0, 0.6, 1.0)
@@ -44,7 +43,7 @@ def bench_engine_tau(drafter: str, vllm_python: str, num_prompts: int, max_new_t
     prompts = load_prompts(tokenizer, HELDOUT, num_prompts)
     eos = tuple(eos_token_ids(tokenizer, target))
     speculative = {"method": "dflash", "model": str(Path(drafter).resolve())}
-    speculative["num_speculative_tokens"] = load_drafter(Path(drafter)).config.block_size - 1
+    speculative["num_speculative_tokens"] = setup.drafter.config.block_size - 1  # the drafter loaded once
     theirs: dict[str, dict[float, float]] = {}
     for method in ("greedy", "probabilistic"):
         spec = {**speculative, "draft_sample_method": method}
