@@ -238,8 +238,12 @@ try:
 except Exception as error:  # noqa: BLE001 - any import failure is the answer
     fail(f"import torch: {error}")
 version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-if version < (2, 13):
-    fail(f"torch {torch.__version__}: this project needs torch>=2.13 (flex attention with mixed q/k/v dtypes)")
+older = version < (2, 13)
+if older and os.environ.get("ALLOW_OLDER_TORCH") != "1":
+    fail(
+        f"torch {torch.__version__}: this project needs torch>=2.13 (flex attention with mixed q/k/v dtypes); "
+        "ALLOW_OLDER_TORCH=1 runs the check anyway on an image whose torch cannot be changed"
+    )
 try:
     import transformers
 except Exception as error:  # noqa: BLE001
@@ -252,6 +256,8 @@ compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 if not compiler:
     fail("no C compiler (cc/gcc) on PATH: Triton and torch.compile need one; install build-essential")
 parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"transformers {transformers.__version__}"]
+if older:
+    parts[0] += " OLDER than the 2.13 this project is tested with (ALLOW_OLDER_TORCH=1)"
 parts.append(f"compiler {compiler}")
 if device == "cuda":
     if not torch.cuda.is_available():
