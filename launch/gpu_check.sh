@@ -4,6 +4,8 @@
 #   launch/gpu_check.sh                # on the GPU; everything lands in ${OUT:-gpu_check}/
 #   launch/gpu_check.sh --dry-run      # the same steps on the CPU with tiny sizes (= DEVICE=cpu; tested;
 #                                      # the flex steps use --attention dense: no flex backward on a CPU)
+#   ONLY=split_gloo,dspark launch/gpu_check.sh   # the preflight and the steps named (a rerun of some)
+#   ALLOW_OLDER_TORCH=1 launch/gpu_check.sh       # on an image whose torch is older than 2.13
 # Steps, each under `timeout` and within what is left of the budget, each with its own log:
 #   preflight         versions, device, free memory, a C compiler, a tiny torch.compile; stops the run
 #                     with one line when something is missing (about 20 s on a GPU)
@@ -196,6 +198,10 @@ EOF
 step() {  # name, limit in seconds, command...: run under timeout, keep its log, summarize, go on
   local name=$1 limit=$2
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    note "$(printf '%-18s' "$name")exit=not-asked(ONLY) seconds=0"
+    return 0
+  fi
   local left=$((BUDGET_S - (SECONDS - START)))
   [ "$limit" -le "$left" ] || limit=$left
   if [ "$limit" -lt 5 ]; then

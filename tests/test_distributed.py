@@ -351,6 +351,16 @@ def test_ranks_share_a_gpu_only_through_the_gloo_channel(monkeypatch):
     with pytest.raises(ValueError, match="local rank 1: this node has 1 GPU.*--channel_backend gloo"):
         topology.select_device("cuda", 1)
     assert topology.select_device("cuda", 1, share_gpus=True) == torch.device("cuda", 0)
+    # the run's set-up picks its device (for the memory plan) the same way, before any process group
+    from dflash_ddp.config import parse_config
+    from dflash_ddp.setup.plan import run_device
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    shared, _ = parse_config(["--device", "cuda", "--channel_backend", "gloo", "--drafter_ranks", "1"])
+    assert run_device(shared) == torch.device("cuda", 0)
+    nccl, _ = parse_config(["--device", "cuda", "--drafter_ranks", "1"])
+    with pytest.raises(ValueError, match="local rank 1"):
+        run_device(nccl)
 
 
 def test_the_channel_header_travels_as_named_fields():

@@ -5,6 +5,7 @@ The central property: greedy speculative decoding is lossless, whatever the draf
 
 from __future__ import annotations
 
+import copy
 import json
 import string
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from dflash_ddp.evaluation.decoding import (
     untrained_drafter,
 )
 from dflash_ddp.evaluation.evaluate import check_compatibility, evaluate
+from dflash_ddp.evaluation.ties import logit_gap, tie_tolerance
 from dflash_ddp.serving.export import load_drafter, save_drafter
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers
 from dflash_ddp.target_model.info import inspect_target
@@ -354,6 +356,27 @@ def test_evaluate_report(target_dir, data_file, fitted):
     assert sampled["tau"] >= 1.0 and sampled["mismatches"] == 0 and sampled["verify_steps"] > 0
     again = evaluate(target_dir, fitted, data_file, num_prompts=2, max_new_tokens=18, device="cpu")
     assert again["dflash_sampled"]["tokens"] == sampled["tokens"]  # seeded: the same samples each time
+
+
+def test_a_difference_at_a_near_tie_of_the_targets_logits_is_told_apart_from_a_real_one(target):
+    """A bf16 target flips its argmax where two tokens are closer than bf16 resolves (a batched verify rounds
+    otherwise than one-token steps): such a difference is the target's own; any other is a loss."""
+    prompt = random_prompts(1, seed=3)[0]
+    greedy = greedy_generate(target, prompt, 6).tokens
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([prompt + greedy[:2]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    real = logit_gap(target, prompt, greedy, greedy[:2] + [second])
+    assert real["logit_gap"] > real["tolerance"] > 0 and not real["near_tie"]
+    tied = copy.deepcopy(target)  # the same two tokens, equally likely: the head gives them one row
+    with torch.no_grad():
+        tied.lm_head.weight[second] = tied.lm_head.weight[greedy[2]]
+    tie = logit_gap(tied, prompt, greedy, greedy[:2] + [second])
+    assert tie["near_tie"] and tie["logit_gap"] == 0
+    assert logit_gap(target, prompt, greedy, greedy[:4]) is None  # an output that ends early is never a tie
+    # bf16 resolves logits near 20 to 1/8 (4 ulps: 0.5); float32 to 2**-19 per ulp
+    assert tie_tolerance(20.0, torch.bfloat16) == 0.5
+    assert tie_tolerance(20.0, torch.float32) == 4 * 2.0**-19
 
 
 def test_tau_by_context_buckets_each_verify_step_by_the_tokens_before_its_block():

@@ -8,6 +8,7 @@ from dflash_ddp.evaluation.decoding import CONTEXT_BUCKETS
 
 METHODS = ("dflash", "dflash_sampled", "dflash_untrained", "prompt_lookup", "transformers_dflash")
 
+OWN_DECODING = ("dflash", "dflash_untrained")  # this project's decoder; the others are transformers'
 
 METHOD_LABELS = {
     "greedy": "greedy (baseline)",
@@ -101,15 +102,25 @@ def print_report(report: dict, console=None) -> None:
             f"{report['dflash']['drafts_skipped']} drafts not verified (below --confidence_threshold)"
         )
     for m in report["mismatched"]:
-        console.print(
-            f"[bold red]{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}"
-        )
+        where = f"{m['method']} differs from greedy on {m['prompt']} at token {m['first_difference']}"
+        if "logit_gap" in m:
+            tie = "a near tie" if m["near_tie"] else "not a tie"
+            where += (
+                f" ({tie}: the target's logits {m['logit_gap']:.3g} apart, tolerance {m['tolerance']:.3g})"
+            )
+        console.print(where if m["near_tie"] else f"[bold red]{where}")
     if report["lossless"] is not None:  # None: sampled, lossless in distribution (said in the notes)
-        console.print(
-            "lossless: every output of this project's decoding equals greedy"
-            if report["lossless"]
-            else "[bold red]NOT lossless"
+        ties = sum(
+            m["near_tie"] for m in report["mismatched"] if m["method"] in ("dflash", "dflash_untrained")
         )
+        if not report["lossless"]:
+            console.print("[bold red]NOT lossless")
+        elif ties:
+            console.print(
+                f"lossless up to the target's rounding: {ties} output(s) leave greedy's at a near tie"
+            )
+        else:
+            console.print("lossless: every output of this project's decoding equals greedy")
 
 
 def family_label(family: str) -> str:

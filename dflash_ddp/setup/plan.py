@@ -23,8 +23,9 @@ from dflash_ddp.target_model.memory import TargetLoad, target_memory
 
 
 def run_device(cfg: TrainConfig) -> torch.device:
-    """The device this rank will train on (before any process group exists)."""
-    return select_device(cfg.device, env_world()[2])
+    """The device this rank will train on (before any process group exists); as `init_distributed` picks it,
+    so a channel through host memory lets ranks share a GPU here too."""
+    return select_device(cfg.device, env_world()[2], share_gpus=cfg.channel_backend == "gloo")
 
 
 def drafter_sizes(config: DFlashDraftConfig, optimizer: str) -> tuple[int, int]:
