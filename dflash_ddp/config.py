@@ -20,7 +20,7 @@ from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, OPTIMIZERS, 
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
-from dflash_ddp.setting_checks import check_family, check_loss, check_sliding
+from dflash_ddp.setting_checks import check_family, check_init_from, check_loss, check_sliding
 from dflash_ddp.settings import check_setting, field_types, load_yaml, parse_flags, setting
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -77,13 +77,15 @@ class TrainConfig:
     target_layer_ids: list[int] | None = setting(
         None,
         "model",
-        "target layers whose outputs the drafter reads; unset: the paper's spread over the target's depth",
+        "target layers whose outputs the drafter reads; unset: the paper's spread over the target's depth "
+        "(with --init_from: the source drafter's)",
         allowed="layer ids, increasing, comma- or space-separated",
     )
     mask_token_id: int | None = setting(
         None,
         "model",
-        "token id filling the drafted positions of a block; unset: the tokenizer's mask token",
+        "token id filling the drafted positions of a block; unset: the tokenizer's mask token (with "
+        "--init_from: the source drafter's)",
         allowed="a token id >= 0 with an embedding row",
     )
     block_size: int = setting(
@@ -109,6 +111,27 @@ class TrainConfig:
         "inside the block and a candidate selector that drafts each position given the one before it; "
         "dspark adds a Markov head (a bias from the previous token) and a confidence head (needs --target_topk)",
         choices=tuple(FAMILIES),
+    )
+    init_from: str = setting(
+        "",
+        "model",
+        "start the drafter from an existing one: an export, a checkpoint or run directory of this project "
+        "(weights only), or a DFlash/DFlash2/DSpark drafter in the serving layout; optimizer, schedule, step "
+        "and data order start fresh. Another --drafter grows the source (new parts start as a no-op) or drops "
+        "its extra parts",
+        allowed="a directory, org/name[@revision] (through the hub cache), or empty: random weights",
+    )
+    init_from_other_target: bool = setting(
+        False,
+        "model",
+        "with --init_from: accept a source drafter trained for another target (its stamp names it)",
+    )
+    init_layers_map: list[int] | None = setting(
+        None,
+        "model",
+        "with --init_from: for each drafter layer, the source layer it starts from (e.g. 0 1 2 3 4 4 grows 5 "
+        "layers into 6); unset: the same layers, and --num_draft_layers must be the source's",
+        allowed="source layer ids, one per drafter layer",
     )
     conv_kernel_size: int = setting(
         2,
@@ -471,6 +494,7 @@ class TrainConfig:
                 )
         check_family(self)
         check_sliding(self)
+        check_init_from(self)
         if self.calibrate and not self.plan:
             raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
         if self.channel_backend == "nccl" and self.device == "cpu":

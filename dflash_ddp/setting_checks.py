@@ -80,3 +80,19 @@ def check_loss(cfg) -> None:
         raise ValueError(
             f"--ce_weight {cfg.ce_weight} mixes the token's CE into --loss kl or tv; --loss ce is that CE alone"
         )
+
+
+def check_init_from(cfg) -> None:
+    """--init_from's companions need it, and a layers map names one source layer per drafter layer."""
+    if not cfg.init_from:
+        for name in ("init_from_other_target", "init_layers_map"):
+            if getattr(cfg, name):
+                raise ValueError(
+                    f"--{name} {getattr(cfg, name)} goes with --init_from: pass the drafter to start from"
+                )
+        return
+    if cfg.init_layers_map is not None and len(cfg.init_layers_map) != cfg.num_draft_layers:
+        raise ValueError(
+            f"--init_layers_map {cfg.init_layers_map} names {len(cfg.init_layers_map)} source layers, and "
+            f"--num_draft_layers is {cfg.num_draft_layers}: name one source layer for each drafter layer"
+        )

@@ -127,6 +127,13 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
         raise ValueError(f"{where}: expected {name}, got {value!r}") from None
 
 
+def _is_list(hint: typing.Any) -> bool:
+    """Whether a field of type `hint` holds a list (`list[int]` or `list[int] | None`)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_list(a) for a in typing.get_args(hint))
+    return typing.get_origin(hint) is list
+
+
 def load_yaml(path: str, types_: dict) -> dict:
     """The settings of a --config YAML file, converted to the fields' types; unknown keys are errors."""
     p = Path(path)
@@ -167,13 +174,14 @@ def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
             config_file = raw[0]
             continue
         hint = types_[key]
+        listed = _is_list(hint)
         if not raw:
             if hint is not bool:
                 raise ValueError(f"--{key}: missing value")
             values[key] = True
             continue
-        value = raw if typing.get_origin(hint) is list or len(raw) > 1 else raw[0]
-        if len(raw) > 1 and typing.get_origin(hint) is not list:
+        value = raw if listed or len(raw) > 1 else raw[0]
+        if len(raw) > 1 and not listed:
             raise ValueError(f"--{key}: takes one value, got {raw}")
         values[key] = _convert(value, hint, f"--{key}")
     return config_file, values

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.plan and not leader and not group_calibration:
             return 0
         setup = prepare(cfg, topology)
+        if setup.warm_start and leader:
+            print("\n".join(setup.warm_start.lines()))
         if cfg.plan:
             if leader:
                 print_plan(cfg, setup, topology)

@@ -19,6 +19,14 @@ def test_cli_overrides_yaml_which_overrides_defaults(tmp_path):
     assert config.num_anchors == 512  # paper default untouched
 
 
+def test_a_list_setting_that_may_be_unset_takes_space_separated_values_as_help_says():
+    flags = ["--target_layer_ids", "1", "5", "9", "--sliding_layers", "0", "1", "--sliding_window", "64"]
+    config, _ = parse_config(flags)
+    assert config.target_layer_ids == [1, 5, 9] and config.sliding_layers == [0, 1]
+    with pytest.raises(ValueError, match="--block_size: takes one value"):
+        parse_config(["--block_size", "8", "16"])
+
+
 def test_no_target_uses_the_embedded_preset():
     config, embedded = parse_config(["--max_steps", "5"])
     assert embedded and config.target_model == EMBEDDED_PRESET["target_model"] and config.max_steps == 5

@@ -19,6 +19,11 @@ FAMILIES: dict[str, tuple[type[DFlashDraftConfig], type[DFlashDraftModel]]] = {
 }
 
 
+# other names of the same layouts: vLLM registers a DSpark drafter of a Qwen3 target as Qwen3DSparkModel,
+# the name the reference's published drafters carry
+ARCHITECTURE_ALIASES = {"Qwen3DSparkModel": "dspark"}
+
+
 def model_class(config: DFlashDraftConfig) -> type[DFlashDraftModel]:
     """The model class of a drafter config."""
     return FAMILIES[config.family][1]
@@ -37,6 +42,7 @@ def architecture(config: DFlashDraftConfig) -> str:
 def config_class_for(architectures: list[str] | None, where: str) -> type[DFlashDraftConfig]:
     """The config class of a serving config whose `architectures` is given (absent: DFlash)."""
     known = {model.__name__: config for config, model in FAMILIES.values()}
+    known |= {alias: FAMILIES[family][0] for alias, family in ARCHITECTURE_ALIASES.items()}
     name = (architectures or ["DFlashDraftModel"])[0]
     if name not in known:
         raise ValueError(

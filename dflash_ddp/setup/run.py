@@ -36,6 +36,13 @@ from dflash_ddp.setup.plan import (
     plan_memory,
     run_device,
 )
+from dflash_ddp.setup.warm_start import (
+    WarmStart,
+    check_source_target,
+    find_source,
+    plan_warm_start,
+    source_taps_and_mask,
+)
 from dflash_ddp.target_model.info import (
     TargetInfo,
     inspect_target,
@@ -55,6 +62,7 @@ class RunSetup:
     tokenizer: object
     drafter_config: DFlashDraftConfig
     memory: RunMemory  # predicted peaks, whether they fit, and whether the drafter checkpoints its layers
+    warm_start: WarmStart | None = None  # --init_from: the drafter to start from, checked against this run
 
 
 def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
@@ -77,8 +85,10 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     check_tensor_parallel(source.path, topology.tp_size)
     info = inspect_target(source.path)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
-    taps = resolve_target_layer_ids(info, cfg.target_layer_ids)
-    mask_id = resolve_mask_token_id(tokenizer, info, cfg.mask_token_id)
+    source_drafter = find_source(cfg.init_from, together) if cfg.init_from else None
+    requested_taps, requested_mask = source_taps_and_mask(cfg, source_drafter)
+    taps = resolve_target_layer_ids(info, requested_taps)
+    mask_id = resolve_mask_token_id(tokenizer, info, requested_mask)
     config_class = FAMILIES[cfg.drafter][0]
     drafter_config = drafter_config_for(
         info,
@@ -90,6 +100,7 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         config_class.run_values(cfg),
         (cfg.sliding_window, cfg.sliding_layers),
     )
+    warm = plan_warm_start(cfg, info, drafter_config, source_drafter) if source_drafter else None
     if cfg.target_topk > info.vocab_size:
         raise ValueError(
             f"--target_topk {cfg.target_topk} is more than the target's {info.vocab_size} tokens "
@@ -103,8 +114,10 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         info = dataclasses.replace(
             info, path=fetch_target_weights(source, run_layers, view_root, together=together)
         )
+    if warm and (not cfg.plan or cfg.calibrate or source.repo_id is None):  # the target's files are here
+        check_source_target(cfg, warm, info.path, source.commit)
     memory = plan_memory(cfg, info, drafter_config, topology, device, plan_gpu_bytes(cfg))
-    return RunSetup(source, info, tokenizer, drafter_config, memory)
+    return RunSetup(source, info, tokenizer, drafter_config, memory, warm)
 
 
 def plan_gpu_bytes(cfg: TrainConfig) -> int | None:
@@ -195,6 +208,7 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topo
             "data": data.fingerprint(),
         },
         "drafter": to_zlab_config(setup.drafter_config),
+        "init_from": setup.warm_start.record() if setup.warm_start else None,
     }
 
 

@@ -12,6 +12,7 @@ from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSe
 from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.parallel.topology import compute_dtype
 from dflash_ddp.setup.run import RunSetup
+from dflash_ddp.setup.warm_start import load_warm_start
 from dflash_ddp.target_model.head import SharedTargetHead
 
 
@@ -21,6 +22,8 @@ def build_trainer(
     """A freshly initialised drafter with the target's shared head, the optimizer and the schedule."""
     head = SharedTargetHead.from_target(setup.info).to(device=device, dtype=compute_dtype(device))
     drafter = build_drafter(setup.drafter_config, cfg.seed, device)
+    if setup.warm_start:  # --init_from (a resumed run's checkpoint then replaces these weights)
+        load_warm_start(drafter, setup.warm_start)
     drafter.gradient_checkpointing = setup.memory.checkpointing
     settings = step_settings(cfg, resolve_attention(cfg.attention, device))
     return DrafterTrainer(drafter, head, settings, optimizer_settings(cfg, total_steps), group)
