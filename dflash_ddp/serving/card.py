@@ -68,6 +68,24 @@ def convention_lines(dflash: dict) -> list[str]:
     return lines
 
 
+def init_from_lines(record: dict | None) -> list[str]:
+    """Where the drafter started (--init_from): the source, its digest, what was new or dropped."""
+    if not record:
+        return []
+    at = f" at commit `{record['commit']}`" if record.get("commit") else ""
+    line = (
+        f"- started from `{record['source']}`{at} ({record['kind']}, {record['family']}, model.safetensors "
+        f"sha256 `{record['sha256']}`)"
+    )
+    if record.get("new"):
+        line += "; new parts, at a start that drafts as the source: " + ", ".join(
+            f"`{n}`" for n in record["new"]
+        )
+    if record.get("dropped"):
+        line += "; the source's parts dropped: " + ", ".join(f"`{n}`" for n in record["dropped"])
+    return [line]
+
+
 def target_type(stamp: dict) -> str:
     """`, model type X (checkpoint class Y)` of the target as the stamp records it (empty before it did)."""
     if not stamp.get("target_model_type"):
@@ -273,6 +291,7 @@ def model_card(
             + f" (fingerprint `{fingerprints.get('target')}`)",
             f"- data: {', '.join(f'`{d}`' for d in cfg.get('data', []))} (fingerprint `{fingerprints.get('data')}`), "
             f"chat template arguments {json.dumps(cfg.get('chat_template_kwargs', {}))}",
+            *init_from_lines(state.get("init_from")),
             f"- {state.get('global_step')} optimizer steps (epoch {state.get('epoch', '?')}), "
             f"{state.get('tokens_seen', 0):,} tokens seen",
             f"- objective: {scored_against(cfg)} at each block position after randomly drawn anchors on response "

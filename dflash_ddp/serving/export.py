@@ -170,6 +170,7 @@ def training_stamp(
             "chat_template_kwargs": cfg["chat_template_kwargs"],
             "target_model": target_model or cfg["target_model"],
             "target_commit": fingerprints.get("target_commit"),  # absent before hub names: a local target
+            "init_from": state.get("init_from"),  # the drafter it started from (--init_from), or None
         }
         data = cfg["data"]
     except KeyError as e:

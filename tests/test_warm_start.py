@@ -1,0 +1,217 @@
+"""--init_from: a run's drafter starts from an existing one (an export, a checkpoint, a serving-layout drafter,
+a hub name), checked against the run before any target loads, and grown into another family so that step 0
+drafts exactly as the source."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import constants
+from safetensors.torch import load_file, save_file
+
+from dflash_ddp.config import EMBEDDED_PRESET, EMBEDDED_TARGET, parse_config
+from dflash_ddp.evaluation.decoding import as_transformers_assistant, speculative_generate
+from dflash_ddp.evaluation.evaluate import prepare_evaluation
+from dflash_ddp.parallel.topology import Topology
+from dflash_ddp.serving.export import load_drafter, save_drafter
+from dflash_ddp.setup.run import prepare
+from dflash_ddp.setup.trainer import build_trainer
+
+from helpers import torchrun_cmd
+
+TIMEOUT_S = 600  # only catches a hang
+SHORT = ["--max_steps", "6", "--save_steps", "6", "--logging_steps", "1", "--eval_data", ""]
+HELDOUT = EMBEDDED_PRESET["eval_data"]
+
+
+def train(args: list[str], out: Path, nproc: int = 0) -> subprocess.CompletedProcess:
+    """The real CLI (one process, or torchrun with `nproc` processes), one thread per process."""
+    head = (
+        [*torchrun_cmd(nproc), "-m", "dflash_ddp.train"]
+        if nproc
+        else [sys.executable, "-m", "dflash_ddp.train"]
+    )
+    done = subprocess.run(
+        [*head, *SHORT, "--output_dir", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def export(run: Path, out: Path) -> Path:
+    cmd = [sys.executable, "-m", "dflash_ddp.export", str(run), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """An export of the embedded default after 6 steps."""
+    root = tmp_path_factory.mktemp("source")
+    train([], root / "run")
+    return export(root / "run", root / "export")
+
+
+def run_setup(flags: list[str], out: Path):
+    """The run's set-up (settings, target config, drafter config, --init_from's checks) as train builds it."""
+    cfg, _ = parse_config([*flags, "--output_dir", str(out), "--eval_data", ""])
+    return cfg, prepare(cfg, Topology(1, 0, cfg.drafter_ranks, cfg.target_tp_size))
+
+
+def refusal(flags: list[str], out: Path) -> str:
+    with pytest.raises(ValueError) as caught:
+        run_setup(flags, out)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_step_0_drafts_exactly_as_the_source_in_every_family(source, tmp_path, family):
+    """The drafter a run builds from an export (the trainer's own code path, before any step) decodes the same
+    tokens with the same accepted lengths as the export itself; grown into DFlash2 or DSpark as well."""
+    flags = ["--init_from", str(source), "--drafter", family]
+    flags += ["--target_topk", "16"] if family == "dspark" else []
+    cfg, setup = run_setup(flags, tmp_path / "run")
+    grown = build_trainer(cfg, setup, torch.device("cpu"), total_steps=6).drafter.eval()
+    evaluation = prepare_evaluation(EMBEDDED_TARGET, source, HELDOUT, 3, "cpu")
+    target, mine = evaluation.target, as_transformers_assistant(grown, evaluation.target)
+    for _, prompt in evaluation.prompts:
+        theirs = speculative_generate(target, evaluation.drafter, prompt, 40, evaluation.eos)
+        ours = speculative_generate(target, mine, prompt, 40, evaluation.eos)
+        assert ours.tokens == theirs.tokens and ours.accepted == theirs.accepted
+    assert max(theirs.accepted) > 1  # the source drafts something worth comparing
+    if family == "dflash":
+        exported = load_drafter(source).state_dict()
+        assert all(torch.equal(v, exported[k]) for k, v in grown.state_dict().items() if k in exported)
+
+
+def edited(source: Path, tmp_path: Path, **fields) -> Path:
+    """A copy of the export with config.json fields replaced."""
+    copy = tmp_path / "edited"
+    shutil.copytree(source, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(fields)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("fields", "flags", "expected"),
+    [
+        ({"hidden_size": 128}, [], "its hidden_size 128 is not the target's 256"),
+        ({"vocab_size": 99}, [], "its vocab_size 99 is not the target's"),
+        ({"num_target_layers": 12}, [], "it reads a target of 12 layers, this run's target has 8"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10.0}},
+            [],
+            "its RoPE .* is not the target's",
+        ),
+        ({"intermediate_size": 64}, [], "its intermediate_size 64 is not this run's"),
+        (
+            {},
+            ["--block_size", "16"],
+            "its block size is 8, this run's --block_size is 16; pass --block_size 8",
+        ),
+        ({}, ["--num_draft_layers", "3"], "it has 2 layers.*pass --num_draft_layers 2, or --init_layers_map"),
+        ({}, ["--target_layer_ids", "1", "2"], "target_layer_ids .* leave --target_layer_ids unset"),
+        ({}, ["--mask_token_id", "5"], "mask_token_id 3, this run asks for 5"),
+        ({}, ["--init_layers_map", "0", "7"], r"\[7\] are not layers of the source \(0..1\)"),
+        (
+            {},
+            ["--sliding_window", "64"],
+            "its layers attend as .* pass --sliding_window and --sliding_layers",
+        ),
+        (
+            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 8},
+            ["--drafter", "dspark", "--target_topk", "16"],
+            "its markov_rank is 8, this run's --markov_rank is 256; pass --markov_rank 8",
+        ),
+    ],
+)
+def test_every_mismatch_is_one_line_before_any_target_loads(source, tmp_path, fields, flags, expected):
+    drafter = edited(source, tmp_path, **fields) if fields else source
+    message = refusal(["--init_from", str(drafter), *flags], tmp_path / "run")
+    assert message.startswith(("--init_from", "--init_layers_map")), message
+    assert re.search(expected, message), message
+
+
+def test_a_drafter_of_another_target_is_refused_unless_asked(source, tmp_path):
+    """The same shapes, other weights: the stamp's fingerprint tells them apart."""
+    target = tmp_path / "retrained"
+    shutil.copytree(EMBEDDED_TARGET, target)
+    weights = load_file(target / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    flags = ["--target_model", str(target), "--data", EMBEDDED_PRESET["data"][0], "--init_from", str(source)]
+    flags += ["--num_draft_layers", "2", "--block_size", "8"]
+    message = refusal(flags, tmp_path / "run")
+    assert "it was trained for the target" in message and "--init_from_other_target true" in message
+    _, setup = run_setup([*flags, "--init_from_other_target", "true"], tmp_path / "run")
+    assert setup.warm_start is not None
+
+
+def test_a_hub_name_is_read_from_the_hub_cache_offline(source, tmp_path, monkeypatch):
+    folder = tmp_path / "hub" / "models--org--drafter"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("c" * 40)
+    shutil.copytree(source, folder / "snapshots" / ("c" * 40))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    _, setup = run_setup(["--init_from", "org/drafter"], tmp_path / "run")
+    record = setup.warm_start.record()
+    assert record["source"] == "org/drafter" and record["commit"] == "c" * 40 and record["path"] is None
+    message = refusal(["--init_from", "org/missing"], tmp_path / "run")
+    assert "--init_from org/missing" in message and "HF_HUB_OFFLINE=1" in message
+
+
+def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(source, tmp_path):
+    """1 target + 1 drafter rank through torchrun: the drafter rank starts from the export (its first loss far
+    below a start from random weights), and the checkpoint, the export's stamp and its model card name the
+    source and its digest; DSpark grown from it says what is new, and back to DFlash what is dropped."""
+    done = train(["--init_from", str(source)], tmp_path / "tuned", nproc=2)
+    assert "starting the drafter from" in done.stdout
+    scratch = json.loads((source.parent / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    tuned = json.loads((tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()[0])
+    assert tuned["step"] == scratch["step"] == 1 and tuned["loss"] < 0.8 * scratch["loss"]
+    digest = hashlib.sha256((source / "model.safetensors").read_bytes()).hexdigest()
+    state = json.loads(
+        next((tmp_path / "tuned" / "checkpoints").glob("step-*/trainer_state.json")).read_text()
+    )
+    assert state["init_from"]["sha256"] == digest and state["init_from"]["kind"] == "export"
+    assert state["config"]["init_from"] == str(source)
+    out = export(tmp_path / "tuned", tmp_path / "tuned_export")
+    assert json.loads((out / "config.json").read_text())["dflash_ddp"]["init_from"]["sha256"] == digest
+    assert f"started from `{source}`" in (out / "README.md").read_text()
+    # growing and trimming families, as --plan shows them (the same lines start a training run)
+    grown = train(
+        ["--init_from", str(source), "--drafter", "dspark", "--target_topk", "16", "--plan"], tmp_path / "p"
+    )
+    assert "new, at a start that drafts as the source: markov_head.markov_w1.weight" in grown.stdout
+    cfg, setup = run_setup(
+        ["--init_from", str(source), "--drafter", "dspark", "--target_topk", "16"], tmp_path / "d"
+    )
+    save_drafter(build_trainer(cfg, setup, torch.device("cpu"), 6).drafter, tmp_path / "dspark")  # no stamp
+    trimmed = train(["--init_from", str(tmp_path / "dspark"), "--plan"], tmp_path / "p")
+    assert (
+        "(serving layout, dspark, 2 layers)" in trimmed.stdout and "checked by shape only" in trimmed.stdout
+    )
+    dropped = next(
+        line for line in trimmed.stdout.splitlines() if "dropped (the run's drafter has no place" in line
+    )
+    assert "markov_head.markov_w1.weight" in dropped and "confidence_head.proj.weight" in dropped
