@@ -10,6 +10,8 @@ cores, resumable).
 `python -m dflash_ddp.bench --method [--quick] [--jobs 2] [--method_out DIR]`: the objective variants at equal
 budget on two targets, by real tau over 3 seeds (method.py; about an hour on 2 cores, resumable).
 
+`python -m dflash_ddp.bench --only warm_start [--quick] [--jobs 2] [--warm_out DIR]`: a drafter fine-tuned on a
+second domain (`--init_from`) against training from scratch there (warm_start.py; resumable).
 `python -m dflash_ddp.bench --only engine_tau,regeneration --vllm_python PATH [--drafter EXPORT]`: vLLM beside
 this project: tau at temperatures 0 / 0.6 / 1.0 in both decoders, and regeneration's rows/s through
 transformers and through vLLM (engines.py; minutes, vLLM's own environment needed)."""
@@ -33,6 +35,7 @@ from dflash_ddp.bench.long_plan import bench_long_plan
 from dflash_ddp.bench.method import TARGETS, VARIANTS, bench_method
 from dflash_ddp.bench.speed import bench_plain_loop
 from dflash_ddp.bench.step_cost import bench_step_cost
+from dflash_ddp.bench.warm_start import bench_warm_start
 
 SECTIONS = {
     "channel": lambda args: bench_channel(),
@@ -60,6 +63,7 @@ SECTIONS = {
         [t.strip() for t in args.targets.split(",")],
         [v.strip() for v in args.variants.split(",")],
     ),
+    "warm_start": lambda args: bench_warm_start(Path(args.warm_out), args.quick, args.jobs),
     "engine_tau": lambda args: bench_engine_tau(
         args.drafter, needs_vllm(args), args.engine_prompts, args.engine_tokens
     ),
@@ -126,6 +130,10 @@ def main() -> None:
     method.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated of {', '.join(VARIANTS)}"
     )
+    warm = parser.add_argument_group(
+        "--only warm_start (fine-tuning a drafter on a second domain; --quick, --jobs)"
+    )
+    warm.add_argument("--warm_out", default="runs/bench-warm-start", help="domain B, runs and results")
     engines = parser.add_argument_group("--only engine_tau,regeneration (vLLM beside this project)")
     engines.add_argument("--vllm_python", default="", help="the Python of vLLM's own environment")
     engines.add_argument(
