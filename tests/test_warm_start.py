@@ -122,6 +122,7 @@ def edited(source: Path, tmp_path: Path, **fields) -> Path:
             "its RoPE .* is not the target's",
         ),
         ({"intermediate_size": 64}, [], "its intermediate_size 64 is not this run's"),
+        ({"draft_vocab_size": 64}, [], "its draft vocabulary is pruned to 64 of the target's"),
         (
             {},
             ["--block_size", "16"],

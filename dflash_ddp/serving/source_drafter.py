@@ -80,6 +80,13 @@ def locate_source_drafter(name: str, commit: str | None = None) -> SourceDrafter
                 f"{WEIGHTS} (an export, a checkpoint, or a serving-layout drafter)"
             )
     data = read_json(path, "config.json")
+    pruned = data.get("draft_vocab_size")
+    if pruned is not None and pruned != data.get("vocab_size"):
+        raise ValueError(
+            f"--init_from {name}: its draft vocabulary is pruned to {pruned} of the target's {data.get('vocab_size')} "
+            "tokens (draft_vocab_size in config.json); this project's drafters draft over the whole vocabulary: "
+            "start from a drafter without a pruned vocabulary"
+        )
     try:
         config = from_zlab_config(data, f"--init_from {name}: {path}/config.json")
     except ValueError as e:
