@@ -170,8 +170,9 @@ def training_stamp(
             "chat_template_kwargs": cfg["chat_template_kwargs"],
             "target_model": target_model or cfg["target_model"],
             "target_commit": fingerprints.get("target_commit"),  # absent before hub names: a local target
-            "init_from": state.get("init_from"),  # the drafter it started from (--init_from), or None
         }
+        if state.get("init_from"):  # the drafter it started from (--init_from)
+            stamp["init_from"] = state["init_from"]
         data = cfg["data"]
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
