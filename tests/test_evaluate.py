@@ -366,14 +366,16 @@ def test_a_difference_at_a_near_tie_of_the_targets_logits_is_told_apart_from_a_r
     with torch.inference_mode():
         logits = target(input_ids=torch.tensor([prompt + greedy[:2]])).logits[0, -1]
     second = int(logits.topk(2).indices[1])
-    real = logit_gap(target, prompt, greedy, greedy[:2] + [second])
+    real = logit_gap(target, prompt, greedy, greedy[:2] + [second], 2)
     assert real["logit_gap"] > real["tolerance"] > 0 and not real["near_tie"]
     tied = copy.deepcopy(target)  # the same two tokens, equally likely: the head gives them one row
     with torch.no_grad():
         tied.lm_head.weight[second] = tied.lm_head.weight[greedy[2]]
-    tie = logit_gap(tied, prompt, greedy, greedy[:2] + [second])
+    tie = logit_gap(tied, prompt, greedy, greedy[:2] + [second], 2)
     assert tie["near_tie"] and tie["logit_gap"] == 0
-    assert logit_gap(target, prompt, greedy, greedy[:4]) is None  # an output that ends early is never a tie
+    assert (
+        logit_gap(target, prompt, greedy, greedy[:4], 4) is None
+    )  # an output that ends early is never a tie
     # bf16 resolves logits near 20 to 1/8 (4 ulps: 0.5); float32 to 2**-19 per ulp
     assert tie_tolerance(20.0, torch.bfloat16) == 0.5
     assert tie_tolerance(20.0, torch.float32) == 4 * 2.0**-19

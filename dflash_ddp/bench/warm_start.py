@@ -81,10 +81,15 @@ def domain_b(out: Path, budget: dict) -> tuple[Path, Path]:
     return train, heldout
 
 
+def arm_steps(arm: str, budget: dict) -> int:
+    """Optimizer steps of `arm`: the source's on A, the others' on B."""
+    return {"source": budget["source_steps"], "scratch 4N": 4 * budget["steps"]}.get(arm, budget["steps"])
+
+
 def arm_flags(arm: str, seed: int, out: Path, data_b: Path, budget: dict) -> tuple[list[str], Path]:
     """The training command of `arm` for `seed` and where it writes."""
     run_dir = out / "runs" / arm.replace(" ", "_") / f"seed{seed}"
-    steps = {"source": budget["source_steps"], "scratch 4N": 4 * budget["steps"]}.get(arm, budget["steps"])
+    steps = arm_steps(arm, budget)
     flags = ["--seed", str(seed), "--max_steps", str(steps), "--save_steps", str(steps), "--eval_data", ""]
     flags += ["--resume", "never", "--output_dir", str(run_dir)]
     if arm != "source":
@@ -141,12 +146,6 @@ def run_arm(out: Path, arm: str, seed: int, data: tuple[Path, Path], budget: dic
 
 def summarise(results: list[dict], budget: dict) -> list[str]:
     """Per arm: steps on B, mean (min-max) real tau on each domain over seeds, and lossless runs."""
-    steps = {
-        "source": 0,
-        "fine-tune": budget["steps"],
-        "scratch N": budget["steps"],
-        "scratch 4N": 4 * budget["steps"],
-    }
     lines = [
         "| arm | steps on B | tau on B, mean (min-max) | tau on A, mean (min-max) | per seed (B / A) | lossless |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -161,7 +160,8 @@ def summarise(results: list[dict], budget: dict) -> list[str]:
             cells.append(f"{statistics.mean(taus):.3f} ({min(taus):.3f}-{max(taus):.3f})")
         per_seed = " ".join(f"{r['tau_b']:.2f}/{r['tau_a']:.2f}" for r in runs)
         lossless = f"{sum(r['lossless'] for r in runs)}/{len(runs)}"
-        lines.append(f"| {arm} | {steps[arm]} | {cells[0]} | {cells[1]} | {per_seed} | {lossless} |")
+        on_b = 0 if arm == "source" else arm_steps(arm, budget)
+        lines.append(f"| {arm} | {on_b} | {cells[0]} | {cells[1]} | {per_seed} | {lossless} |")
     return lines
 
 

@@ -222,14 +222,9 @@ def run_evaluation(
         for name in [m for m in methods(results) if m != "dflash_sampled"]:  # a sample: not token for token
             tokens = results[name][-1].tokens
             if tokens != truth:
-                difference = {
-                    "method": name,
-                    "prompt": where,
-                    "first_difference": _first_difference(tokens, truth),
-                }
-                mismatched.append(
-                    difference | (logit_gap(target, prompt, truth, tokens) or {"near_tie": False})
-                )
+                first = _first_difference(tokens, truth)
+                gap = logit_gap(target, prompt, truth, tokens, first) or {"near_tie": False}
+                mismatched.append({"method": name, "prompt": where, "first_difference": first} | gap)
         if on_prompt is not None:
             on_prompt(index + 1, len(setup.prompts))
     return _summarise(results, mismatched, setup, max_new_tokens, lookup_tokens)

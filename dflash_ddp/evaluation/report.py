@@ -110,9 +110,7 @@ def print_report(report: dict, console=None) -> None:
             )
         console.print(where if m["near_tie"] else f"[bold red]{where}")
     if report["lossless"] is not None:  # None: sampled, lossless in distribution (said in the notes)
-        ties = sum(
-            m["near_tie"] for m in report["mismatched"] if m["method"] in ("dflash", "dflash_untrained")
-        )
+        ties = sum(m["near_tie"] for m in report["mismatched"] if m["method"] in OWN_DECODING)
         if not report["lossless"]:
             console.print("[bold red]NOT lossless")
         elif ties:

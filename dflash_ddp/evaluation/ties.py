@@ -12,6 +12,8 @@ of the target's dtype; anything else stays a failure of losslessness.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -21,18 +23,19 @@ ULPS = 4  # a few roundings of the logits: a gap this small is below what the dt
 def tie_tolerance(logit: float, dtype: torch.dtype) -> float:
     """`ULPS` units in the last place of `dtype` at the magnitude of `logit`."""
     info = torch.finfo(dtype)
-    magnitude = max(abs(logit), info.tiny)
-    return ULPS * info.eps * 2.0 ** torch.tensor(magnitude).log2().floor().item()
+    exponent = math.frexp(max(abs(logit), info.tiny))[1] - 1  # |logit| = m * 2**exponent, 1 <= m < 2
+    return ULPS * info.eps * 2.0**exponent
 
 
 @torch.inference_mode()
-def logit_gap(target: nn.Module, prompt: list[int], greedy: list[int], other: list[int]) -> dict | None:
-    """At the first position where `other` leaves `greedy` (both continuations of `prompt`), the target's
+def logit_gap(
+    target: nn.Module, prompt: list[int], greedy: list[int], other: list[int], first: int
+) -> dict | None:
+    """At position `first`, where `other` leaves `greedy` (both continuations of `prompt`), the target's
     logit of greedy's token minus that of the other's, recomputed in one forward over the shared prefix, and
     the tolerance of the target's dtype there: {"logit_gap", "tolerance", "near_tie"}. None where one output
-    ended before the other differs (a shorter or longer output is never a tie)."""
-    first = next((i for i, (a, b) in enumerate(zip(greedy, other, strict=False)) if a != b), None)
-    if first is None:
+    ended there (a shorter or longer output is never a tie)."""
+    if first >= min(len(greedy), len(other)):
         return None
     ids = torch.tensor([prompt + greedy[:first]], dtype=torch.long, device=target.device)
     logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()

@@ -56,12 +56,18 @@ class SourceDrafter:
         return digest.hexdigest()
 
 
+def hub_drafter_name(name: str) -> tuple[str, str | None] | None:
+    """(repo id, revision) when `name` is a hub name and no local path; None for a local directory."""
+    return None if Path(name).exists() else hub_model_name(name)
+
+
 def locate_source_drafter(name: str, commit: str | None = None) -> SourceDrafter:
     """The drafter `--init_from` names: a local directory (an export; a checkpoint, or a run directory whose
     latest checkpoint is taken) or a hub name (org/name[@revision], through the hub cache; `commit`: read
     exactly this snapshot from the cache). Errors are one line naming the flag and what to do."""
-    if hub_model_name(name) is not None and not Path(name).exists():
-        repo_id, revision = hub_model_name(name)
+    hub = hub_drafter_name(name)
+    if hub is not None:
+        repo_id, revision = hub
         path = download(
             repo_id, commit or revision, DRAFTER_FILES, flag="--init_from", local_only=commit is not None
         )

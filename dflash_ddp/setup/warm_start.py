@@ -20,9 +20,8 @@ from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel
-from dflash_ddp.hub import hub_model_name
 from dflash_ddp.parallel.downloads import once
-from dflash_ddp.serving.source_drafter import SourceDrafter, locate_source_drafter
+from dflash_ddp.serving.source_drafter import SourceDrafter, hub_drafter_name, locate_source_drafter
 from dflash_ddp.target_model.info import TargetInfo, target_fingerprint
 
 LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -69,10 +68,9 @@ class WarmStart:
     def record(self) -> dict:
         """What the checkpoints, the export's stamp and the model card say about the source."""
         source = self.source
-        local = hub_model_name(source.name) is None or Path(source.name).exists()
         return {
             "source": source.name,
-            "path": str(source.path.resolve()) if local else None,
+            "path": None if source.commit else str(source.path.resolve()),  # a hub snapshot: its commit
             "commit": source.commit,
             "kind": source.kind,
             "family": source.config.family,
@@ -90,7 +88,7 @@ def collapse_layers(names: list[str]) -> list[str]:
 
 def find_source(name: str, together: bool) -> SourceDrafter:
     """`--init_from`'s drafter; a hub name downloaded once per node (as targets are), then read by all."""
-    if hub_model_name(name) is None or Path(name).exists():
+    if hub_drafter_name(name) is None:
         return locate_source_drafter(name)
     commit = once(f"drafter/{name}", lambda commit: locate_source_drafter(name, commit).commit, together)
     return locate_source_drafter(name, commit)
