@@ -1,5 +1,8 @@
 """The drafter's optimizers: what each keeps per parameter is what the memory plan counts for it."""
 
+import copy
+import io
+
 import pytest
 import torch
 
@@ -171,3 +174,178 @@ def test_muon_trains_the_same_bits_on_a_cpu_without_bf16_instructions():
         assert result.returncode == 0, result.stderr[-2000:]
         digests.append(result.stdout.strip())
     assert digests[0] == digests[1]
+
+
+class ShapeGroups(torch.nn.Module):
+    """Matrices in groups of one shape, as the drafter's layers hold them: three 64 x 32 (tall), three
+    32 x 64 (wide), a 32 x 16 and an 8 x 32 alone; biases and a norm's weights for AdamW."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(32, 64) for _ in range(3))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(64, 32) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(32)
+        self.out = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for up, down in zip(self.ups, self.downs, strict=True):
+            h = h + down(torch.relu(up(self.norm(h))))
+        return self.out(h)
+
+
+def muon_for(model, grouped, orthogonalisation="newton_schulz_5", ortho_dtype=None, lr=1e-2):
+    from dflash_ddp.drafter.optimizer import MuonWithAdamW
+
+    params = list(model.parameters())
+    matrices, others = [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
+    return MuonWithAdamW(matrices, others, lr, 0.1, ortho_dtype, orthogonalisation, grouped=grouped)
+
+
+def step_with(optimizer, model, grads, skip=()):
+    """One step of `optimizer` on `grads` (copies), the parameters at the indices `skip` without a gradient."""
+    for i, (p, g) in enumerate(zip(model.parameters(), grads, strict=True)):
+        p.grad = None if i in skip else g.clone()
+    optimizer.step()
+
+
+def assert_same_muon_state(optimizer, model, reference, reference_model):
+    """The same parameters (to fp32's rounding) and the same momentum buffers, held in torch's Muon state."""
+    for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        if p.ndim == 2:  # .get: the state is a defaultdict, and a matrix never stepped has no entry
+            buf, reference_buf = optimizer.muon.state.get(p, {}), reference.muon.state.get(q, {})
+            assert buf.keys() == reference_buf.keys()
+            if buf:  # the buffers follow the gradients alone, by the same operations: equal to the bit
+                assert torch.equal(buf["momentum_buffer"], reference_buf["momentum_buffer"])
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_the_batched_orthogonalisations_are_the_per_matrix_ones_matrix_by_matrix(shape):
+    """Wide and tall (transposed as the per-matrix functions do); each matrix scaled by its own norm (the
+    stack's norms are 30000 times apart, and a zero matrix stays zero)."""
+    import torch.optim._muon as torch_muon
+
+    from dflash_ddp.drafter.optimizer import (
+        batched_newton_schulz,
+        batched_polar_express,
+        newton_schulz,
+        polar_express,
+    )
+
+    coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    scales = torch.tensor([1e-3, 1.0, 30.0, 0.0]).view(4, 1, 1)
+    grads = torch.randn((4, *shape), generator=torch.Generator().manual_seed(0)) * scales
+    batched = {
+        "newton_schulz_5": batched_newton_schulz(grads, coefficients, 5, 1e-7, torch.float32),
+        "polar_express_3": batched_polar_express(grads, 1e-7, torch.float32),
+    }
+    per_matrix = {
+        "newton_schulz_5": lambda g: newton_schulz(g, coefficients, 5, 1e-7, torch.float32),
+        "polar_express_3": lambda g: polar_express(g, 1e-7, torch.float32),
+    }
+    for name, out in batched.items():
+        assert out.dtype == torch.float32 and out.shape == grads.shape
+        for grad, matrix in zip(grads, out, strict=True):
+            torch.testing.assert_close(matrix, per_matrix[name](grad), rtol=1e-5, atol=1e-6)
+        assert torch.equal(out[3], torch.zeros(shape))
+        assert torch.linalg.svdvals(out[0]).min() > 0.1  # the smallest matrix orthogonalised, not shrunk
+    bf16 = batched_newton_schulz(grads, coefficients, 5, 1e-7, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16
+    for grad, matrix in zip(grads, bf16, strict=True):  # torch's own iterations, in bf16
+        torchs = torch_muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7)
+        torch.testing.assert_close(matrix.float(), torchs.float(), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("orthogonalisation", ["newton_schulz_5", "polar_express_3"])
+def test_the_grouped_step_is_torchs_per_matrix_step_in_fp32(orthogonalisation, monkeypatch):
+    """Over four steps, with weight decay, the rate changed on the param groups as the schedule does, and a
+    matrix without a gradient on the first step (its buffer made on its first gradient, as torch makes it)."""
+    from dflash_ddp.drafter.optimizer import grouped_by_default
+
+    assert grouped_by_default(torch.device("cuda", 0)) and not grouped_by_default(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = ShapeGroups()
+    grouped_model = copy.deepcopy(model)
+    assert not muon_for(copy.deepcopy(model), None).grouped  # a CPU's default: today's per-matrix step
+    per_matrix = muon_for(model, False, orthogonalisation)
+    grouped = muon_for(grouped_model, True, orthogonalisation)
+
+    def torchs_step():
+        raise AssertionError("the grouped optimizer ran torch's per-matrix step")
+
+    monkeypatch.setattr(grouped.muon, "step", torchs_step)
+    start = [p.detach().clone() for p in model.parameters()]
+    skipped = [name for name, _ in model.named_parameters()].index("ups.1.weight")
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step == 2:
+            for group in [*per_matrix.param_groups, *grouped.param_groups]:
+                group["lr"] = 3e-3
+        grads = [torch.randn(p.shape, generator=generator) for p in model.parameters()]
+        for optimizer, m in ((per_matrix, model), (grouped, grouped_model)):
+            step_with(optimizer, m, grads, skip=(skipped,) if step == 0 else ())
+        if step == 0:
+            assert len(grouped.muon.state) == len(per_matrix.muon.state) == 7
+        assert_same_muon_state(grouped, grouped_model, per_matrix, model)
+    for before, p in zip(start, model.parameters(), strict=True):
+        assert (before - p).abs().max() > 1e-3  # every parameter trained
+
+
+@pytest.mark.parametrize("orthogonalisation", ["newton_schulz_5", "polar_express_3"])
+def test_a_per_matrix_checkpoint_resumes_in_the_grouped_step(orthogonalisation):
+    torch.manual_seed(0)
+    model = ShapeGroups()
+    per_matrix = muon_for(model, False, orthogonalisation)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        step_with(per_matrix, model, [torch.randn(p.shape, generator=generator) for p in model.parameters()])
+    for group in per_matrix.param_groups:
+        group["lr"] = 5e-3  # the rate the run had reached, which the checkpoint carries
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": per_matrix.state_dict()}, saved)
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    resumed_model = ShapeGroups()
+    resumed_model.load_state_dict(checkpoint["model"])
+    grouped = muon_for(resumed_model, True, orthogonalisation, lr=1e-2)
+    grouped.load_state_dict(checkpoint["optimizer"])
+    assert [g["lr"] for g in grouped.param_groups] == [5e-3, 5e-3]
+    for _ in range(2):
+        grads = [torch.randn(p.shape, generator=generator) for p in model.parameters()]
+        step_with(per_matrix, model, grads)
+        step_with(grouped, resumed_model, grads)
+        assert_same_muon_state(grouped, resumed_model, per_matrix, model)
+    # and the grouped optimizer's checkpoint is torch's state, which the per-matrix step resumes alike
+    ours, theirs = grouped.state_dict(), per_matrix.state_dict()
+    assert ours["muon"]["param_groups"] == theirs["muon"]["param_groups"]
+    assert {i: s.keys() for i, s in ours["muon"]["state"].items()} == {
+        i: s.keys() for i, s in theirs["muon"]["state"].items()
+    }
+
+
+def test_the_grouped_step_in_bf16_trains_as_the_per_matrix_step_in_fp32():
+    """Training unchanged: the grouped step in bf16 (CUDA's path, forced here on the CPU) follows the loss of
+    the CPU's per-matrix fp32 step within bf16's rounding."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 16, generator=generator)
+    y = torch.tanh(x @ torch.randn(16, 8, generator=generator))
+
+    def losses(grouped, ortho_dtype):
+        torch.manual_seed(0)
+        model = ShapeGroups()
+        optimizer = muon_for(model, grouped, ortho_dtype=ortho_dtype, lr=2e-2)
+        trajectory = []
+        for _ in range(12):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            trajectory.append(loss.item())
+        return torch.tensor(trajectory)
+
+    fp32, bf16 = losses(False, torch.float32), losses(True, torch.bfloat16)
+    assert fp32[-1] < 0.3 * fp32[0]  # it trains
+    assert not torch.equal(bf16, fp32)  # in bf16 indeed
+    torch.testing.assert_close(bf16, fp32, rtol=0.01, atol=0)  # 0.14% apart at most here

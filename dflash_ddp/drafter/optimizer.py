@@ -21,6 +21,14 @@ differently from one CPU to the next (with and without those instructions), whic
 between machines and turned the last-bit differences of a sharded target's features into visible weight
 differences. Everything else (momentum, Nesterov, the rate, weight decay, the state dict) is torch's Muon
 unchanged.
+
+Grouping (`grouped`, by default on CUDA): each of the drafter's layers holds one matrix of every shape (its 5
+layers: 5 q projections, 5 down projections, ...), and torch's step orthogonalises them one by one, some
+twenty small kernel launches a matrix that left the GPU idle. `grouped_muon_step` stacks the updates of one
+shape and runs the orthogonalisation once per shape as batched products (`batched_newton_schulz`,
+`batched_polar_express`), each matrix still scaled by its own norm; the rest of the step and the state are
+torch's. A CPU keeps torch's per-matrix step with the fp32 replacement, which its runs' resume and
+split-equality checks compare bit for bit (batched kernels round differently from the per-matrix ones).
 """
 
 from __future__ import annotations
@@ -89,6 +97,79 @@ def polar_express(grad: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.T
     return x.T if tall else x
 
 
+def batched_newton_schulz(
+    grads: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """`newton_schulz` of each matrix of `grads` [n, rows, cols] at once, by batched products."""
+    a, b, c = coefficients
+    x = grads.to(dtype)
+    tall = grads.size(-2) > grads.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def batched_polar_express(grads: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """`polar_express` of each matrix of `grads` [n, rows, cols] at once, by batched products."""
+    tall = grads.size(-2) > grads.size(-1)
+    x = grads.float().mT if tall else grads.float()
+    gram = torch.bmm(x, x.mT)
+    scale = gram.norm(dim=(-2, -1), keepdim=True).sqrt().clamp(min=eps)
+    x, gram = (x / scale).to(dtype), (gram / scale**2).to(dtype)
+    for step, (a, b, c) in enumerate(POLAR_EXPRESS):
+        if step:
+            gram = torch.bmm(x, x.mT)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def batched_orthogonalisation(
+    name: str, updates: torch.Tensor, group: dict, dtype: torch.dtype
+) -> torch.Tensor:
+    """The orthogonalisation --muon_orthogonalisation `name` of the stacked `updates` in `dtype`, with the
+    settings of torch's Muon param `group`."""
+    if name == "polar_express_3":
+        return batched_polar_express(updates, group["eps"], dtype)
+    return batched_newton_schulz(updates, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+
+
+def grouped_by_default(device: torch.device) -> bool:
+    """Whether Muon orthogonalises same-shaped matrices together on `device`: on CUDA, where one batched
+    product replaces a launch per matrix; not on a CPU, whose runs stay bit-identical to torch's per-matrix
+    step."""
+    return device.type == "cuda"
+
+
+def grouped_muon_step(muon: torch.optim.Muon, name: str, dtype: torch.dtype) -> None:
+    """torch's Muon step (`_single_tensor_muon`: its momentum buffers in `muon.state`, Nesterov, rate,
+    decoupled weight decay) for every parameter with a gradient, with the orthogonalisation `name` in `dtype`
+    run once per group and shape on the stacked updates."""
+    for group in muon.param_groups:
+        lr, momentum = torch_muon._to_scalar(group["lr"]), group["momentum"]
+        by_shape: dict[torch.Size, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = muon.state[param]
+            if "momentum_buffer" not in state:  # as torch's _init_group
+                state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(param.grad, 1 - momentum)
+            update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            by_shape.setdefault(param.shape, []).append((param, update))
+        for shape, members in by_shape.items():
+            updates = torch.stack([update for _, update in members])
+            orthogonal = batched_orthogonalisation(name, updates, group, dtype)
+            adjusted_lr = torch_muon._adjust_lr(lr, group["adjust_lr_fn"], shape)
+            for (param, _), update in zip(members, orthogonal, strict=True):
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-adjusted_lr)
+
+
 def orthogonalisation(name: str, dtype: torch.dtype):
     """The function torch's Muon step calls as `_zeropower_via_newtonschulz(grad, coefficients, steps, eps)`
     for --muon_orthogonalisation `name` in `dtype`; None where that is torch's own (its iterations in bf16)."""
@@ -121,7 +202,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     `param_groups` are the two inner optimizers' own groups, so the learning-rate schedule and a resume set
     the rate on the groups that step; the state dict holds both optimizers' states. `orthogonalisation`: one of
     ORTHOGONALISATIONS; `ortho_dtype`: its precision (unset: `orthogonalisation_dtype` of the matrices'
-    device)."""
+    device); `grouped`: whether same-shaped matrices are orthogonalised together (`grouped_muon_step`; unset:
+    `grouped_by_default` of the matrices' device)."""
 
     def __init__(
         self,
@@ -131,13 +213,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         weight_decay: float,
         ortho_dtype: torch.dtype | None = None,
         orthogonalisation: str = DEFAULT_ORTHOGONALISATION,
+        grouped: bool | None = None,
     ):
-        if not callable(getattr(torch_muon, "_zeropower_via_newtonschulz", None)):
-            raise RuntimeError(
-                f"torch {torch.__version__} has no torch.optim._muon._zeropower_via_newtonschulz to run Muon's "
-                "orthogonalisation in fp32: install the torch the README pins, or pass --optimizer adamw"
-            )
+        for name in ("_zeropower_via_newtonschulz", "_adjust_lr", "_to_scalar"):
+            if not callable(getattr(torch_muon, name, None)):
+                raise RuntimeError(
+                    f"torch {torch.__version__} has no torch.optim._muon.{name} to run Muon's step with "
+                    "its orthogonalisation replaced: install the torch the README pins, or pass --optimizer adamw"
+                )
         device = matrices[0].device if matrices else torch.device("cpu")
+        self.grouped = grouped_by_default(device) if grouped is None else grouped
         self.ortho_dtype = orthogonalisation_dtype(device) if ortho_dtype is None else ortho_dtype
         self.orthogonalisation = orthogonalisation
         self.muon = torch.optim.Muon(
@@ -152,8 +237,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        with _orthogonalising_with(orthogonalisation(self.orthogonalisation, self.ortho_dtype)):
-            self.muon.step()
+        if self.grouped:
+            grouped_muon_step(self.muon, self.orthogonalisation, self.ortho_dtype)
+        else:
+            with _orthogonalising_with(orthogonalisation(self.orthogonalisation, self.ortho_dtype)):
+                self.muon.step()
         self.adamw.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
