@@ -18,6 +18,7 @@ import torch
 from huggingface_hub import constants
 from safetensors.torch import load_file, save_file
 
+from dflash_ddp.checkpoint.resume import RestoreError
 from dflash_ddp.config import EMBEDDED_PRESET, EMBEDDED_TARGET, parse_config
 from dflash_ddp.evaluation.decoding import as_transformers_assistant, speculative_generate
 from dflash_ddp.evaluation.evaluate import prepare_evaluation
@@ -216,3 +217,129 @@ def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(source, t
         line for line in trimmed.stdout.splitlines() if "dropped (the run's drafter has no place" in line
     )
     assert "markov_head.markov_w1.weight" in dropped and "confidence_head.proj.weight" in dropped
+
+
+def refusal_of_the_cli(args: list[str], out: Path, nproc: int = 0, env: dict | None = None) -> str:
+    """The real CLI (one process, or torchrun with `nproc`) refusing to start: exit non-zero, nothing written
+    to `out`, one error line and no traceback from any process (torchrun's own summary aside); that line."""
+    logs = out.parent / "logs"
+    head = (
+        [*torchrun_cmd(nproc, "--log-dir", str(logs), "--redirects", "3"), "-m", "dflash_ddp.train"]
+        if nproc
+        else [sys.executable, "-m", "dflash_ddp.train"]
+    )
+    done = subprocess.run(
+        [*head, *SHORT, "--output_dir", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    stderr = "".join(p.read_text() for p in sorted(logs.rglob("stderr.log"))) if nproc else done.stderr
+    assert done.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert not out.exists()
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error"), stderr[-3000:]
+    return lines[0]
+
+
+def cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:4000])  # what an interrupted copy or download leaves
+
+
+def not_json(path: Path) -> None:
+    path.write_text("{'model_type': qwen3")
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # a tensor's bytes: the file still parses, only its checksum tells
+    path.write_bytes(bytes(data))
+
+
+def hub_cache_of(export: Path, root: Path) -> Path:
+    """`export` as the hub cache holds a download of org/drafter: snapshot files linked to blobs, the weights'
+    named by their sha256 (an LFS file's); the snapshot's directory."""
+    folder, commit = root / "models--org--drafter", "c" * 40
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    (folder / "blobs").mkdir()
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in ("config.json", "model.safetensors", "README.md"):
+        data = (export / file).read_bytes()
+        blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file).symlink_to(blob)
+    return snapshot
+
+
+def damaged_copy(kind: str, source: Path, root: Path) -> tuple[str, Path, dict]:
+    """A copy of the source drafter as `kind` (--init_from's value, the directory it reads, the environment)."""
+    checkpoints = source.parent / "run" / "checkpoints"
+    step = checkpoints / (checkpoints / "latest").read_text().strip()
+    if kind == "export":
+        shutil.copytree(source, root / "export")
+        return str(root / "export"), root / "export", {}
+    if kind == "checkpoint":
+        shutil.copytree(step, root / step.name)
+        return str(root / step.name), root / step.name, {}
+    if kind == "run directory":
+        shutil.copytree(checkpoints, root / "run" / "checkpoints")
+        return str(root / "run"), root / "run" / "checkpoints" / step.name, {}
+    snapshot = hub_cache_of(source, root / "hub")
+    return "org/drafter", snapshot, {"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "file", "damage", "expected", "nproc"),
+    [
+        ("export", "model.safetensors", cut_short, "not a readable safetensors file", 0),
+        ("export", "model.safetensors", cut_short, "not a readable safetensors file", 2),
+        ("export", "config.json", not_json, "unreadable", 0),
+        ("export", "model.safetensors", Path.unlink, "missing", 0),
+        ("checkpoint", "model.safetensors", flip_last_byte, "size or sha256 does not match the manifest", 0),
+        ("run directory", "model.safetensors", cut_short, "size or sha256 does not match the manifest", 0),
+        ("hub", "model.safetensors", flip_last_byte, "sha256 [0-9a-f]{64} is not the hub's [0-9a-f]{64}", 0),
+        ("hub", "config.json", not_json, "unreadable", 0),
+    ],
+    ids=[
+        "export-weights-cut-short",
+        "export-weights-cut-short-torchrun",
+        "export-config-not-json",
+        "export-weights-missing",
+        "checkpoint-weights-altered",
+        "run-directory-weights-cut-short",
+        "hub-weights-altered",
+        "hub-config-not-json",
+    ],
+)
+def test_a_damaged_source_is_one_line_naming_the_file_and_what_to_do(
+    source, tmp_path, kind, file, damage, expected, nproc
+):
+    """Every file --init_from reads goes through the checkpoints' verified read: a damaged one ends the run
+    before any target weights load, on every rank, with one line naming it and how to replace it."""
+    init_from, directory, env = damaged_copy(kind, source, tmp_path)
+    damage(directory / file)
+    line = refusal_of_the_cli(["--init_from", init_from], tmp_path / "out", nproc, env)
+    assert (
+        line.startswith("error (rank 0): " if nproc else "error: ") and f"--init_from {init_from}: " in line
+    )
+    assert re.search(f"{re.escape(str(directory / file))}: {expected}", line), line
+    remedy = {
+        "export": f"export it again (python -m dflash_ddp.export CHECKPOINT {directory}) or copy it again",
+        "checkpoint": f"pick another checkpoint for --init_from (an earlier one in {directory.parent})",
+        "run directory": f"pick another checkpoint for --init_from (an earlier one in {directory.parent})",
+        "hub": f"download it again into the hub cache {tmp_path / 'hub'}: `huggingface-cli download org/drafter",
+    }[kind]
+    assert remedy in line, line
+
+
+def test_a_source_changed_after_the_set_up_checked_it_is_refused_when_copied(source, tmp_path):
+    """The drafter ranks read the weights again: only the file the set-up checked (and the run records)."""
+    copy = tmp_path / "export"
+    shutil.copytree(source, copy)
+    cfg, setup = run_setup(["--init_from", str(copy)], tmp_path / "run")
+    flip_last_byte(copy / "model.safetensors")
+    with pytest.raises(RestoreError, match=f"{copy / 'model.safetensors'} changed since the run's set-up"):
+        build_trainer(cfg, setup, torch.device("cpu"), total_steps=6)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_ddp.checkpoint.resume import RestoreError
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.families import build_model
@@ -74,7 +75,7 @@ class WarmStart:
             "commit": source.commit,
             "kind": source.kind,
             "family": source.config.family,
-            "sha256": source.sha256(),
+            "sha256": source.sha256,
             "layers_map": self.layers_map,
             "new": collapse_layers(self.new),
             "dropped": collapse_layers(self.dropped),
@@ -187,7 +188,7 @@ def _map_tensors(source: SourceDrafter, run: DFlashDraftConfig, layers_map: list
     """Run tensor -> source tensor by name (layers through the map); shapes must agree."""
     with torch.device("meta"):
         own = {name: tuple(p.shape) for name, p in build_model(run).named_parameters()}
-    theirs = source.tensor_shapes()
+    theirs = source.shapes
     copied, new, used = {}, [], set()
     for name, shape in own.items():
         layer = LAYER.match(name)
@@ -213,8 +214,12 @@ def _unused_source_layer(name: str, layers_map: list[int]) -> bool:
 
 
 def load_warm_start(model: DFlashDraftModel, warm: WarmStart) -> None:
-    """Copy the source's tensors into a freshly built drafter (in its dtype and on its device)."""
-    state = warm.source.weights()
+    """Copy the source's tensors into a freshly built drafter (in its dtype and on its device). A source
+    damaged or changed since the set-up checked it is a RestoreError: one line, as a refused resume."""
+    try:
+        state = warm.source.weights()
+    except ValueError as e:
+        raise RestoreError(str(e)) from None
     own = dict(model.named_parameters())
     with torch.no_grad():
         for name, origin in warm.copied.items():
