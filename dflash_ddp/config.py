@@ -397,6 +397,15 @@ class TrainConfig:
         "recompute each drafter layer in backward; unset: on exactly when --plan predicts it is needed",
         allowed="true | false | unset",
     )
+    recompute: str = setting(
+        "auto",
+        "memory and compute",
+        "what the drafter's layers recompute in backward: none keeps every activation (the fastest; on CUDA each "
+        "layer's elementwise chains run compiled into fused kernels); qkv_mlp recomputes q/k/v and the MLP, in "
+        "pieces of rows (about a quarter of the activations); auto: none where --plan predicts it fits, else "
+        "qkv_mlp (and then --gradient_checkpointing where unset)",
+        choices=("auto", "none", "qkv_mlp"),
+    )
     memory_check: bool = setting(
         True, "memory and compute", "refuse at start a run whose predicted peak memory exceeds the machine's"
     )

@@ -144,6 +144,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
             f"data: {stats.summary()}; "
             f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"
         )
+        print(f"drafter execution: {run.setup.memory.execution.describe()}")
     start, split = time.perf_counter(), not topology.colocated
     watcher = start_watcher(cfg, ctx.device) if leader and cfg.eval_steps else None
     trained = False

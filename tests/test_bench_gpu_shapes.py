@@ -148,5 +148,9 @@ def test_tiny_benchmark_writes_its_figures(tmp_path, capsys, one_thread):
     assert any(line.startswith("recommended split:") for line in split["lines"])
     assert (tmp_path / "profile_drafter_step.txt").is_file()
     assert sum(figures["profile"]["time_shares"].values()) == pytest.approx(1.0, abs=0.01)
+    parts = drafter["parts"]
+    assert parts["seconds"]["optimizer"] > 0 and sum(parts["shares"].values()) >= 0.99
+    assert figures["op_count"]["step"]["launching"] > 0  # its ceilings: test_bench_op_count.py
     printed = capsys.readouterr().out
     assert "draft positions/s" in printed and "recommended split:" in printed
+    assert "drafter step by part" in printed and "launching ops per step" in printed

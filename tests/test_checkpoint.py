@@ -560,3 +560,13 @@ def test_a_new_stateful_part_is_one_registration_and_resumes_exactly(tmp_path):
     (ckpt / "counter.pt").write_bytes(b"not a torch file")  # a damaged part is named, like every other
     with pytest.raises(RestoreError, match="counter.pt: size or sha256 does not match the manifest"):
         restore_training(ckpt, resumed, 0, 1, registered(resumed, _Counter()))
+
+
+def test_the_checkpoint_records_how_the_drafter_ran(finished_run):
+    """The plan's execution (on a CPU with room: nothing recomputed) is in trainer_state.json; a resume may
+    run another (it changes no result beyond rounding), so it is recorded, not compared."""
+    saved = load_trainer_state(_newest(finished_run))
+    assert saved["execution"] == {"recompute": "none", "gradient_checkpointing": False}
+    current = json.loads(json.dumps(saved))
+    current["execution"] = {"recompute": "qkv_mlp", "gradient_checkpointing": True}
+    assert check_same_run(saved, current, [], _newest(finished_run)) == []

@@ -188,6 +188,81 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-6, atol=1e-7)
 
 
+def family_drafter(family: str):
+    """A small training drafter of `family` (seed 0)."""
+    from dflash_ddp.drafter.dflash2 import DFlash2DraftConfig
+    from dflash_ddp.drafter.dspark import DSparkDraftConfig
+    from dflash_ddp.drafter.families import build_model
+
+    config = small_draft_config()
+    if family == "dflash2":
+        config = DFlash2DraftConfig(**config.to_dict(), conv_group_size=8, conv_kernel_size=3)
+    if family == "dspark":
+        config = DSparkDraftConfig(**config.to_dict(), markov_rank=8)
+    torch.manual_seed(0)
+    return build_model(config).train()
+
+
+def outputs_and_gradients(drafter, contexts=(SEQ,)):
+    """The drafter's outputs and summed parameter gradients over one chunk per context length in
+    `contexts` (each with its own anchors, so that draft positions and context differ from chunk to chunk)."""
+    outs = []
+    for length in contexts:
+        g = torch.Generator().manual_seed(length)
+        anchors = torch.arange(1, length - BS, 3)
+        inputs = build_block_inputs(
+            torch.zeros(1, length, dtype=torch.long), torch.ones(1, length), [anchors], BS, 49
+        )
+        positions = inputs.anchors.shape[1] * BS
+        embeds = torch.randn(1, positions, 32, generator=g)
+        features = torch.randn(1, length, 64, generator=g)
+        layout = block_layout(inputs.anchors, length, BS, 4, torch.device("cpu"))
+        out = drafter(embeds, features, inputs.position_ids, layout).last_hidden_state
+        (out * torch.randn(out.shape, generator=g)).sum().backward()
+        outs.append(out.detach())
+    return outs, {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_keeping_every_activation_gives_the_recomputing_outputs_and_gradients(family):
+    """--recompute none (plain autograd, nothing recomputed, norms' backward whole) against qkv_mlp (today's
+    path, the reference): the same outputs and, to fp32 rounding, the same gradients."""
+    reference = outputs_and_gradients(family_drafter(family))
+    keeping = family_drafter(family)
+    keeping.set_recompute(False)
+    outs, grads = outputs_and_gradients(keeping)
+    torch.testing.assert_close(outs, reference[0], rtol=0, atol=1e-6)
+    assert grads.keys() == reference[1].keys()
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_regions_train_as_eager_and_compile_once_for_every_chunk_shape():
+    """On CUDA a drafter that keeps its activations runs its layers' elementwise chains compiled (here under
+    aot_eager, the same graphs without code generation): the same outputs and gradients as eagerly, and one
+    graph per region whatever the chunk's draft positions and context (two before attention: the first
+    layer's input needs no gradient)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    contexts = (SEQ, 40, 31, 52)
+    eager = family_drafter("dflash")
+    eager.set_recompute(False)
+    reference = outputs_and_gradients(eager, contexts)
+    compiled = family_drafter("dflash")
+    compiled.set_recompute(False)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled.compile_regions(counter)
+    outs, grads = outputs_and_gradients(compiled, contexts)
+    torch.testing.assert_close(outs, reference[0], rtol=0, atol=1e-6)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert counter.frame_count == 3, counter.frame_count
+    with torch.no_grad():  # decoding runs eagerly: nothing more compiles
+        compiled.eval()(torch.randn(1, BS, 32), torch.randn(1, 8, 64), torch.arange(8 + BS)[None])
+    assert counter.frame_count == 3
+
+
 @pytest.mark.parametrize("family", ["dflash", "dflash2"])
 @pytest.mark.parametrize("path", sorted(MASKS))
 def test_the_sliding_window_in_training_is_the_window_in_decoding(family, path):

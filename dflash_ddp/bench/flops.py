@@ -83,7 +83,9 @@ class FlopCount:
         return 3 * self.forward["attention"] + again
 
 
-def drafter_flops(c: DFlashDraftConfig, work: DraftWork, checkpointing: bool = False) -> FlopCount:
+def drafter_flops(
+    c: DFlashDraftConfig, work: DraftWork, checkpointing: bool = False, recompute: bool = True
+) -> FlopCount:
     """FLOPs of a drafter step (2 per multiply-add), L layers, H hidden, V vocabulary, D head_dim, h heads:
 
         forward   layers     2 L P (q + k + v + o + 3 H I weights)        P draft positions
@@ -98,7 +100,7 @@ def drafter_flops(c: DFlashDraftConfig, work: DraftWork, checkpointing: bool = F
     gradient. Attention counts only the entries the block rule allows (context keys before each anchor
     and the block itself), not the masked-out ones a kernel's tiles may still compute.
     Recomputed by this code, counted in `executed` only: q/k/v projections and the MLP's gate and up
-    (drafter/model.py rebuilds them in backward), the attention scores (flash-style backward: 2 L h D E), the LM
+    (drafter/model.py rebuilds them in backward with `recompute`, --recompute qkv_mlp), the attention scores (flash-style backward: 2 L h D E), the LM
     head's logits (the chunked loss: 2 H V N; so the LM head executes 3 x 2 H V N), and with gradient
     checkpointing each layer's forward once more."""
     L, H, V = c.num_hidden_layers, c.hidden_size, c.vocab_size
@@ -116,11 +118,12 @@ def drafter_flops(c: DFlashDraftConfig, work: DraftWork, checkpointing: bool = F
     model = 3 * (forward["layers"] + forward["context_kv"] + forward["attention"])
     model += 2 * (forward["fc"] + forward["lm_head"])
     recomputed = {
-        "qkv": 2 * L * (work.positions * (q + kv) + work.context_tokens * kv),
-        "mlp_gate_up": 2 * L * work.positions * 2 * H * c.intermediate_size,
         "attention_scores": forward["attention"] // 2,
         "lm_head": forward["lm_head"],
     }
+    if recompute:
+        recomputed["qkv"] = 2 * L * (work.positions * (q + kv) + work.context_tokens * kv)
+        recomputed["mlp_gate_up"] = 2 * L * work.positions * 2 * H * c.intermediate_size
     if checkpointing:  # the whole layer forward once more
         recomputed["layers"] = forward["layers"] + forward["context_kv"]
         recomputed["layer_attention"] = forward["attention"]

@@ -15,6 +15,12 @@ split of 8 devices that setup/calibrate.py recommends from the two measured rate
 - FLOPs: `drafter_flops` and `target_forward_flops` (formulas in their docstrings and in docs/benchmarks.md); MFU
   is model FLOPs / time / the device's dense bf16 peak (`flops.PEAK_BF16_TFLOPS`, by device name, or
   `--peak_tflops`). Below `MFU_GOAL` on CUDA one more step runs under torch.profiler (top kernels).
+- Parts: two more drafter steps with the trainer's StepTimer on (it waits for the device around each part,
+  so never during the timed steps): seconds and share of the step of blocks, forward, loss, backward and
+  the optimizer (clipping, then Muon's step with AdamW's for the norms: what Muon costs).
+- Operations: how many aten operations one drafter step dispatches, counted on the CPU at the fixed tiny
+  shape whatever `--scale` (op_count.py): a proxy for the GPU's kernel launches that compares between
+  machines and runs.
 - `--scale tiny` runs the same code on the CPU in about a second (hidden 64, 2 drafter layers, 64 anchors).
 Figures are printed and written to OUT/gpu_shapes.json after each part (a run cut short keeps the parts
 it finished).
@@ -45,8 +51,8 @@ from dflash_ddp.drafter.trainer import DrafterTrainer, build_drafter
 from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.parallel.topology import Topology, compute_dtype, select_device
 from dflash_ddp.setup.calibrate import Measurement, Rates, recommend, report, warmup_steps
-from dflash_ddp.setup.plan import plan_memory
-from dflash_ddp.setup.trainer import optimizer_settings, step_settings
+from dflash_ddp.setup.plan import Execution, plan_memory
+from dflash_ddp.setup.trainer import configure_execution, optimizer_settings, step_settings
 from dflash_ddp.target_model.features import tapped_features
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import TargetInfo, target_info_from_config
@@ -54,6 +60,7 @@ from dflash_ddp.target_model.info import TargetInfo, target_info_from_config
 from .flops import DraftWork, device_peak, draft_work, drafter_flops, target_forward_flops
 
 MFU_GOAL = 0.55  # below it (on CUDA) one more drafter step runs under torch.profiler
+PART_STEPS = 2  # drafter steps timed by part after the timed ones
 WORLD = 8  # the split is planned for 8 devices of this kind
 
 
@@ -198,9 +205,9 @@ def measure_target(config, taps: list[int], batch: Batch, device: torch.device, 
     return figures
 
 
-def build_trainer(cfg: TrainConfig, c: DFlashDraftConfig, checkpointing: bool, device: torch.device):
+def build_trainer(cfg: TrainConfig, c: DFlashDraftConfig, execution: Execution, device: torch.device):
     """The drafter, a random shared head and the trainer, set up as train.build_trainer sets them up from
-    a run's config (which reads the head from the target's files; here there are none)."""
+    a run's config (which reads the head from the target's files; here there are none), run as `execution`."""
     dtype = compute_dtype(device)
     g = torch.Generator(device=device).manual_seed(1)
     embed, head = (
@@ -210,7 +217,7 @@ def build_trainer(cfg: TrainConfig, c: DFlashDraftConfig, checkpointing: bool, d
     shared = SharedTargetHead(embed, head).to(dtype=dtype)
     del embed, head
     drafter = build_drafter(c, cfg.seed, device)
-    drafter.gradient_checkpointing = checkpointing
+    configure_execution(drafter, execution, device)
     settings = step_settings(cfg, resolve_attention(cfg.attention, device))
     return DrafterTrainer(drafter, shared, settings, optimizer_settings(cfg, 1000))
 
@@ -236,7 +243,8 @@ def measure_drafter(trainer: DrafterTrainer, batches: list[Batch], steps: int, b
     seconds = (time.perf_counter() - start) / steps
     work = [draft_work(b, trainer.settings, c.block_size, 0) for b in batches]
     total = sum((work[i % len(work)] for i in range(steps)), DraftWork())
-    flops = drafter_flops(c, total, trainer.drafter.gradient_checkpointing)
+    flops = drafter_flops(c, total, trainer.drafter.gradient_checkpointing, trainer.drafter.recomputes)
+    parts = time_parts(trainer, micro, PART_STEPS)
     figures = {
         "step_s": seconds,
         "sequences_per_step": sum(len(b.sample_ids) for b in batches) / len(batches),
@@ -249,9 +257,33 @@ def measure_drafter(trainer: DrafterTrainer, batches: list[Batch], steps: int, b
             "forward": {k: v / steps for k, v in flops.forward.items()},
             "recomputed": {k: v / steps for k, v in flops.recomputed.items()},
         },
+        "parts": parts,
         **_peaks(device, base),
     }
     return figures, micro
+
+
+def time_parts(trainer: DrafterTrainer, micro, steps: int) -> dict:
+    """`steps` more drafter steps with the trainer's StepTimer on: seconds per step of each of its parts
+    (blocks, drafter forward, loss, backward, optimizer; "other": the rest of the step) and their shares.
+    The timer waits for the device around each part, which the timed steps must not pay."""
+    timer = trainer.timer
+    timer.enabled = True
+    timer.take()
+    start = time.perf_counter()
+    for i in range(steps):
+        trainer.step([micro[i % len(micro)]])
+    _sync(trainer.device)
+    step_s = (time.perf_counter() - start) / steps
+    timer.enabled = False
+    seconds = {part: s / steps for part, s in timer.take().items()}
+    seconds["other"] = max(0.0, step_s - sum(seconds.values()))
+    return {
+        "steps": steps,
+        "step_s": step_s,
+        "seconds": seconds,
+        "shares": {part: s / step_s for part, s in seconds.items()},
+    }
 
 
 def profile_step(trainer: DrafterTrainer, micro, path: Path) -> dict:
@@ -312,6 +344,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target_steps", type=int, default=5, help="timed target forwards")
     group.add_argument("--drafter_steps", type=int, default=5, help="timed drafter steps")
     group.add_argument(
+        "--recompute",
+        choices=("auto", "none", "qkv_mlp"),
+        default="auto",
+        help="the drafter's execution (as --recompute of a run; auto: the plan's choice for this device)",
+    )
+    group.add_argument(
         "--peak_tflops", type=float, default=None, help="dense bf16 peak of the device (default: the table)"
     )
     group.add_argument(
@@ -350,6 +388,7 @@ def run(args: argparse.Namespace) -> dict:
         block_size=scale.block_size,
         max_seq_len=scale.max_seq_len,
         tokens_per_batch=scale.tokens_per_batch,
+        recompute=args.recompute,
     )
     # what --plan predicts for a drafter rank and a target rank of the recipe's 7 + 1 launch
     memory = plan_memory(cfg, info, c, Topology(WORLD, WORLD - 1, 1), device)
@@ -378,7 +417,7 @@ def run(args: argparse.Namespace) -> dict:
 
     # the drafter rank's training step
     base = _start_peak(device)
-    trainer = build_trainer(cfg, c, memory.checkpointing, device)
+    trainer = build_trainer(cfg, c, memory.execution, device)
     if device.type == "cuda":  # count from the drafter and its head (not the head's fp32 staging copy)
         torch.cuda.reset_peak_memory_stats(device)
     batches = [random_batch(scale, sequences, seed) for seed in (1, 2)]
@@ -392,6 +431,7 @@ def run(args: argparse.Namespace) -> dict:
         attention=trainer.settings.attention,
         chunk_tokens=cfg.drafter_chunk_tokens,
         gradient_checkpointing=trainer.drafter.gradient_checkpointing,
+        execution=memory.execution.describe(),
         steps=args.drafter_steps,
         mfu=peak and flops["model"] / drafter["step_s"] / peak,
         hfu=peak and flops["executed"] / drafter["step_s"] / peak,
@@ -407,7 +447,15 @@ def run(args: argparse.Namespace) -> dict:
         f"{drafter['draft_positions_per_s']:,.0f} draft positions/s, model {flops['model']:.3g} FLOP per step, "
         f"{_tflops(flops['model'], drafter['step_s'])}{_mfu(drafter['mfu'])} (executed {flops['executed']:.3g}"
         f"{_mfu(drafter['hfu'], 'HFU')}); peak {drafter['peak_gib']:.2f} GiB "
-        f"(predicted {drafter['predicted_peak_gib']:.2f}: {memory.drafter.describe()})"
+        f"(predicted {drafter['predicted_peak_gib']:.2f}: {memory.drafter.describe()}); {drafter['execution']}"
+    )
+    parts = drafter["parts"]
+    shares = ", ".join(
+        f"{part} {parts['seconds'][part]:.3f} s ({100 * share:.0f}%)"
+        for part, share in sorted(parts["shares"].items(), key=lambda x: -x[1])
+    )
+    print(
+        f"  drafter step by part ({PART_STEPS} more steps, timer on, {parts['step_s']:.3f} s per step): {shares}"
     )
 
     # the split of 8 devices, from the two rates (setup/calibrate.py: its model and report)
@@ -449,6 +497,17 @@ def run(args: argparse.Namespace) -> dict:
             figures["profile"] = {"error": f"{type(error).__name__}: {error}"}
             print(f"  profile failed: {figures['profile']['error']}")
         save()
+
+    # the operations a drafter step dispatches, counted on the CPU at the fixed tiny shape (op_count.py, which
+    # builds its trainers with this module's helpers: imported here, not above, to avoid the cycle); last, so
+    # that nothing measured on the device is lost if it fails
+    from .op_count import count_step_ops
+
+    count = count_step_ops()
+    figures["op_count"] = count.as_dict()
+    save()
+    for line in count.lines():
+        print("  " + line)
     return figures
 
 

@@ -35,6 +35,8 @@ TOKENS_PER_STEP = (512, 4096, 32768)
 # name: (flags, the precision of Muon's orthogonalisation; None: the device's, fp32 on a CPU)
 RECIPES = {
     "defaults": ([], None),  # Muon (torch's Newton-Schulz iterations, in fp32 on a CPU) and D-PACE
+    # the plan's other execution: q/k/v and the MLP recomputed in backward, in pieces of rows
+    "defaults, recompute qkv_mlp": (["--recompute", "qkv_mlp"], None),
     "defaults, three Polar Express steps": (["--muon_orthogonalisation", "polar_express_3"], None),
     "defaults, Newton-Schulz in bf16": ([], torch.bfloat16),  # torch's own precision
     "DFlash2": (["--drafter", "dflash2"], None),  # the defaults otherwise

@@ -101,6 +101,12 @@ class DFlashDraftConfig(PretrainedConfig):
         (memory.saved_per_position)."""
         return 0
 
+    def kept_normed_inputs_per_position(self) -> int:
+        """Elements a layer keeps per draft position when nothing is recomputed (`--recompute none`) beyond what
+        every family's attention and MLP then keep (memory.kept_per_position): DFlash's normed attention and
+        MLP inputs and one 1/rms."""
+        return 2 * self.hidden_size + 1
+
     def extra_backward_per_position(self) -> int:
         """Elements that exist only during one layer's backward, per draft position, beyond a DFlash layer's
         (memory.backward_per_position)."""

@@ -74,6 +74,10 @@ class DFlash2DraftConfig(DFlashDraftConfig):
         deltas = 2 * 2 * self.conv_kernel_size * (self.hidden_size // self.conv_group_size)
         return 6 * self.hidden_size + deltas + 2
 
+    def kept_normed_inputs_per_position(self) -> int:
+        """None: the normed inputs are the convolutions', counted in `extra_saved_per_position`."""
+        return 0
+
     def lookup_table_params(self) -> int:
         """The selector's two codebooks, [V, rank] each."""
         return 2 * self.vocab_size * self.selector_rank
@@ -170,7 +174,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         attended = self.self_attn(normed, _NORMED_ALREADY, context, cos, sin, mask, cache)
         hidden = hidden + self.attention_conv.finish(attended, deltas)
         normed, deltas = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
-        if torch.is_grad_enabled():  # keep the MLP's input only, as DFlash's MLP does
+        if self.mlp.recompute and torch.is_grad_enabled():  # keep the MLP's input only, as DFlash's does
             transformed = checkpoint(
                 self.mlp.transform, normed, use_reentrant=False, preserve_rng_state=False
             )

@@ -15,29 +15,47 @@ from dflash_ddp.drafter.model import MLP_ROWS
 from dflash_ddp.parallel.machine import MemoryPlan
 
 
-def saved_per_position(c: DFlashDraftConfig) -> int:
+def saved_per_position(c: DFlashDraftConfig, recompute: bool = True) -> int:
     """Elements kept for backward per draft position per drafter layer.
 
-    The layer's input (H; the norm, projections, q/k norms and rope are recomputed from it in backward),
-    q, k and v after rope and the attention output, which o_proj reads as a view (2 q-width + 2 kv-width),
-    one log-sum-exp per head, and the MLP's input (H; the MLP recomputes itself in backward); plus what a
-    family's layer keeps beyond that (DFlash2: its convolutions)."""
+    Recomputing (`--recompute qkv_mlp`): the layer's input (H; the norm, projections, q/k norms and rope are
+    recomputed from it in backward), q, k and v after rope and the attention output, which o_proj reads as a
+    view (2 q-width + 2 kv-width), one log-sum-exp per head, and the MLP's input (H; the MLP recomputes itself
+    in backward); plus what a family's layer keeps beyond that (DFlash2: its convolutions). Keeping
+    everything adds `kept_per_position`."""
     q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     dflash = 2 * c.hidden_size + 2 * q_width + 2 * kv_width + c.num_attention_heads
-    return dflash + c.extra_saved_per_position()
+    return dflash + c.extra_saved_per_position() + (0 if recompute else kept_per_position(c))
 
 
-def saved_per_context_token(c: DFlashDraftConfig) -> int:
-    """Elements kept per context token per layer: its keys after rope and its values."""
-    return 2 * c.num_key_value_heads * c.head_dim
-
-
-def backward_per_position(c: DFlashDraftConfig) -> int:
-    """Elements that exist only during the backward of one layer, per draft position, beside the saved ones:
-    the recomputed normed input, q/k/v before and after their norms and rope, and the gradients of the
-    residual stream, the attention output, q, k and v (fp32)."""
+def kept_per_position(c: DFlashDraftConfig) -> int:
+    """Elements a layer keeps per draft position when nothing is recomputed (`--recompute none`) beyond the
+    recomputing layer's: q and k before their norms and the norms' 1/rms per head, the MLP's gate, up,
+    silu(gate) and their product (4 intermediate-wide), and the family's normed inputs."""
     q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return 4 * c.hidden_size + 4 * q_width + 6 * kv_width
+    heads = c.num_attention_heads + c.num_key_value_heads
+    return q_width + kv_width + heads + 4 * c.intermediate_size + c.kept_normed_inputs_per_position()
+
+
+def saved_per_context_token(c: DFlashDraftConfig, recompute: bool = True) -> int:
+    """Elements kept per context token per layer: its keys after rope and its values; keeping everything, its
+    keys before their norm and their 1/rms too."""
+    kept = 0 if recompute else c.num_key_value_heads * (c.head_dim + 1)
+    return 2 * c.num_key_value_heads * c.head_dim + kept
+
+
+def backward_per_position(c: DFlashDraftConfig, recompute: bool = True) -> int:
+    """Elements that exist only during the backward of one layer, per draft position, beside the saved ones.
+
+    Recomputing: the recomputed normed input, q/k/v before and after their norms and rope, and the gradients
+    of the residual stream, the attention output, q, k and v (fp32); the MLP's pieces of rows are counted
+    apart (MLP_ROWS). Keeping everything: the gradients of the residual stream and the normed input, the
+    attention output, q, k and v before and after their norms, and of the MLP's four intermediate-wide
+    tensors, with the norms' backward over all rows at once."""
+    q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    if recompute:
+        return 4 * c.hidden_size + 4 * q_width + 6 * kv_width
+    return 4 * c.hidden_size + 3 * q_width + 4 * kv_width + 4 * c.intermediate_size
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,7 @@ class DrafterLoad:
         int  # feature batches held at once (split: up to --max_inflight arrive while one trains)
     )
     checkpointing: bool = False
+    recompute: bool = True  # --recompute qkv_mlp (False: none, every activation kept)
 
 
 def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
@@ -75,7 +94,8 @@ def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
     # a chunk's padded context is bounded like its positions, except that one sequence longer than a chunk
     # is a chunk of its own with its whole context (long-context runs)
     context = min(max(positions, max_seq_len), tokens_per_batch)
-    per_layer = positions * saved_per_position(c) + context * saved_per_context_token(c)
+    recompute = load.recompute
+    per_layer = positions * saved_per_position(c, recompute) + context * saved_per_context_token(c, recompute)
     # once per chunk: the features, fc's output, the block embeddings, the final norm and the loss's copy
     once = context * (width + c.hidden_size) + positions * 3 * c.hidden_size
     last_input = positions * c.hidden_size
@@ -87,8 +107,9 @@ def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
         shared, last_rest = (c.num_hidden_layers - 1) * per_layer + last_input, per_layer - last_input
     activations = (shared + once) * dtype_bytes
     # backward of one layer, next to the saved tensors; the MLP and the norms work in pieces of rows
-    backward = positions * (backward_per_position(c) + c.extra_backward_per_position()) * 4
-    backward += 5 * MLP_ROWS * c.intermediate_size * 4
+    backward = positions * (backward_per_position(c, recompute) + c.extra_backward_per_position()) * 4
+    if recompute:
+        backward += 5 * MLP_ROWS * c.intermediate_size * 4
     loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
     loss_ws += c.extra_loss_bytes(min(loss_chunk_size, positions), dtype_bytes)
     if load.attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks

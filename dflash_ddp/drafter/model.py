@@ -32,21 +32,37 @@ def _rms_normed(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> to
     return (weight * (x.to(rstd.dtype) * rstd).to(x.dtype)).to(x.dtype)
 
 
-def _rms_norm_backward(x, weight, rstd, grad):
+# Values of one piece of a norm's backward when the layers recompute (--recompute qkv_mlp): its temporaries
+# stay small next to the activations it runs beside. Keeping everything, the backward runs in one piece.
+NORM_PIECE_VALUES = 1 << 20
+
+
+def _rms_norm_backward(x, weight, rstd, grad, pieces: bool = True):
     """Gradients of `_rms_normed` w.r.t. x (x's dtype) and the weight (fp32 sums, the weight's dtype), in
-    pieces of about 2^20 values: its temporaries stay small next to the activations it runs beside."""
+    pieces of about NORM_PIECE_VALUES values (`pieces`) or all rows at once."""
     acc, shape, width = rstd.dtype, x.shape, x.shape[-1]
     x, grad, rstd = x.reshape(-1, width), grad.reshape(-1, width), rstd.reshape(-1, 1)
+    if not pieces:  # no loop: a compiled region keeps its lengths dynamic and fuses the whole chain
+        grad_x, grad_weight = _rms_norm_piece_backward(x, weight, rstd, grad)
+        return grad_x.to(x.dtype).view(shape), grad_weight.to(weight.dtype)
     grad_x = torch.empty_like(x)
     grad_weight = torch.zeros(width, dtype=acc, device=x.device)
-    rows = max(1, (1 << 20) // width)
+    rows = max(1, NORM_PIECE_VALUES // width)
     for r in range(0, x.shape[0], rows):
-        g, rs = grad[r : r + rows].to(acc), rstd[r : r + rows]
-        normed = x[r : r + rows].to(acc) * rs
-        grad_weight += (g * normed.to(x.dtype).to(acc)).sum(0)
-        g = g * weight.to(acc)
-        grad_x[r : r + rows] = rs * (g - normed * (g * normed).mean(-1, keepdim=True))
+        g_x, g_w = _rms_norm_piece_backward(x[r : r + rows], weight, rstd[r : r + rows], grad[r : r + rows])
+        grad_weight += g_w
+        grad_x[r : r + rows] = g_x
     return grad_x.view(shape), grad_weight.to(weight.dtype)
+
+
+def _rms_norm_piece_backward(x, weight, rstd, grad):
+    """The gradients of rows x [n, width] (in rstd's dtype): w.r.t. x and the weight's sum over the rows."""
+    acc = rstd.dtype
+    g = grad.to(acc)
+    normed = x.to(acc) * rstd
+    grad_weight = (g * normed.to(x.dtype).to(acc)).sum(0)
+    g = g * weight.to(acc)
+    return rstd * (g - normed * (g * normed).mean(-1, keepdim=True)), grad_weight
 
 
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,14 +74,15 @@ class _RMSNormFunction(torch.autograd.Function):
     """y = w * (x / rms(x)), keeping only x and 1/rms for backward (autograd's version keeps x/rms too)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, pieces):
         rstd = _rstd(x, eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.pieces = pieces
         return _rms_normed(x, weight, rstd)
 
     @staticmethod
     def backward(ctx, grad):
-        return (*_rms_norm_backward(*ctx.saved_tensors, grad), None)
+        return (*_rms_norm_backward(*ctx.saved_tensors, grad, ctx.pieces), None, None)
 
 
 class RMSNorm(nn.Module):
@@ -76,9 +93,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.recompute = True  # the backward in pieces (see `DFlashDraftModel.set_recompute`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.recompute)
 
 
 class RotaryEmbedding(nn.Module):
@@ -140,8 +158,10 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.recompute = True  # q, k and v recomputed in backward (see `DFlashDraftModel.set_recompute`)
+        self._compiled_qkv = None  # `compile_projections`
 
-    def _qkv(self, x, norm, context, cos, sin):
+    def _qkv(self, x, context, cos, sin, norm):
         """Roped queries [B, heads, Q, D], roped keys and values [B, kv heads, S + Q, D] of the block's
         pre-norm states x."""
         hidden = norm(x)
@@ -156,19 +176,35 @@ class DFlashAttention(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         return _apply_rope(q, cos[:, -q_len:], sin[:, -q_len:]), _apply_rope(k, cos, sin), v
 
+    def compile_projections(self, backend: str) -> None:
+        """Compile the part before attention (`DFlashDraftModel.compile_regions`)."""
+        self._compiled_qkv = torch.compile(self._qkv, backend=backend, fullgraph=True)
+
     def forward(self, x, norm, context, cos, sin, mask, cache=None):
         """Attention output (after o_proj) of the block whose pre-norm states are x; `norm` is the layer's
         input norm."""
-        if torch.is_grad_enabled() and cache is None:
+        training = torch.is_grad_enabled() and cache is None
+        if self.recompute and training:
             # Training keeps x only: the norm, projections, q/k norms and rope (cheap next to attention) are
             # recomputed in backward, instead of keeping the normed input and q, k before their norms.
-            q, k, v = checkpoint(self._qkv, x, norm, context, cos, sin, use_reentrant=False)
+            q, k, v = checkpoint(self._qkv, x, context, cos, sin, norm, use_reentrant=False)
+        elif self._compiled_qkv is not None and training:
+            q, k, v = self._compiled_qkv(*_dynamic_lengths(x, context, cos, sin), norm=norm)
         else:
-            q, k, v = self._qkv(x, norm, context, cos, sin)
+            q, k, v = self._qkv(x, context, cos, sin, norm)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+def _dynamic_lengths(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` ([batch, length, ...]) with batch and length marked dynamic before a compiled region: chunks
+    differ in rows, draft positions and context, and each new size would otherwise compile another graph."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+    return tensors
 
 
 # Rows of one piece of the MLP's recomputation in backward: its temporaries (about four [rows, I] tensors)
@@ -239,9 +275,22 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.recompute = True  # in backward, in pieces of MLP_ROWS (see `DFlashDraftModel.set_recompute`)
+        self._compiled_residual = None  # `compile_residual`
+
+    def compile_residual(self, backend: str) -> None:
+        """Compile the kept-activations MLP half (`DFlashDraftModel.compile_regions`)."""
+        self._compiled_residual = torch.compile(self._residual, backend=backend, fullgraph=True)
+
+    def _residual(self, h: torch.Tensor, *, norm: RMSNorm) -> torch.Tensor:
+        return h + self.transform(norm(h))
 
     def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The MLP half of a layer: h + mlp(norm(h)), in the autocast dtype when autocast is on."""
+        if not self.recompute:  # plain autograd keeps n, gate, up and their product: no second pass
+            if self._compiled_residual is not None and torch.is_grad_enabled():
+                return self._compiled_residual(*_dynamic_lengths(h), norm=norm)
+            return self._residual(h, norm=norm)
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         with torch.autocast(device, enabled=False):
@@ -290,6 +339,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False  # per layer (--gradient_checkpointing)
+        self.recomputes = True  # `set_recompute`
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -297,6 +347,24 @@ class DFlashDraftModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+
+    def set_recompute(self, recompute: bool) -> None:
+        """Whether the layers recompute in backward what is cheap to recompute (q, k and v, the MLP in pieces of
+        rows, a norm's backward in pieces; DFlash2's convolutions): less memory, more and smaller kernels.
+        Without it autograd keeps every activation (--recompute, chosen by the plan; docs/design.md)."""
+        self.recomputes = recompute
+        for module in self.modules():
+            if hasattr(module, "recompute"):
+                module.recompute = recompute
+
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """Compile each layer's elementwise chains (before attention: the norm, projections, q/k norms and
+        rope; after it: the norm, MLP and residuals) into fused kernels with torch.compile; attention keeps its
+        own kernel. Training only: decoding with a cache runs eagerly. For layers that keep their activations
+        (`set_recompute(False)`): the recomputing pieces loop in Python, which a compiled graph would unroll."""
+        for layer in self.layers:
+            layer.self_attn.compile_projections(backend)
+            layer.mlp.compile_residual(backend)
 
     def forward(
         self,

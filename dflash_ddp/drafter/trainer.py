@@ -200,14 +200,30 @@ class DrafterTrainer:
         gamma = scheduled_gamma(settings.loss_gamma_start, end, self.global_step, self.optim.total_steps)
         return replace(settings.loss, gamma=gamma)
 
-    def _forward_backward(self, chunk: DraftChunk, weight_sum: torch.Tensor) -> LossTerms:
-        """One chunk's forward and backward (gradients accumulate); its loss terms, detached."""
+    def _step_weights(self) -> dict[str, torch.Tensor] | None:
+        """The drafter's matrices in bf16 for every chunk of a step, on CUDA with layers that keep their
+        activations: autocast would cast each one again for every chunk. The casts stay in the graph, so each
+        chunk's gradients still reach the fp32 weights (and in bf16, as under autocast). None elsewhere: the CPU
+        trains in fp32, and recomputing layers cast in their own backward."""
+        if self.device.type != "cuda" or self.drafter.recomputes:
+            return None
+        return {name: p.to(torch.bfloat16) for name, p in self.drafter.named_parameters() if p.ndim == 2}
+
+    def _forward_backward(
+        self, chunk: DraftChunk, weight_sum: torch.Tensor, weights: dict | None = None
+    ) -> LossTerms:
+        """One chunk's forward and backward (gradients accumulate); its loss terms, detached. `weights`: the
+        step's cast matrices (`_step_weights`)."""
         inputs, timer = chunk.inputs, self.timer
+        args = (self.head.embed(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask)
         with self._autocast():
             with timer.part("drafter forward"):
-                out = self.drafter(
-                    self.head.embed(inputs.block_ids), chunk.features, inputs.position_ids, chunk.mask
-                ).last_hidden_state
+                if weights is None:
+                    out = self.drafter(*args).last_hidden_state
+                else:
+                    out = torch.func.functional_call(
+                        self.drafter, weights, args, strict=False
+                    ).last_hidden_state
             with timer.part("loss"):
                 terms = self.drafter.loss_terms(out, self.head.lm_head_weight, inputs, self.settings.loss)
         with timer.part("backward"):
@@ -255,8 +271,10 @@ class DrafterTrainer:
             torch.tensor(sum(c.weight_sum for c in chunks), dtype=torch.float32, device=self.device)
         )
         totals = LossTerms.zeros(self.drafter.config.block_size, self.device)
+        weights = self._step_weights()
         for chunk in chunks:
-            totals = _add_terms(totals, self._forward_backward(chunk, weight_sum))
+            totals = _add_terms(totals, self._forward_backward(chunk, weight_sum, weights))
+        del weights
         for p in self.drafter.parameters():  # a rank whose batch had no anchors still joins the all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

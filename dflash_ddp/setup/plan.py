@@ -46,17 +46,54 @@ def node_roles(topology: Topology) -> list[str]:
     return ["drafter" if r in drafters else "target" for r in range(first, first + count)]
 
 
+@dataclass(frozen=True)
+class Execution:
+    """How the drafter trades memory for compute: whether its layers recompute q/k/v and the MLP in backward
+    (--recompute qkv_mlp) and whether each whole layer is recomputed (--gradient_checkpointing), and why."""
+
+    recompute: bool
+    checkpointing: bool
+    reason: str = ""
+
+    def describe(self) -> str:
+        """'recompute none, gradient checkpointing off: <why>'."""
+        kind = "qkv_mlp" if self.recompute else "none"
+        return f"recompute {kind}, gradient checkpointing {'on' if self.checkpointing else 'off'}" + (
+            f": {self.reason}" if self.reason else ""
+        )
+
+    def record(self) -> dict:
+        """What a checkpoint's trainer_state.json records of it."""
+        return {
+            "recompute": "qkv_mlp" if self.recompute else "none",
+            "gradient_checkpointing": self.checkpointing,
+        }
+
+
+def executions(cfg: TrainConfig) -> list[Execution]:
+    """The executions the settings allow, fastest first: keeping every activation runs each matmul once and
+    launches the fewest kernels; recomputing q/k/v and the MLP costs about a quarter more of the layers'
+    FLOPs; recomputing whole layers a third more."""
+    recomputes = {"none": [False], "qkv_mlp": [True], "auto": [False, True]}[cfg.recompute]
+    checkpoints = [False, True] if cfg.gradient_checkpointing is None else [cfg.gradient_checkpointing]
+    return [Execution(r, c) for c in checkpoints for r in recomputes]
+
+
 @dataclass
 class RunMemory:
-    """The predicted peaks of a drafter rank and a target rank, whether this node holds them, and whether
-    the drafter checkpoints its layers (--gradient_checkpointing; unset: only if that alone makes it fit)."""
+    """The predicted peaks of a drafter rank and a target rank, whether this node holds them, and the drafter's
+    execution (the fastest the settings allow that fits; `executions`)."""
 
     drafter: MemoryPlan
     target: MemoryPlan
     fit: FitCheck
-    checkpointing: bool
+    execution: Execution
     drafter_params: int
     evaluation: int  # with --eval_data: the whole target's weights, which evaluation loads on the leader
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.execution.checkpointing
 
 
 def plan_memory(
@@ -68,7 +105,7 @@ def plan_memory(
     gpu_bytes: int | None = None,
 ) -> RunMemory:
     """Predict this run's memory (see memory.py) for the device and node of this rank (`gpu_bytes`: for
-    GPUs of that memory instead, as `check_fit`)."""
+    GPUs of that memory instead, as `check_fit`), and choose the drafter's execution."""
     roles = node_roles(topology)
     dtype_bytes = compute_dtype(device).itemsize
     params, optimizer_state = drafter_sizes(c, cfg.optimizer)
@@ -78,7 +115,7 @@ def plan_memory(
     rows = max(1, batch_tokens // (2 * c.block_size))
     positions = min(cfg.drafter_chunk_tokens, c.block_size * min(batch_tokens, cfg.num_anchors * rows))
 
-    def drafter(checkpointing: bool) -> MemoryPlan:
+    def drafter(execution: Execution) -> MemoryPlan:
         load = DrafterLoad(
             num_params=params,
             optimizer_state=optimizer_state,
@@ -90,7 +127,8 @@ def plan_memory(
             dtype_bytes=dtype_bytes,
             # split: up to --max_inflight batches arrive while one trains
             received_batches=1 if topology.colocated else 1 + cfg.max_inflight,
-            checkpointing=checkpointing,
+            checkpointing=execution.checkpointing,
+            recompute=execution.recompute,
         )
         return drafter_memory(c, load)
 
@@ -115,13 +153,33 @@ def plan_memory(
         if cfg.eval_data
         else 0
     )
-    checkpointing = bool(cfg.gradient_checkpointing)
-    plan = drafter(checkpointing)
-    fit = check_fit(plan, target, roles, device, gpu_bytes)
-    if cfg.gradient_checkpointing is None and not fit.fits:
-        checkpointing, plan = True, drafter(True)
-        fit = check_fit(plan, target, roles, device, gpu_bytes)
-    return RunMemory(plan, target, fit, checkpointing, params, whole * dtype_bytes)
+    execution, plan, fit = choose_execution(
+        executions(cfg), drafter, lambda p: check_fit(p, target, roles, device, gpu_bytes)
+    )
+    return RunMemory(plan, target, fit, execution, params, whole * dtype_bytes)
+
+
+def choose_execution(candidates: list[Execution], plan_of, fit_of) -> tuple[Execution, MemoryPlan, FitCheck]:
+    """The first of `candidates` (fastest first) whose predicted peak fits, with the reason. When none fits,
+    the first that needs no more than the leanest: the run is refused then (`check_memory`), and the
+    drafter's choice should not be what the refusal names when a target rank is what does not fit."""
+    plans = [plan_of(execution) for execution in candidates]
+    fits = [fit_of(plan) for plan in plans]
+    fitting = [i for i, fit in enumerate(fits) if fit.fits]
+    chosen = fitting[0] if fitting else min(range(len(fits)), key=lambda i: (fits[i].needed, i))
+    fit = fits[chosen]
+    if len(candidates) == 1:
+        reason = "as set (--recompute, --gradient_checkpointing)"
+    elif not fitting:
+        reason = f"none fits {fit.where}"
+    elif chosen:
+        faster = "; ".join(
+            f"{candidates[i].describe()} would need {fits[i].needed / GIB:.2f} GiB" for i in range(chosen)
+        )
+        reason = f"the fastest that fits {fit.where} ({faster})"
+    else:
+        reason = f"the fastest, and it fits {fit.where}"
+    return dataclasses.replace(candidates[chosen], reason=reason), plans[chosen], fit
 
 
 # the context lengths --plan predicts (tokens of one sequence; a batch holds at least one)

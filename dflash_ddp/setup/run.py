@@ -61,7 +61,7 @@ class RunSetup:
     info: TargetInfo  # its path: the directory the target ranks load (for a hub name, a view of the shards)
     tokenizer: object
     drafter_config: DFlashDraftConfig
-    memory: RunMemory  # predicted peaks, whether they fit, and whether the drafter checkpoints its layers
+    memory: RunMemory  # predicted peaks, whether they fit, and the drafter's execution
     warm_start: WarmStart | None = None  # --init_from: the drafter to start from, checked against this run
 
 
@@ -209,6 +209,8 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topo
         },
         "drafter": to_zlab_config(setup.drafter_config),
         "init_from": setup.warm_start.record() if setup.warm_start else None,
+        # how the drafter ran (the plan's choice for this device): recorded, free to change on a resume
+        "execution": setup.memory.execution.record(),
     }
 
 
@@ -270,7 +272,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})"
         + (f"; weights are 1/{topology.tp_size} of the truncated target's" if topology.tp_size > 1 else ""),
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
-        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}, gradient checkpointing {'on' if memory.checkpointing else 'off'}",
+        f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}",
+        "drafter_execution": memory.execution.describe(),
         "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
     }
     device = run_device(cfg)

@@ -8,9 +8,11 @@ import torch
 
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import resolve_attention
+from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
 from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.parallel.topology import compute_dtype
+from dflash_ddp.setup.plan import Execution
 from dflash_ddp.setup.run import RunSetup
 from dflash_ddp.setup.warm_start import load_warm_start
 from dflash_ddp.target_model.head import SharedTargetHead
@@ -24,9 +26,18 @@ def build_trainer(
     drafter = build_drafter(setup.drafter_config, cfg.seed, device)
     if setup.warm_start:  # --init_from (a resumed run's checkpoint then replaces these weights)
         load_warm_start(drafter, setup.warm_start)
-    drafter.gradient_checkpointing = setup.memory.checkpointing
+    configure_execution(drafter, setup.memory.execution, device)
     settings = step_settings(cfg, resolve_attention(cfg.attention, device))
     return DrafterTrainer(drafter, head, settings, optimizer_settings(cfg, total_steps), group)
+
+
+def configure_execution(drafter: DFlashDraftModel, execution: Execution, device: torch.device) -> None:
+    """Set the drafter up to run as the plan chose: what it recomputes in backward and, keeping every
+    activation on CUDA, its layers' elementwise chains compiled into fused kernels."""
+    drafter.gradient_checkpointing = execution.checkpointing
+    drafter.set_recompute(execution.recompute)
+    if device.type == "cuda" and not execution.recompute:
+        drafter.compile_regions()
 
 
 def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:

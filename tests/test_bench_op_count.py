@@ -1,0 +1,64 @@
+"""The operations one drafter step dispatches (bench/op_count.py), held under a ceiling: on a GPU each is a
+kernel launch or more, and the drafter's step is launch-bound, so a change that multiplies them fails here,
+before it reaches a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_ddp.bench.op_count import count_step_ops, launches
+
+# Today's figures plus about 5% (2026-12-04: 1599 launching ops per step at 2 layers x 2 sequences, 299 per
+# layer, 431 per sequence, with nothing recomputed, the execution a GPU with room runs; 1939, 382 and 518
+# recomputing q/k/v and the MLP). Lower them when a change launches fewer; raise them only with the reason.
+CEILINGS = {"per step": 1680, "per layer": 315, "per sequence": 455}
+HOW = (
+    "a change that multiplies the kernels a drafter step launches must be justified (on an H200 the step is "
+    "bound by launching thousands of small kernels; docs/benchmarks.md). Re-measure with `python -m "
+    "dflash_ddp.bench --gpu --scale tiny` (its 'op count' lines) and set the ceiling in this test to the new "
+    "figure + 5% only with the reason in docs/LOG.md"
+)
+
+
+@pytest.fixture(scope="module")
+def counts():
+    """Two counts of the same step (about a second each)."""
+    return count_step_ops(), count_step_ops()
+
+
+def test_ops_per_step_stay_under_their_ceilings(counts):
+    count = counts[0]
+    figures = {
+        "per step": count.step.launching,
+        "per layer": count.per_layer,
+        "per sequence": count.per_sequence,
+    }
+    for name, value in figures.items():
+        assert value <= CEILINGS[name], (
+            f"launching ops {name} grew to {value} (ceiling {CEILINGS[name]}; by part of the step "
+            f"{count.step.parts}, top {count.step.top[:5]}): {HOW}"
+        )
+
+
+def test_op_counts_are_positive_and_reproducible(counts):
+    first, second = counts
+    assert first.per_layer > 0 and first.per_sequence > 0 and first.optimizer > 0
+    assert first.step.dispatched > first.step.launching > first.per_layer + first.per_sequence
+    assert (first.layers, first.sequences) == (2, 2)
+    assert first.step.launching == sum(n for part, n in first.step.parts.items() if part != "blocks")
+    same = ("step", "per_layer", "per_sequence", "optimizer")
+    assert [getattr(first, f) for f in same] == [getattr(second, f) for f in same]
+    # counted as CUDA runs the step: under bf16 autocast, whose casts are kernels (no-ops in fp32)
+    top = dict(first.step.top)
+    assert top.get("_to_copy", 0) > 0, top
+
+
+def test_views_allocations_and_host_reads_launch_nothing():
+    aten = torch.ops.aten
+    for op in (aten.view.default, aten.transpose.int, aten.split.Tensor, aten.detach.default):
+        assert not launches(op), op
+    for op in (aten.empty.memory_format, aten._unsafe_view.default, aten._local_scalar_dense.default):
+        assert not launches(op), op
+    for op in (aten.mm.default, aten._to_copy.default, aten.copy_.default, aten.add_.Tensor, aten.mm.out):
+        assert launches(op), op
