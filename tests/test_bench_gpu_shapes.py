@@ -12,7 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_ddp.bench.flops import draft_work, drafter_flops, target_forward_flops
-from dflash_ddp.bench.gpu_shapes import SCALES, add_arguments, build_target, qwen3_config, run
+from dflash_ddp.bench.gpu_shapes import SCALES, add_arguments, build_target, qwen3_config
+from dflash_ddp.bench.op_count import run_gpu_shapes as run
 from dflash_ddp.data.batch import Batch
 from dflash_ddp.drafter.attention import dense_block_mask
 from dflash_ddp.drafter.blocks import sample_anchors

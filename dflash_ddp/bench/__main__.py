@@ -29,10 +29,10 @@ from dflash_ddp.bench.channel import bench_channel, bench_job
 from dflash_ddp.bench.drafter import bench_attention_paths, bench_chunked_recipe
 from dflash_ddp.bench.engines import bench_engine_tau, bench_regeneration
 from dflash_ddp.bench.gpu_shapes import add_arguments as add_gpu_shapes_arguments
-from dflash_ddp.bench.gpu_shapes import run as bench_gpu_shapes
 from dflash_ddp.bench.long_context import bench_long_context
 from dflash_ddp.bench.long_plan import bench_long_plan
 from dflash_ddp.bench.method import TARGETS, VARIANTS, bench_method
+from dflash_ddp.bench.op_count import run_gpu_shapes as bench_gpu_shapes
 from dflash_ddp.bench.speed import bench_plain_loop
 from dflash_ddp.bench.step_cost import bench_step_cost
 from dflash_ddp.bench.warm_start import bench_warm_start

@@ -498,16 +498,6 @@ def run(args: argparse.Namespace) -> dict:
             print(f"  profile failed: {figures['profile']['error']}")
         save()
 
-    # the operations a drafter step dispatches, counted on the CPU at the fixed tiny shape (op_count.py, which
-    # builds its trainers with this module's helpers: imported here, not above, to avoid the cycle); last, so
-    # that nothing measured on the device is lost if it fails
-    from .op_count import count_step_ops
-
-    count = count_step_ops()
-    figures["op_count"] = count.as_dict()
-    save()
-    for line in count.lines():
-        print("  " + line)
     return figures
 
 

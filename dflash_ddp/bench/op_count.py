@@ -28,6 +28,7 @@ once at this size and many times at the recipe's: the figure counts the kernels 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from dflash_ddp.setup.plan import Execution
 from dflash_ddp.target_model.info import target_info_from_config
 
 from .gpu_shapes import SCALES, build_trainer, qwen3_config, random_batch
+from .gpu_shapes import run as run_on_device
 
 # Operations that launch no device work, by name (overloads alike): views and other metadata changes (a new
 # header over the same memory), allocations without a fill (the caching allocator hands out memory without a
@@ -241,3 +243,16 @@ def _as_on_cuda(trainer: DrafterTrainer) -> None:
     for group in trainer.optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("fused"):
             group["foreach"] = True  # what None means for CUDA tensors
+
+
+def run_gpu_shapes(args) -> dict:
+    """`bench --gpu`: the device's figures (gpu_shapes.run), then the operations one drafter step dispatches,
+    counted on the CPU at the fixed tiny shape; last, so that nothing measured on the device is lost if the
+    count fails. Both are printed and written to OUT/gpu_shapes.json."""
+    figures = run_on_device(args)
+    count = count_step_ops()
+    figures["op_count"] = count.as_dict()
+    (Path(args.out) / "gpu_shapes.json").write_text(json.dumps(figures, indent=1) + "\n")
+    for line in count.lines():
+        print("  " + line)
+    return figures
