@@ -34,20 +34,26 @@ SHORT = ["--max_steps", "6", "--save_steps", "6", "--logging_steps", "1", "--eva
 HELDOUT = EMBEDDED_PRESET["eval_data"]
 
 
-def train(args: list[str], out: Path, nproc: int = 0) -> subprocess.CompletedProcess:
-    """The real CLI (one process, or torchrun with `nproc` processes), one thread per process."""
+def launch(args: list[str], out: Path, nproc: int = 0, launcher: tuple = (), env: dict | None = None):
+    """The real CLI (one process, or torchrun with `nproc` processes and its `launcher` flags), one thread per
+    process; its completed process, whatever its exit."""
     head = (
-        [*torchrun_cmd(nproc), "-m", "dflash_ddp.train"]
+        [*torchrun_cmd(nproc, *launcher), "-m", "dflash_ddp.train"]
         if nproc
         else [sys.executable, "-m", "dflash_ddp.train"]
     )
-    done = subprocess.run(
+    return subprocess.run(
         [*head, *SHORT, "--output_dir", str(out), *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
+
+
+def train(args: list[str], out: Path, nproc: int = 0) -> subprocess.CompletedProcess:
+    """The real CLI training to the end."""
+    done = launch(args, out, nproc)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
@@ -223,18 +229,7 @@ def refusal_of_the_cli(args: list[str], out: Path, nproc: int = 0, env: dict | N
     """The real CLI (one process, or torchrun with `nproc`) refusing to start: exit non-zero, nothing written
     to `out`, one error line and no traceback from any process (torchrun's own summary aside); that line."""
     logs = out.parent / "logs"
-    head = (
-        [*torchrun_cmd(nproc, "--log-dir", str(logs), "--redirects", "3"), "-m", "dflash_ddp.train"]
-        if nproc
-        else [sys.executable, "-m", "dflash_ddp.train"]
-    )
-    done = subprocess.run(
-        [*head, *SHORT, "--output_dir", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
+    done = launch(args, out, nproc, ("--log-dir", str(logs), "--redirects", "3"), env)
     stderr = "".join(p.read_text() for p in sorted(logs.rglob("stderr.log"))) if nproc else done.stderr
     assert done.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
     assert not out.exists()
