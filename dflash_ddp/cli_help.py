@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from dflash_ddp.config import EMBEDDED_NAME, EMBEDDED_PRESET, TrainConfig
+from dflash_ddp.config import EMBEDDED_NAME, EMBEDDED_PRESET, TrainConfig, family_defaults
 from dflash_ddp.settings import Setting, allowed_values, field_types, load_yaml, parse_flags
 
 REQUIRED = ("target_model", "data")  # required once the embedded default is not used
@@ -48,7 +48,8 @@ def resolved_values(argv: list[str]) -> tuple[dict, bool]:
     if given.get("target_model") == EMBEDDED_NAME:
         del given["target_model"]
     embedded = "target_model" not in given
-    return {**defaults, **(EMBEDDED_PRESET if embedded else {}), **given}, embedded
+    values = {**(EMBEDDED_PRESET if embedded else {}), **given}
+    return {**defaults, **values, **family_defaults(values)}, embedded
 
 
 def usage(argv: list[str] | None = None) -> str:
@@ -82,6 +83,10 @@ def usage(argv: list[str] | None = None) -> str:
                 value += (
                     f" (otherwise {shown(getattr(defaults, name)) if name not in REQUIRED else 'required'})"
                 )
+            if values["drafter"] not in spec.family_defaults:
+                value += "".join(
+                    f" (with --drafter {k}: {shown(v)})" for k, v in spec.family_defaults.items()
+                )
             lines.append(f"  --{name:<29} {spec.help}")
             lines.append(f"  {'':<31} {allowed_values(spec, types_[name])}; value: {value}")
     lines += [
@@ -112,11 +117,12 @@ def markdown_reference() -> str:
             "| --- | --- | --- | --- |",
         ]
         for name, spec in settings:
+            by_family = "".join(f"; with --drafter {k}: {shown(v)}" for k, v in spec.family_defaults.items())
             cells = [
                 f"`--{name}`",
                 spec.help,
                 allowed_values(spec, types_[name]),
-                shown(getattr(defaults, name)),
+                shown(getattr(defaults, name)) + by_family,
             ]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines += ["", REFERENCE_END]

@@ -15,6 +15,7 @@ from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.blocks import ANCHOR_RULES
 from dflash_ddp.drafter.distillation import LOSSES
 from dflash_ddp.drafter.dspark import MARKOV_HEAD_TYPES
+from dflash_ddp.drafter.dspark import TARGET_TOPK as DSPARK_TARGET_TOPK
 from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, OPTIMIZERS, ORTHOGONALISATIONS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
@@ -109,7 +110,8 @@ class TrainConfig:
         "model",
         "the drafter family: dflash drafts a block's positions independently; dflash2 adds convolutions "
         "inside the block and a candidate selector that drafts each position given the one before it; "
-        "dspark adds a Markov head (a bias from the previous token) and a confidence head (needs --target_topk)",
+        "dspark adds a Markov head (a bias from the previous token) and a confidence head (trained against the "
+        f"target's distribution: --target_topk {DSPARK_TARGET_TOPK} unless given)",
         choices=tuple(FAMILIES),
     )
     init_from: str = setting(
@@ -264,10 +266,11 @@ class TrainConfig:
     target_topk: int = setting(
         0,
         "optimisation",
-        "soft targets: the target ranks run every layer and the LM head and send the top-k next-token probabilities with the features (k x 6 bytes more a token); 0: none",
+        "soft targets: the target ranks run every layer and the LM head and send the top-k next-token probabilities with the features (k x 6 bytes more a token; --plan prints the target's extra compute); 0: none",
         allowed="0 or an integer >= 1",
         minimum=0,
         overridable=True,
+        family_defaults={"dspark": DSPARK_TARGET_TOPK},
     )
     ce_weight: float = setting(
         0.0,
@@ -282,8 +285,10 @@ class TrainConfig:
     max_steps: int = setting(
         -1,
         "optimisation",
-        "optimizer steps; -1: --num_epochs passes",
-        allowed="-1 or an integer >= 1",
+        "optimizer steps; -1: --num_epochs passes; 0: no training: the starting drafter (--init_from's, or a "
+        "fresh one) is saved as the step-0 checkpoint and evaluated like any run's last (the target ranks stream "
+        "nothing); a resume with more steps trains on from it",
+        allowed="-1, 0 or an integer >= 1",
         overridable=True,
     )
     learning_rate: float = setting(
@@ -486,9 +491,10 @@ class TrainConfig:
             check_setting(f.name, getattr(self, f.name), f.metadata["setting"])
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed {self.seed}: must be in [0, 2^63)")
-        if self.max_steps == 0 or self.max_steps < -1:
+        if self.max_steps < -1:
             raise ValueError(
-                f"--max_steps {self.max_steps}: pass a positive number, or -1 to run --num_epochs"
+                f"--max_steps {self.max_steps}: pass a positive number, 0 to save the starting drafter "
+                "untrained, or -1 to run --num_epochs"
             )
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"--mask_token_id {self.mask_token_id}: must be a token id >= 0")
@@ -574,9 +580,20 @@ def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
             "trains it on this data on purpose)"
         )
     values = {**EMBEDDED_PRESET, **merged} if embedded else merged
-    config = TrainConfig(**values)
+    config = TrainConfig(**values, **family_defaults(values))
     config.validate()
     return config, embedded
+
+
+def family_defaults(given: dict) -> dict:
+    """The --drafter family's own defaults (a setting's `family_defaults`) of the settings `given` leaves out:
+    --drafter dspark without --target_topk trains against the target's top 64."""
+    drafter = given.get("drafter", TrainConfig.drafter)
+    return {
+        f.name: f.metadata["setting"].family_defaults[drafter]
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in given and drafter in f.metadata["setting"].family_defaults
+    }
 
 
 def config_to_dict(config: TrainConfig) -> dict:

@@ -2,8 +2,9 @@
 through the user's hub cache with huggingface_hub as transformers does; a local path always wins.
 
 Only what a run needs is downloaded: the config, tokenizer and chat-template files first, then the
-safetensors shards holding the layers the run executes (the index file says which). With HF_HUB_OFFLINE=1
-the cache alone is read. Every failure is one ValueError line saying what to do.
+safetensors shards holding the layers the run executes (the index file says which), and of a checkpoint
+that wraps its text model (a vision-language model) only the text model's shards (`TextWeights`). With
+HF_HUB_OFFLINE=1 the cache alone is read. Every failure is one ValueError line saying what to do.
 """
 
 from __future__ import annotations
@@ -46,6 +47,37 @@ MODEL_FILES = [
 WEIGHTS_INDEX = "model.safetensors.index.json"
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 LAYER_OF_WEIGHT = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TextWeights:
+    """The tensors of a checkpoint that target ranks load: those under `prefixes`, the module names of its
+    text model, of its input embedding and of its LM head (the three coincide or nest in a causal LM; Mistral
+    3 keeps its head at `language_model.lm_head`, beside its text model `language_model.model`). Everything
+    else in the files (a vision or audio tower, a projector, multi-token-prediction heads) is never read.
+
+    Built from the names target_model/text_stack.py finds through the model's own classes (`TextStack`'s
+    `prefix`, `embed_tensor`, `head_tensor`), so that no family's names are written here."""
+
+    prefixes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, prefix: str, embed_tensor: str, head_tensor: str) -> TextWeights:
+        modules = [prefix, embed_tensor.rpartition(".")[0], head_tensor.rpartition(".")[0]]
+        return cls(tuple(dict.fromkeys(m for m in modules if m)))
+
+    def holds(self, tensor: str) -> bool:
+        return any(tensor.startswith(f"{prefix}.") for prefix in self.prefixes)
+
+    def part_of(self, tensor: str) -> str:
+        """The outermost module of `tensor` outside the text model (`model.visual` for
+        `model.visual.blocks.0.attn.qkv.weight` beside `model.language_model`), to name what is skipped."""
+        parts = tensor.split(".")
+        for end in range(1, len(parts)):
+            module = ".".join(parts[:end])
+            if not any(f"{prefix}.".startswith(f"{module}.") for prefix in self.prefixes):
+                return module
+        return tensor
 
 
 @dataclass(frozen=True)
@@ -150,34 +182,90 @@ def locate_model(name: str, commit: str | None = None) -> ModelSource:
     return source
 
 
-def weight_files(path: Path, num_layers: int | None) -> list[str]:
-    """The safetensors files holding every weight outside the decoder layers and those of layers below
-    `num_layers` (None: all files), by the index file when the weights are sharded."""
+def _weight_map(path: Path) -> dict[str, str] | None:
+    """The index's {tensor: file}, or None for weights in one unindexed file (or several: all are needed)."""
     index = path / WEIGHTS_INDEX
     if not index.is_file():
-        return sorted(p.name for p in path.glob("*.safetensors")) or ["model.safetensors"]
+        return None
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        return dict(json.loads(index.read_text())["weight_map"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{index}: unreadable index of the weights ({e})") from None
+
+
+def weight_files(path: Path, num_layers: int | None, text: TextWeights | None = None) -> list[str]:
+    """The safetensors files holding every weight outside the decoder layers and those of layers below
+    `num_layers` (None: all files), by the index file when the weights are sharded; with `text`, only the
+    text model's weights count (a wrapper's vision tower and other parts are left out)."""
+    weight_map = _weight_map(path)
+    if weight_map is None:
+        return sorted(p.name for p in path.glob("*.safetensors")) or ["model.safetensors"]
     needed = set()
     for weight, file in weight_map.items():
+        if text is not None and not text.holds(weight):
+            continue
         layer = LAYER_OF_WEIGHT.search(weight)
         if num_layers is None or layer is None or int(layer.group(1)) < num_layers:
             needed.add(file)
     return sorted(needed)
 
 
-def fetch_weights(source: ModelSource, num_layers: int | None, local_only: bool = False) -> list[Path]:
-    """Make sure the weight files for `num_layers` layers are on disk (downloading those of a hub name, after
-    checking that the disk holds them) and intact; returns their paths."""
-    files = weight_files(source.path, num_layers)
+def other_parts(path: Path, text: TextWeights) -> tuple[list[str], list[str]]:
+    """(files, modules): the weight files holding only tensors outside the text model, which a run reading
+    `text` never needs whatever its layers, and the modules those tensors belong to (`model.visual`)."""
+    weight_map = _weight_map(path)
+    if weight_map is None:
+        return [], []
+    text_files = {file for weight, file in weight_map.items() if text.holds(weight)}
+    files = sorted(set(weight_map.values()) - text_files)
+    modules = {text.part_of(weight) for weight, file in weight_map.items() if file in files}
+    return files, sorted(modules)
+
+
+def skipped_note(source: ModelSource, text: TextWeights | None) -> str | None:
+    """One line on the weight files of a checkpoint's other parts (a vision-language wrapper's vision tower)
+    that target ranks never read: how many, how large, and whether they were left out of the download."""
+    if text is None:
+        return None
+    files, modules = other_parts(source.path, text)
+    if not files:
+        return None
+    present = [source.path / f for f in files if (source.path / f).is_file()]
+    missing = [f for f in files if not (source.path / f).is_file()]
+    remote = remote_sizes(source, missing) if source.repo_id else 0
+    size = (
+        "size unknown offline"
+        if remote is None
+        else size_text(sum(p.stat().st_size for p in present) + remote)
+    )
+    if source.repo_id is None:
+        fate = "not read"
+    elif missing:
+        fate = "not downloaded" if not present else f"{len(missing)} of them not downloaded"
+    else:
+        fate = "in the hub cache already, not read"
+    return (
+        f"{len(files)} weight file(s) ({size}) hold only the checkpoint's parts outside its text model "
+        f"({', '.join(modules[:4])}{', ...' if len(modules) > 4 else ''}): {fate}"
+    )
+
+
+def fetch_weights(
+    source: ModelSource, num_layers: int | None, local_only: bool = False, text: TextWeights | None = None
+) -> list[Path]:
+    """Make sure the weight files for `num_layers` layers (of the text model alone with `text`) are on disk
+    (downloading those of a hub name, after checking that the disk holds them) and intact; returns their
+    paths. The process that downloads says which files of the checkpoint's other parts it left out."""
+    files = weight_files(source.path, num_layers, text)
     if source.repo_id is not None and not (local_only or offline()):
         missing = [f for f in files if not (source.path / f).is_file()]
         check_disk_space(source, missing)
         download(source.repo_id, source.commit, files)
     for name in files:
         check_safetensors(source.path / name, source.name)
+    note = skipped_note(source, text) if source.repo_id is not None and not local_only else None
+    if note:
+        print(f"--target_model {source.name}: {note}")
     return [source.path / f for f in files]
 
 
@@ -194,9 +282,10 @@ def remote_sizes(source: ModelSource, files: list[str]) -> int | None:
     return sum(getattr(i, "size", 0) or 0 for i in infos)
 
 
-def weights_summary(source: ModelSource, num_layers: int | None) -> str:
-    """What --plan says of the weight files a run reads: how many, how large, how much is still to download."""
-    files = weight_files(source.path, num_layers)
+def weights_summary(source: ModelSource, num_layers: int | None, text: TextWeights | None = None) -> str:
+    """What --plan says of the weight files a run reads: how many, how large, how much is still to download,
+    and what of the checkpoint's other parts it leaves out."""
+    files = weight_files(source.path, num_layers, text)
     present = [source.path / f for f in files if (source.path / f).is_file()]
     missing = [f for f in files if not (source.path / f).is_file()]
     to_download = remote_sizes(source, missing) if source.repo_id else 0
@@ -205,7 +294,8 @@ def weights_summary(source: ModelSource, num_layers: int | None) -> str:
     line = f"{len(files)} safetensors file(s), {total}"
     if source.repo_id:
         line += f" ({len(missing)} to download into {cache_dir()})" if missing else f" (in {cache_dir()})"
-    return line
+    note = skipped_note(source, text)
+    return line + (f"; {note}" if note else "")
 
 
 def size_text(num_bytes: int) -> str:
@@ -292,19 +382,24 @@ def resolve_data(spec: str, flag: str = "--data", commit: str | None = None) -> 
     return [str(folder / f) for f in files], folder.name
 
 
-def truncated_view(source: ModelSource, num_layers: int | None, root: Path) -> Path:
-    """A hub snapshot as transformers should load it for `num_layers` layers: a directory under `root` of
-    links to its config, tokenizer and the weight files those layers need, with an index of only their
-    weights, so that no other shard is opened (or needs to be on disk). A local directory is used as is."""
+def truncated_view(
+    source: ModelSource, num_layers: int | None, root: Path, text: TextWeights | None = None
+) -> Path:
+    """A hub snapshot as transformers should load it for `num_layers` layers (of the text model alone with
+    `text`): a directory under `root` of links to its config, tokenizer and the weight files those layers
+    need, with an index of only their weights, so that no other shard is opened (or needs to be on disk). A
+    local directory is used as is."""
     if source.repo_id is None or not (source.path / WEIGHTS_INDEX).is_file():
         return source.path
-    files = weight_files(source.path, num_layers)
-    layers = "all" if num_layers is None else f"{num_layers}layers"
+    files = weight_files(source.path, num_layers, text)
+    layers = ("all" if num_layers is None else f"{num_layers}layers") + ("-text" if text else "")
     view = root / f"{source.repo_id.replace('/', '--')}-{source.commit[:12]}-{layers}"
     if (view / WEIGHTS_INDEX).is_file():
         return view
     index = json.loads((source.path / WEIGHTS_INDEX).read_text())
-    index["weight_map"] = {w: f for w, f in index["weight_map"].items() if f in files}
+    index["weight_map"] = {
+        w: f for w, f in index["weight_map"].items() if f in files and (text is None or text.holds(w))
+    }
     tmp = root / f".{view.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dflash_ddp.drafter.dspark import TARGET_TOPK as DSPARK_TARGET_TOPK
 from dflash_ddp.drafter.families import FAMILIES
 
 
@@ -63,7 +64,8 @@ def check_loss(cfg) -> None:
             raise ValueError(
                 f"--drafter dspark (--loss {cfg.loss}, --target_topk {cfg.target_topk}): DSpark's loss is its "
                 "own (--dspark_ce_alpha, --dspark_l1_alpha, --confidence_alpha) against the target's "
-                "distribution: pass --target_topk K (e.g. 64) and keep --loss ce"
+                f"distribution: pass --target_topk K >= 1 or leave it out ({DSPARK_TARGET_TOPK}, the "
+                "reference's), and keep --loss ce"
             )
         return
     if cfg.loss != "ce" and not cfg.target_topk:

@@ -28,6 +28,8 @@ class Setting:
     minimum: int | None = None  # the smallest value of an integer setting
     in_range: tuple[typing.Callable[[float], bool], str] | None = None  # a number's range (besides finite)
     overridable: bool = False  # a resumed run may change it (--resume_override)
+    # {--drafter family: its own default}, taken where neither a flag nor the --config file gives a value
+    family_defaults: dict[str, typing.Any] = field(default_factory=dict, hash=False)
 
 
 def setting(default: typing.Any, group: str, help: str, **details) -> typing.Any:

@@ -24,7 +24,7 @@ from dflash_ddp.checkpoint.resume import RestoreError
 from dflash_ddp.checkpoint.writer import remove_leftovers
 from dflash_ddp.cli_help import usage
 from dflash_ddp.config import TrainConfig, config_to_dict, parse_config
-from dflash_ddp.evaluation.in_job import finish_watcher, run_final_evaluation, start_watcher
+from dflash_ddp.evaluation.in_job import evaluated_at, finish_watcher, run_final_evaluation, start_watcher
 from dflash_ddp.files import SaveError
 from dflash_ddp.observe.trackers import Trackers, close_trackers, resolve_report_to
 from dflash_ddp.parallel.channel import ChannelError, PeerLost
@@ -33,6 +33,7 @@ from dflash_ddp.parallel.run_lock import OutputDirLock
 from dflash_ddp.parallel.topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from dflash_ddp.roles.colocated import run_colocated
 from dflash_ddp.roles.drafter import run_drafter
+from dflash_ddp.roles.step_zero import run_step_zero
 from dflash_ddp.roles.target import run_target
 from dflash_ddp.setup.calibrate_job import calibrate_split
 from dflash_ddp.setup.plan import check_memory
@@ -50,6 +51,11 @@ def start_trackers(cfg: TrainConfig, start_step: int) -> Trackers | None:
     trackers = Trackers.start(names, cfg.run_name, cfg.output_dir, config_to_dict(cfg), start_step)
     print(f"reporting metrics to {', '.join(names)} (under {cfg.output_dir})")
     return trackers
+
+
+def finished(run: Run) -> bool:
+    """Whether the run resumed at its last step (a fresh run of --max_steps 0 still saves its step 0)."""
+    return run.resume_from is not None and run.start_step >= run.schedule.total_steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +115,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
                 # the same checkpoint, and race on rotation, `latest` and metrics.jsonl
                 for note in lock.acquire() + remove_leftovers(cfg.output_dir) + decide_start(run, topology):
                     print(note)
-                if run.start_step < run.schedule.total_steps:
+                if not finished(run):
                     run.trackers = start_trackers(cfg, run.start_step)
             # any failure (a hand-edited trainer_state.json can raise anything) is a refusal on every rank:
             # a leader dying here would leave the others waiting in the broadcast below
@@ -119,14 +125,15 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
     except ValueError as e:  # the same on every rank, decided by the leader: the leader says it
         shutdown()
         return refuse(f"error{where}: {e}", first=leader, split=not topology.colocated, lock=lock)
-    if run.start_step >= run.schedule.total_steps:  # resumed at the last step: nothing left to train
+    if finished(run):  # resumed at the last step: nothing left to train
         shutdown()
         if leader:
             print(
                 f"already finished at step {run.start_step} (checkpoint {run.resume_from}); to train further, "
-                "raise --max_steps or --num_epochs and name it in --resume_override"
+                "raise --max_steps or --num_epochs"
+                + (" and name it in --resume_override" if run.start_step else "")
             )
-            if cfg.eval_data and not (Path(cfg.output_dir) / "eval.json").is_file():
+            if cfg.eval_data and not evaluated_at(Path(cfg.output_dir), run.start_step):
                 run_final_evaluation(cfg, ctx.device)  # the job that trained it stopped before evaluating
         return 0
     torch.manual_seed(cfg.seed)
@@ -146,17 +153,18 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         )
         print(f"drafter execution: {run.setup.memory.execution.describe()}")
     start, split = time.perf_counter(), not topology.colocated
-    watcher = start_watcher(cfg, ctx.device) if leader and cfg.eval_steps else None
+    steps = run.schedule.total_steps  # 0: the starting drafter is saved and evaluated, nothing trained
+    watcher = start_watcher(cfg, ctx.device) if leader and cfg.eval_steps and steps else None
     trained = False
     try:
-        stopped = ROLES[topology.role](ctx, run)
+        stopped = (ROLES[topology.role] if steps else run_step_zero)(ctx, run)
         trained = True
     except RestoreError as e:
         return fail(f"error{where}: {e}", 2, split, lock=lock)
     except PeerLost as e:  # another rank failed first and says why
         return fail(f"error{where}: {e}", 1, split, consequence=True, lock=lock)
-    # a full disk, bad numbers, a rank that never came: no traceback
-    except (ChannelError, SaveError, FloatingPointError, TimeoutError) as e:
+    # a full disk, bad numbers, a rank that never came, a target its rank cannot load or run: no traceback
+    except (ChannelError, SaveError, FloatingPointError, TimeoutError, ValueError) as e:
         return fail(f"error{where}: {e}", 1, split, lock=lock)
     except RuntimeError as e:
         if not lost_peer(e):

@@ -1,16 +1,21 @@
 """Tiny random-weight targets of the architectures a drafter is trained against, built from transformers' own
 config classes and saved as `save_pretrained` writes them, in the class each checkpoint ships as.
 
-Every text stack has hidden size 64, 4 attention heads of 16 (2 KV heads where the family has them), MLP width
-128, MoE layers of 4 experts of width 32 with 2 per token, 512 positions and untied embeddings unless tying is
-the family's convention (Gemma). Plain families have 4 layers; hybrid and heterogeneous ones the fewest (at least
-4) in which every layer kind occurs, with sliding windows and chunk sizes of 8 tokens so that short sequences
-cross them. The vision-language wrappers carry a one-layer vision tower of width 32. Special-token ids are left
-unset (the caller writes the tokenizer into the same directory) except Gemma's pad id 0, which its code needs.
+Each config starts from its class's own defaults and is shrunk (`make_config`): every text stack has hidden
+size 64, 4 attention heads of 16 (2 KV heads where the family has them), MLP width 128, MoE layers of 4 experts
+of width 32 with 2 per token, 512 positions and untied embeddings unless tying is the family's convention
+(Gemma), each where the class defines the field. Plain families have 4 layers; hybrid and heterogeneous ones the
+fewest (at least 4) in which every layer kind occurs, with sliding windows and chunk sizes of 8 tokens so that
+short sequences cross them. The vision-language wrappers carry a one-layer vision tower of width 32.
+Special-token ids are left unset (the caller writes the tokenizer into the same directory) except Gemma's pad id
+0, which its code needs. A setting the class does not define is refused, as no released checkpoint has it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +24,12 @@ import torch
 import transformers
 
 WINDOW = 8
-DENSE = dict(
+EXPERTS = 4
+TOP_K = 2
+EXPERT_WIDTH = 32
+# the zoo's shape, each field applied where the class defines it (Qwen3.5-MoE defines no `intermediate_size`,
+# DeepSeek V4 has no dense MLP at all)
+SHRINK = dict(
     hidden_size=64,
     num_hidden_layers=4,
     num_attention_heads=4,
@@ -31,31 +41,62 @@ DENSE = dict(
     bos_token_id=None,
     eos_token_id=None,
     pad_token_id=None,
+    num_experts=EXPERTS,
+    num_local_experts=EXPERTS,
+    n_routed_experts=EXPERTS,
+    num_experts_per_tok=TOP_K,
+    moe_intermediate_size=EXPERT_WIDTH,
+    shared_expert_intermediate_size=EXPERT_WIDTH,
 )
-EXPERTS = 4
-TOP_K = 2
-EXPERT_WIDTH = 32
+TEXT_SHAPE = tuple(SHRINK)
 SLIDING_THEN_FULL = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
 LINEAR_THEN_FULL = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
 Built = tuple[str, Any]
 
 
-def _dense(**overrides) -> dict:
-    """The shared dense shape, with family-specific settings on top."""
-    return {**DENSE, **overrides}
+def defined_fields(config_class: type) -> set[str]:
+    """The fields a transformers config class defines: its dataclass fields, their aliases (`attribute_map`)
+    and the legacy names its code reads from the keyword arguments (MiniMax-M2's `rotary_dim`)."""
+    source = "".join(
+        inspect.getsource(cls)
+        for cls in config_class.__mro__
+        if cls.__module__.startswith("transformers.models")
+    )
+    legacy = re.findall(r"kwargs\.(?:pop|get)\(\s*[\"'](\w+)[\"']", source)
+    return {f.name for f in dataclasses.fields(config_class)} | set(config_class.attribute_map) | set(legacy)
 
 
-def _mla(**overrides) -> dict:
-    """The shared shape for multi-head latent attention: a KV head per query head, and no `head_dim` (the
-    config derives it from the RoPE part)."""
-    settings = _dense(num_key_value_heads=4, **overrides)
-    del settings["head_dim"]
-    return settings
+def make_config(class_name: str, *, shrink: tuple[str, ...] = TEXT_SHAPE, **family) -> Any:
+    """`class_name`'s config at its own defaults, shrunk (the SHRINK fields named in `shrink` that the class
+    defines and sets: Gemma 4's experts stay off), with the family's settings on top. A setting the class does
+    not define is refused: a released checkpoint's config.json has no such field, so a zoo target must not
+    have it either."""
+    config_class = getattr(transformers, class_name)
+    fields = defined_fields(config_class)
+    unknown = sorted(set(family) - fields)
+    if unknown:
+        raise TypeError(f"{class_name} defines no {', '.join(unknown)}: a checkpoint of it has no such field")
+    own = {f.name for f in dataclasses.fields(config_class) if f.default is not None}  # not aliases
+    shrunk = {k: SHRINK[k] for k in shrink if k in own}
+    return config_class(**{**shrunk, **family})
 
 
-def _qwen3_5_text(config_class: str, vocab_size: int, **moe) -> Any:
-    """A Qwen3.5 text config: 3 gated-delta-net layers then 1 full-attention layer, interleaved M-RoPE."""
+def _mla(class_name: str, **family) -> Any:
+    """A multi-head latent attention config: a KV head per query head, and the class's own `head_dim` (it
+    derives it from the RoPE part)."""
+    shape = tuple(k for k in TEXT_SHAPE if k != "head_dim")
+    return make_config(class_name, shrink=shape, num_key_value_heads=4, **family)
+
+
+def _vision(class_name: str, **fields) -> Any:
+    """A vision tower's config: none of the text shape, only what the family gives."""
+    return make_config(class_name, shrink=(), **fields)
+
+
+def _qwen3_5_text(class_name: str, vocab_size: int) -> Any:
+    """A Qwen3.5 text config (dense or MoE): 3 gated-delta-net layers then 1 full-attention layer,
+    interleaved M-RoPE."""
     rope = {
         "rope_type": "default",
         "rope_theta": 10_000_000.0,
@@ -63,17 +104,15 @@ def _qwen3_5_text(config_class: str, vocab_size: int, **moe) -> Any:
         "mrope_section": [1, 1, 0],
         "mrope_interleaved": True,
     }
-    return getattr(transformers, config_class)(
-        **_dense(
-            vocab_size=vocab_size,
-            layer_types=LINEAR_THEN_FULL,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            rope_parameters=rope,
-            **moe,
-        )
+    return make_config(
+        class_name,
+        vocab_size=vocab_size,
+        layer_types=LINEAR_THEN_FULL,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        rope_parameters=rope,
     )
 
 
@@ -81,9 +120,10 @@ def _qwen3_5_text(config_class: str, vocab_size: int, **moe) -> Any:
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 
 
-def _qwen_vision(config_class: str) -> Any:
+def _qwen_vision(class_name: str) -> Any:
     """A one-block Qwen3.5 vision tower of width 32 that projects to the text width."""
-    return getattr(transformers, config_class)(
+    return _vision(
+        class_name,
         depth=1,
         hidden_size=32,
         intermediate_size=64,
@@ -98,59 +138,43 @@ def _qwen_vision(config_class: str) -> Any:
 
 def _gemma3_text(vocab_size: int) -> Any:
     """A Gemma 3 text config: 3 sliding layers then 1 global, tied embeddings as Gemma ships."""
-    return transformers.Gemma3TextConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            tie_word_embeddings=True,
-            pad_token_id=0,
-            sliding_window=WINDOW,
-            layer_types=SLIDING_THEN_FULL,
-            query_pre_attn_scalar=16,
-        )
+    return make_config(
+        "Gemma3TextConfig",
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        sliding_window=WINDOW,
+        layer_types=SLIDING_THEN_FULL,
+        query_pre_attn_scalar=16,
     )
 
 
 def _gemma4_text(vocab_size: int) -> Any:
     """A Gemma 4 (E2B-style) text config: alternating sliding/global layers, global layers with head size 32,
     per-layer input embeddings, the last 2 layers reusing earlier layers' KV, final logit softcapping."""
-    return transformers.Gemma4TextConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            tie_word_embeddings=True,
-            pad_token_id=0,
-            sliding_window=WINDOW,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            global_head_dim=32,
-            hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=vocab_size,
-            num_kv_shared_layers=2,
-            final_logit_softcapping=30.0,
-        )
+    return make_config(
+        "Gemma4TextConfig",
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        global_head_dim=32,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=vocab_size,
+        num_kv_shared_layers=2,
+        final_logit_softcapping=30.0,
     )
 
 
-def _llama(vocab_size: int) -> Built:
-    """Llama 3."""
-    return "LlamaForCausalLM", transformers.LlamaConfig(**_dense(vocab_size=vocab_size))
+def _plain(config_class: str, model_class: str, **family) -> Callable[[int], Built]:
+    """A family whose tiny target is its shrunk defaults plus `family`."""
 
+    def build(vocab_size: int) -> Built:
+        return model_class, make_config(config_class, vocab_size=vocab_size, **family)
 
-def _qwen3(vocab_size: int) -> Built:
-    """Qwen3 (dense, QK-norm)."""
-    return "Qwen3ForCausalLM", transformers.Qwen3Config(**_dense(vocab_size=vocab_size))
-
-
-def _qwen3_moe(vocab_size: int) -> Built:
-    """Qwen3-MoE: every layer sparse."""
-    config = transformers.Qwen3MoeConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            num_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_WIDTH,
-            norm_topk_prob=True,
-        )
-    )
-    return "Qwen3MoeForCausalLM", config
+    build.__doc__ = f"{model_class} from {config_class}'s defaults, shrunk."
+    return build
 
 
 def _qwen3_5_text_only(vocab_size: int) -> Built:
@@ -161,45 +185,59 @@ def _qwen3_5_text_only(vocab_size: int) -> Built:
 def _qwen3_5(vocab_size: int) -> Built:
     """Qwen3.5 as shipped: the vision-language wrapper."""
     text = _qwen3_5_text("Qwen3_5TextConfig", vocab_size)
-    config = transformers.Qwen3_5Config(
-        text_config=text, vision_config=_qwen_vision("Qwen3_5VisionConfig"), tie_word_embeddings=False
+    config = make_config(
+        "Qwen3_5Config",
+        shrink=(),
+        text_config=text,
+        vision_config=_qwen_vision("Qwen3_5VisionConfig"),
+        tie_word_embeddings=False,
     )
     return "Qwen3_5ForConditionalGeneration", config
 
 
+def _qwen3_5_moe_text_only(vocab_size: int) -> Built:
+    """Qwen3.5-MoE / Qwen3.6-MoE text stack alone (experts and a shared expert, no dense MLP width)."""
+    return "Qwen3_5MoeForCausalLM", _qwen3_5_text("Qwen3_5MoeTextConfig", vocab_size)
+
+
 def _qwen3_5_moe(vocab_size: int) -> Built:
-    """Qwen3.5-MoE as shipped: the vision-language wrapper over a sparse hybrid text stack."""
-    text = _qwen3_5_text(
-        "Qwen3_5MoeTextConfig",
-        vocab_size,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        moe_intermediate_size=EXPERT_WIDTH,
-        shared_expert_intermediate_size=EXPERT_WIDTH,
-    )
-    config = transformers.Qwen3_5MoeConfig(
-        text_config=text, vision_config=_qwen_vision("Qwen3_5MoeVisionConfig"), tie_word_embeddings=False
+    """Qwen3.5-MoE / Qwen3.6-MoE as shipped: the vision-language wrapper over a sparse hybrid text stack."""
+    config = make_config(
+        "Qwen3_5MoeConfig",
+        shrink=(),
+        text_config=_qwen3_5_text("Qwen3_5MoeTextConfig", vocab_size),
+        vision_config=_qwen_vision("Qwen3_5MoeVisionConfig"),
+        tie_word_embeddings=False,
     )
     return "Qwen3_5MoeForConditionalGeneration", config
 
 
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
-    config = transformers.Qwen3NextConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            layer_types=LINEAR_THEN_FULL,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_WIDTH,
-            shared_expert_intermediate_size=EXPERT_WIDTH,
-        )
+    config = make_config(
+        "Qwen3NextConfig",
+        vocab_size=vocab_size,
+        layer_types=LINEAR_THEN_FULL,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
     )
     return "Qwen3NextForCausalLM", config
+
+
+def _gemma2(vocab_size: int) -> Built:
+    """Gemma 2: alternating sliding/global layers, attention and final logit soft-capping, tied embeddings."""
+    config = make_config(
+        "Gemma2Config",
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=16,
+    )
+    return "Gemma2ForCausalLM", config
 
 
 def _gemma3_text_only(vocab_size: int) -> Built:
@@ -209,14 +247,13 @@ def _gemma3_text_only(vocab_size: int) -> Built:
 
 def _gemma3(vocab_size: int) -> Built:
     """Gemma 3 as shipped (4B and up): the wrapper with a one-layer SigLIP tower, 4 tokens per image."""
-    vision = transformers.SiglipVisionConfig(
-        **TINY_VISION,
-        image_size=16,
-        patch_size=4,
-        vision_use_head=False,
-    )
-    config = transformers.Gemma3Config(
-        text_config=_gemma3_text(vocab_size), vision_config=vision, mm_tokens_per_image=4
+    vision = _vision("SiglipVisionConfig", **TINY_VISION, image_size=16, patch_size=4, vision_use_head=False)
+    config = make_config(
+        "Gemma3Config",
+        shrink=(),
+        text_config=_gemma3_text(vocab_size),
+        vision_config=vision,
+        mm_tokens_per_image=4,
     )
     return "Gemma3ForConditionalGeneration", config
 
@@ -228,26 +265,27 @@ def _gemma4_text_only(vocab_size: int) -> Built:
 
 def _gemma4(vocab_size: int) -> Built:
     """Gemma 4 as shipped: the wrapper with a one-layer vision tower (no audio tower)."""
-    vision = transformers.Gemma4VisionConfig(
+    vision = _vision(
+        "Gemma4VisionConfig",
         **TINY_VISION,
         num_key_value_heads=2,
         head_dim=16,
         patch_size=4,
         position_embedding_size=64,
     )
-    config = transformers.Gemma4Config(text_config=_gemma4_text(vocab_size), vision_config=vision)
+    config = make_config(
+        "Gemma4Config", shrink=(), text_config=_gemma4_text(vocab_size), vision_config=vision
+    )
     return "Gemma4ForConditionalGeneration", config
 
 
 def _mistral3(vocab_size: int) -> Built:
     """Mistral Small 3.x as shipped: the wrapper with a Mistral text stack and a one-layer Pixtral tower."""
-    text = transformers.MistralConfig(**_dense(vocab_size=vocab_size, sliding_window=None))
-    vision = transformers.PixtralVisionConfig(
-        **TINY_VISION,
-        image_size=16,
-        patch_size=4,
+    text = make_config("MistralConfig", vocab_size=vocab_size, sliding_window=None)
+    vision = _vision("PixtralVisionConfig", **TINY_VISION, image_size=16, patch_size=4)
+    config = make_config(
+        "Mistral3Config", shrink=(), text_config=text, vision_config=vision, tie_word_embeddings=False
     )
-    config = transformers.Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     return "Mistral3ForConditionalGeneration", config
 
 
@@ -263,104 +301,168 @@ def _gpt_oss(vocab_size: int) -> Built:
         "truncate": False,
         "original_max_position_embeddings": 16,
     }
-    config = transformers.GptOssConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            rope_parameters=rope,
-            intermediate_size=EXPERT_WIDTH,
-            num_local_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            sliding_window=WINDOW,
-        )
+    config = make_config(
+        "GptOssConfig",
+        vocab_size=vocab_size,
+        rope_parameters=rope,
+        intermediate_size=EXPERT_WIDTH,  # gpt-oss's experts' width
+        sliding_window=WINDOW,
     )
     return "GptOssForCausalLM", config
 
 
-def _llama4_text(vocab_size: int) -> Built:
-    """Llama 4 text stack as Llama4ForCausalLM: 3 chunked-attention RoPE layers then 1 global NoPE layer,
-    dense and MoE layers alternating, and a NoPE attention temperature that grows every 8 positions (shipped:
-    8192) so that short sequences reach it."""
-    config = transformers.Llama4TextConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            intermediate_size=EXPERT_WIDTH,
-            intermediate_size_mlp=128,
-            num_local_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            interleave_moe_layer_step=2,
-            attention_chunk_size=WINDOW,
-            floor_scale=WINDOW,
-        )
+def _llama4_text_config(vocab_size: int) -> Any:
+    """A Llama 4 text config: 3 chunked-attention RoPE layers then 1 global NoPE layer, dense and MoE layers
+    alternating, and a NoPE attention temperature that grows every 8 positions (shipped: 8192) so that short
+    sequences reach it."""
+    return make_config(
+        "Llama4TextConfig",
+        vocab_size=vocab_size,
+        intermediate_size=EXPERT_WIDTH,  # Llama 4's experts' width; its dense layers' is intermediate_size_mlp
+        intermediate_size_mlp=128,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=WINDOW,
+        floor_scale=WINDOW,
     )
-    return "Llama4ForCausalLM", config
+
+
+def _llama4_text(vocab_size: int) -> Built:
+    """Llama 4 text stack as Llama4ForCausalLM."""
+    return "Llama4ForCausalLM", _llama4_text_config(vocab_size)
+
+
+def _llama4(vocab_size: int) -> Built:
+    """Llama 4 as shipped (Scout, Maverick): the wrapper with a one-layer vision tower."""
+    vision = _vision(
+        "Llama4VisionConfig",
+        **TINY_VISION,
+        image_size=16,
+        patch_size=4,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    )
+    config = make_config(
+        "Llama4Config", shrink=(), text_config=_llama4_text_config(vocab_size), vision_config=vision
+    )
+    return "Llama4ForConditionalGeneration", config
 
 
 def _deepseek_v3(vocab_size: int) -> Built:
     """DeepSeek-V3: multi-head latent attention, 1 dense layer then grouped-routing MoE layers."""
-    config = transformers.DeepseekV3Config(
-        **_mla(
-            vocab_size=vocab_size,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            first_k_dense_replace=1,
-            n_routed_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_WIDTH,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-        )
+    config = _mla(
+        "DeepseekV3Config",
+        vocab_size=vocab_size,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
     )
     return "DeepseekV3ForCausalLM", config
 
 
+def _deepseek_v4(vocab_size: int) -> Built:
+    """DeepSeek V4: 4 hyper-connection residual streams, a sliding-window layer then layers attending to
+    compressed and sparsely indexed keys (compression every 2 and 4 tokens, windows of 8), hash-routed then
+    learned-routed experts with a shared one, no dense MLP. The indexer keeps its 512 blocks: transformers'
+    implementation gives other logits with its cache than without once a context has more blocks than that."""
+    config = make_config(
+        "DeepseekV4Config",
+        vocab_size=vocab_size,
+        head_dim=32,
+        partial_rotary_factor=0.25,
+        q_lora_rank=32,
+        o_lora_rank=32,
+        o_groups=2,
+        n_shared_experts=1,
+        sliding_window=WINDOW,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        index_n_heads=2,
+        index_head_dim=16,
+        num_nextn_predict_layers=0,
+    )
+    return "DeepseekV4ForCausalLM", config
+
+
 def _glm4_moe(vocab_size: int) -> Built:
     """GLM-4.5: QK-norm and biased QKV, half-rotary, 1 dense layer then MoE layers with a shared expert."""
-    config = transformers.Glm4MoeConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            attention_bias=True,
-            use_qk_norm=True,
-            first_k_dense_replace=1,
-            n_routed_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_WIDTH,
-            n_shared_experts=1,
-        )
+    config = make_config(
+        "Glm4MoeConfig",
+        vocab_size=vocab_size,
+        attention_bias=True,
+        use_qk_norm=True,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
     )
     return "Glm4MoeForCausalLM", config
 
 
-def _olmo3(vocab_size: int) -> Built:
-    """OLMo 3: 3 sliding layers then 1 full, post-norm blocks with QK-norm."""
-    config = transformers.Olmo3Config(
-        **_dense(vocab_size=vocab_size, sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL)
+def _glm5_next_text(vocab_size: int) -> Any:
+    """A GLM-5 text config: 4 hyper-connection residual streams, linear-attention layers then an indexed
+    sparse MLA layer, dense then sparse MLPs."""
+    return _mla(
+        "Glm5NextTextConfig",
+        vocab_size=vocab_size,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_shared_experts=1,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        indexer_types=["full"] * 4,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_kpool=2,
+        linear_head_dim=16,
+        linear_num_heads=4,
     )
-    return "Olmo3ForCausalLM", config
+
+
+def _glm5_next(vocab_size: int) -> Built:
+    """GLM-5 as shipped: the vision-language wrapper over the hyper-connection text stack."""
+    vision = _vision(
+        "Glm5NextVisionConfig",
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=4,
+        out_hidden_size=64,
+        projection_intermediate_size=64,
+    )
+    config = make_config(
+        "Glm5NextConfig", shrink=(), text_config=_glm5_next_text(vocab_size), vision_config=vision
+    )
+    return "Glm5NextForConditionalGeneration", config
 
 
 def _nemotron_h(vocab_size: int) -> Built:
     """Nemotron-H: one block each of Mamba-2, MoE, attention and ReLU² MLP (the default pattern, saved under
     `backbone.`); Mamba chunks of 8 tokens."""
-    config = transformers.NemotronHConfig(
-        **_dense(
-            vocab_size=vocab_size,
-            num_hidden_layers=None,
-            layer_types=["linear_attention", "moe", "full_attention", "mlp"],
-            mamba_num_heads=8,
-            mamba_head_dim=16,
-            ssm_state_size=16,
-            n_groups=2,
-            chunk_size=WINDOW,
-            n_routed_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_WIDTH,
-            moe_shared_expert_intermediate_size=EXPERT_WIDTH,
-            n_shared_experts=1,
-        )
+    config = make_config(
+        "NemotronHConfig",
+        vocab_size=vocab_size,
+        layer_types=["linear_attention", "moe", "full_attention", "mlp"],
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=2,
+        chunk_size=WINDOW,
+        moe_shared_expert_intermediate_size=EXPERT_WIDTH,
+        n_shared_experts=1,
     )
     return "NemotronHForCausalLM", config
 
@@ -368,79 +470,112 @@ def _nemotron_h(vocab_size: int) -> Built:
 def _falcon_h1(vocab_size: int) -> Built:
     """Falcon-H1: every layer runs attention and Mamba-2 in parallel; Mamba chunks of 8 tokens and, as the
     released checkpoints do, non-unit embedding and LM-head multipliers."""
-    config = transformers.FalconH1Config(
-        **_dense(
-            vocab_size=vocab_size,
-            mamba_d_ssm=128,
-            mamba_n_heads=8,
-            mamba_d_state=16,
-            mamba_chunk_size=WINDOW,
-            embedding_multiplier=4.0,
-            lm_head_multiplier=0.25,
-        )
+    config = make_config(
+        "FalconH1Config",
+        vocab_size=vocab_size,
+        mamba_d_ssm=128,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_chunk_size=WINDOW,
+        embedding_multiplier=4.0,
+        lm_head_multiplier=0.25,
     )
     return "FalconH1ForCausalLM", config
 
 
 def _kimi_linear(vocab_size: int) -> Built:
     """Kimi Linear: 3 KDA (linear) layers then 1 NoPE MLA layer, 1 dense layer then MoE layers."""
-    config = transformers.KimiLinearConfig(
-        **_mla(
-            vocab_size=vocab_size,
-            layer_types=LINEAR_THEN_FULL,
-            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-            kv_lora_rank=32,
-            q_lora_rank=None,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            linear_head_dim=16,
-            linear_num_heads=4,
-            num_local_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_WIDTH,
-            n_shared_experts=1,
-        )
+    config = _mla(
+        "KimiLinearConfig",
+        vocab_size=vocab_size,
+        layer_types=LINEAR_THEN_FULL,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        n_shared_experts=1,
     )
     return "KimiLinearForCausalLM", config
 
 
 def _minimax_m2(vocab_size: int) -> Built:
     """MiniMax-M2: full attention with QK-norm and half-rotary heads, every layer sparse."""
-    config = transformers.MiniMaxM2Config(
-        **_dense(
-            vocab_size=vocab_size,
-            intermediate_size=EXPERT_WIDTH,
-            num_local_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            rotary_dim=8,
-        )
+    config = make_config(
+        "MiniMaxM2Config", vocab_size=vocab_size, intermediate_size=EXPERT_WIDTH, rotary_dim=8
     )
     return "MiniMaxM2ForCausalLM", config
 
 
+def _exaone4(vocab_size: int) -> Built:
+    """EXAONE 4.0: 3 sliding layers then 1 global NoPE layer, post-norm blocks with QK-norm."""
+    config = make_config(
+        "Exaone4Config",
+        vocab_size=vocab_size,
+        sliding_window=WINDOW,
+        sliding_window_pattern=4,
+        layer_types=SLIDING_THEN_FULL,
+    )
+    return "Exaone4ForCausalLM", config
+
+
+def _smollm3(vocab_size: int) -> Built:
+    """SmolLM3: every 4th layer without RoPE (NoPE), tied embeddings as shipped."""
+    config = make_config("SmolLM3Config", vocab_size=vocab_size, tie_word_embeddings=True)
+    return "SmolLM3ForCausalLM", config
+
+
+def _granite(vocab_size: int) -> Built:
+    """Granite 3: the embedding, residual, attention and logit multipliers of the released checkpoints."""
+    config = make_config(
+        "GraniteConfig",
+        vocab_size=vocab_size,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=8.0,
+    )
+    return "GraniteForCausalLM", config
+
+
 ZOO: dict[str, Callable[[int], Built]] = {
-    "llama": _llama,
-    "qwen3": _qwen3,
-    "qwen3_moe": _qwen3_moe,
-    "qwen3_5_text": _qwen3_5_text_only,
-    "qwen3_5": _qwen3_5,
-    "qwen3_5_moe": _qwen3_5_moe,
+    "llama": _plain("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": _plain("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": _plain("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": _plain("Qwen3MoeConfig", "Qwen3MoeForCausalLM", norm_topk_prob=True),
     "qwen3_next": _qwen3_next,
-    "gemma3_text": _gemma3_text_only,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_text": _qwen3_5_text_only,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "qwen3_5_moe_text": _qwen3_5_moe_text_only,
+    "gemma2": _gemma2,
     "gemma3": _gemma3,
-    "gemma4_text": _gemma4_text_only,
+    "gemma3_text": _gemma3_text_only,
     "gemma4": _gemma4,
-    "mistral3": _mistral3,
+    "gemma4_text": _gemma4_text_only,
     "gpt_oss": _gpt_oss,
+    "llama4": _llama4,
     "llama4_text": _llama4_text,
+    "mistral": _plain("MistralConfig", "MistralForCausalLM", sliding_window=None),
+    "mistral3": _mistral3,
+    "phi3": _plain("Phi3Config", "Phi3ForCausalLM"),
+    "granite": _granite,
+    "olmo2": _plain("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": _plain("Olmo3Config", "Olmo3ForCausalLM", sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
     "deepseek_v3": _deepseek_v3,
+    "deepseek_v4": _deepseek_v4,
     "glm4_moe": _glm4_moe,
-    "olmo3": _olmo3,
-    "nemotron_h": _nemotron_h,
-    "falcon_h1": _falcon_h1,
-    "kimi_linear": _kimi_linear,
+    "glm5_next": _glm5_next,
     "minimax_m2": _minimax_m2,
+    "nemotron_h": _nemotron_h,
+    "kimi_linear": _kimi_linear,
+    "falcon_h1": _falcon_h1,
+    "exaone4": _exaone4,
+    "smollm3": _smollm3,
+    "seed_oss": _plain("SeedOssConfig", "SeedOssForCausalLM"),
 }
 ZOO_NAMES = tuple(ZOO)
 

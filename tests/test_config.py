@@ -43,7 +43,7 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--learning_rat", "1"], "unknown key 'learning_rat' \\(did you mean 'learning_rate'\\?\\)"),
         (["--block_size", "1"], "--block_size 1: must be at least 2"),
         (["--block_size", "big"], "--block_size: expected int, got 'big'"),
-        (["--max_steps", "0"], "--max_steps 0"),
+        (["--max_steps", "-2"], "--max_steps -2: pass a positive number, 0 to save the starting drafter"),
         (["--attention", "fast"], "--attention fast"),
         (["--channel_backend", "mpi"], "--channel_backend mpi: choose auto"),
         (["--channel_backend", "nccl", "--device", "cpu"], "--channel_backend nccl needs GPUs"),
@@ -145,3 +145,20 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path):
     for out in (afile, afile / "run"):
         with pytest.raises(ValueError, match=f"--output_dir {out}: {afile} is a file, not a directory"):
             parse_config(["--target_model", "t", "--data", "d", "--output_dir", str(out)])
+
+
+def test_dspark_takes_the_references_top_64_unless_given(tmp_path):
+    from dflash_ddp.cli_help import markdown_reference, usage
+
+    assert parse_config(["--drafter", "dspark"])[0].target_topk == 64
+    assert parse_config(["--drafter", "dspark", "--target_topk", "8"])[0].target_topk == 8
+    path = tmp_path / "run.yaml"
+    path.write_text("drafter: dspark\n")
+    assert parse_config(["--config", str(path)])[0].target_topk == 64
+    with pytest.raises(ValueError, match="--drafter dspark .*--target_topk 0.*leave it out \\(64"):
+        parse_config(["--drafter", "dspark", "--target_topk", "0"])
+    assert parse_config([])[0].target_topk == 0
+    assert "value: 64" in next(
+        line for line in usage(["--drafter", "dspark"]).splitlines() if "0 or an integer >= 1" in line
+    )
+    assert "| 0; with --drafter dspark: 64 |" in markdown_reference()

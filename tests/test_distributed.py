@@ -60,7 +60,8 @@ def test_topology_roles_and_invalid_splits():
 
 def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_path):
     """Colocated, 1+1, 2+1 and 3+1 give the same losses and the same final weights, bit for bit, with the
-    drafter's batches processed in chunks (some sequences split across two)."""
+    drafter's batches processed in chunks (some sequences split across two). The 1+1 job resumes from the
+    step-0 checkpoint of a --max_steps 0 job, which streamed nothing and exited 0."""
     from dflash_ddp.train import main
 
     chunked = {"drafter_chunk_tokens": 24}  # 8 anchors x block 4 = 32 draft positions: split 6 + 2
@@ -73,10 +74,21 @@ def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_pat
     finally:
         torch.set_num_threads(threads)
     reference = final_weights(tmp_path / "colocated")
+    untrained = torchrun(2, train_args(tiny_target, chat_data, tmp_path / "1+1", max_steps=0, **chunked))
+    assert untrained.returncode == 0, untrained.stderr[-3000:]
+    assert "Traceback" not in untrained.stderr and not (tmp_path / "1+1" / "metrics.jsonl").exists()
+    state = json.loads(
+        (tmp_path / "1+1" / "checkpoints" / "step-00000000" / "trainer_state.json").read_text()
+    )
+    assert state["global_step"] == state["batches_consumed"] == state["tokens_seen"] == 0
+    assert state["topology"]["target_ranks"] == 1 and state["config"]["max_steps"] == 0
     for world in (2, 3, 4):
         out = tmp_path / f"{world - 1}+1"
         result = torchrun(world, train_args(tiny_target, chat_data, out, **chunked))
         assert result.returncode == 0, result.stderr[-3000:]
+        if world == 2:  # resumed from step 0, without --resume_override: the 6 steps as the others train them
+            assert "max_steps: 0 -> 6 (from a checkpoint of step 0)" in result.stdout
+            assert f"resuming from {out / 'checkpoints' / 'step-00000000'}" in result.stdout
         assert losses(out) == losses(tmp_path / "colocated")
         weights = final_weights(out)
         assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{out.name} differs"

@@ -102,8 +102,8 @@ def test_the_serving_config_and_tensors_are_vllms_dspark_layout(kind):
 def test_dspark_settings_are_checked_before_anything_loads(tiny_target, chat_data, tmp_path, capsys):
     from dflash_ddp.train import main as train_main
 
-    flags = train_flags(tiny_target, chat_data, tmp_path / "run", drafter="dspark")
-    assert train_main(flags) == 2
+    flags = train_flags(tiny_target, chat_data, tmp_path / "run", drafter="dspark", target_topk=0)
+    assert train_main(flags) == 2  # given on purpose: refused, as DSpark's loss reads the target's top-k
     assert "--drafter dspark (--loss ce, --target_topk 0)" in capsys.readouterr().err
     flags = train_flags(
         tiny_target, chat_data, tmp_path / "run", drafter="dspark", target_topk=8, markov_rank=0
@@ -112,6 +112,31 @@ def test_dspark_settings_are_checked_before_anything_loads(tiny_target, chat_dat
     assert "pass --confidence_head_with_markov false" in capsys.readouterr().err
     assert train_main(train_flags(tiny_target, chat_data, tmp_path / "run", markov_rank=16)) == 2
     assert "--markov_rank 16 sets the dspark drafter" in capsys.readouterr().err
+
+
+def test_dspark_alone_sends_the_targets_top_64_and_plan_says_what_it_costs(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    """`--drafter dspark` and no other drafter flag: --target_topk 64, the reference's, recorded in the run's
+    config and its checkpoint; --plan prints the top-64 and the target ranks' extra layers and LM head."""
+    from dflash_ddp.train import main as train_main
+
+    flags = train_flags(tiny_target, chat_data, tmp_path / "run", drafter="dspark", max_steps=2, save_steps=2)
+    assert train_main([*flags, "--plan"]) == 0
+    plan = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines() if ":" in line}
+    assert (
+        "the top 64 next-token probabilities are sent as soft targets (--target_topk"
+        in plan["target_layers_run"]
+    )
+    assert "more target compute per token" in plan["target_layers_run"]
+    assert "384 bytes a token: 64 int32 ids" in plan["message_size"]
+    assert train_main(flags) == 0
+    run = tmp_path / "run"
+    state = json.loads((run / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert (
+        json.loads((run / "config.json").read_text())["target_topk"] == state["config"]["target_topk"] == 64
+    )
+    assert 0 <= json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["distill_l1"] <= 2
 
 
 def test_a_dspark_run_trains_resumes_exactly_exports_and_decodes_losslessly(

@@ -361,3 +361,18 @@ def test_a_sliding_window_run_exports_its_layer_types_and_decodes_losslessly(
     assert config["is_causal"] is False and config["use_sliding_window"] is True
     drafter = load_drafter(export)
     assert drafter.config.layer_types == config["layer_types"] and drafter.config.window_of(0) == 8
+
+
+def test_the_card_shows_the_final_evaluation_of_its_own_step_only(tmp_path):
+    """eval.json names the step it measured: a run that resumed past it (from a --max_steps 0 run's step 0, say)
+    and ended without evaluating does not show it as its last checkpoint's; a file without a step still counts."""
+    from dflash_ddp.serving.card import run_evaluation
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    state = {"global_step": 2, "total_steps": 2}
+    for recorded, shown in (({"step": 0}, None), ({"step": 2}, 2.5), ({}, 2.5)):
+        (run / "eval.json").write_text(json.dumps({**recorded, "tau": 2.5}))
+        report, _ = run_evaluation(checkpoint, state)
+        assert (report and report["tau"]) == shown

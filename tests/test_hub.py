@@ -15,21 +15,29 @@ import torch
 import yaml
 from huggingface_hub import constants
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+from target_zoo import zoo_config
 from transformers import AutoModelForCausalLM
 
 from dflash_ddp import hub
 from dflash_ddp.hub import (
     ModelSource,
+    TextWeights,
     check_safetensors,
     hub_dataset_name,
     hub_model_name,
     locate_model,
+    other_parts,
     split_files,
     weight_files,
 )
+from dflash_ddp.parallel.downloads import fetch_target_weights
+from dflash_ddp.setup.run import target_weights
+from dflash_ddp.target_model.info import inspect_target
+from dflash_ddp.train import main as train_main
 
-from helpers import SMALL_JOB, as_flags, torchrun_cmd
+from conftest import build_tokenizer, conversation
+from helpers import SMALL_JOB, as_flags, torchrun_cmd, train_flags
 
 COMMIT_A, COMMIT_B, DATA_COMMIT = "a" * 40, "b" * 40, "d" * 40
 TIMEOUT_S = 900  # only catches a hang
@@ -63,6 +71,50 @@ def hub_cache(tmp_path, tiny_target, chat_data) -> Path:
     lines = chat_data.read_text().splitlines(keepends=True)
     (data / "test-00000-of-00001.jsonl").write_text("".join(lines[:6]))
     return cache
+
+
+VISION_SHARD = "model-vision.safetensors"
+# the zoo's wrappers and the modules beside their text model (a vision tower, Gemma 4's vision projector)
+WRAPPERS = {"qwen3_5": ("model.visual",), "gemma4": ("model.embed_vision", "model.vision_tower")}
+
+
+def wrapper_cache(tmp_path: Path, name: str) -> Path:
+    """A hub cache holding org/vl: the zoo's tiny vision-language wrapper `name` as it ships (text model at
+    `model.language_model`, the modules WRAPPERS names beside it), resharded as a large wrapper is: those
+    modules alone in their own shard, each text layer in one, the rest (embedding, final norm, LM head) in a
+    last one."""
+    cache = tmp_path / "hub"
+    folder = snapshot(cache, "org/vl", COMMIT_A)
+    model_class, config = zoo_config(name, len(build_tokenizer(folder)))
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path / "saved")
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in load_file(tmp_path / "saved" / "model.safetensors").items():
+        layer = hub.LAYER_OF_WEIGHT.search(tensor_name)
+        shard = (
+            VISION_SHARD
+            if tensor_name.startswith(tuple(f"{m}." for m in WRAPPERS[name]))
+            else f"model-layer{layer.group(1)}.safetensors"
+            if layer
+            else "model-rest.safetensors"
+        )
+        shards.setdefault(shard, {})[tensor_name] = tensor
+    weight_map, total = {}, 0
+    for shard, tensors in shards.items():
+        save_file(tensors, folder / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for item in (tmp_path / "saved").glob("*.json"):  # config.json, generation_config.json
+        shutil.copy(item, folder / item.name)
+    return cache
+
+
+@pytest.fixture
+def vl_cache(tmp_path) -> Path:
+    """wrapper_cache of the zoo's Qwen3.5 wrapper (Qwen3_5ForConditionalGeneration: vision at `model.visual`)."""
+    return wrapper_cache(tmp_path, "qwen3_5")
 
 
 def offline_env(cache: Path) -> dict:
@@ -124,6 +176,113 @@ def test_only_the_shards_of_the_layers_a_run_needs_are_named(hub_cache):
             assert file in needed, weight  # embedding, final norm, LM head and layers 0-1
     assert set(needed) < set(index.values())  # the later layers' shards are left out
     assert weight_files(folder, None) == sorted(set(index.values()))
+
+
+def test_a_wrappers_vision_shards_are_never_named_for_target_ranks(vl_cache):
+    """The text model's tensors are found from the config by the model's own classes (text_stack.py): the
+    selection leaves the vision shard out, whatever the layers, and names it as the wrapper's other part."""
+    folder = vl_cache / "models--org--vl" / "snapshots" / COMMIT_A
+    info = inspect_target(folder)
+    text = target_weights(info)
+    assert info.architecture == "Qwen3_5ForConditionalGeneration"
+    assert set(text.prefixes) >= {"model.language_model", "lm_head"}
+    assert not any(text.holds(w) for w in _index(folder) if w.startswith("model.visual."))
+    assert all(text.holds(w) for w in _index(folder) if not w.startswith("model.visual."))
+    every = sorted(set(_index(folder).values()))
+    # without the text model's names, every file outside the later layers is read: the vision shard too
+    assert VISION_SHARD in weight_files(folder, 3)
+    assert weight_files(folder, None, text) == [f for f in every if f != VISION_SHARD]
+    assert weight_files(folder, 3, text) == sorted(
+        ["model-rest.safetensors", *(f"model-layer{i}.safetensors" for i in range(3))]
+    )
+    assert other_parts(folder, text) == ([VISION_SHARD], ["model.visual"])
+    # Mistral 3 keeps its LM head beside its text model, not inside it
+    assert TextWeights.of("language_model.model", "language_model.model.embed_tokens.weight",
+                          "language_model.lm_head.weight").prefixes == (
+        "language_model.model", "language_model.model.embed_tokens", "language_model.lm_head"
+    )  # fmt: skip
+
+
+def test_a_download_of_a_wrapper_fetches_only_its_text_shards_and_says_what_it_skipped(
+    vl_cache, tmp_path, monkeypatch, capsys
+):
+    """Online (the hub mocked): the files asked of the hub are the text model's shards of the layers run, the
+    vision shard is not among them, the view target ranks load links no vision file and indexes no vision
+    tensor, and one line says what was left out and how large it is."""
+    folder = vl_cache / "models--org--vl" / "snapshots" / COMMIT_A
+    vision = (folder / VISION_SHARD).read_bytes()
+    (folder / VISION_SHARD).unlink()  # as in a cache that never held it
+    asked: list[list[str]] = []
+
+    class Info:
+        size = 12_345_678
+
+    def snapshot_download(repo_id, allow_patterns, **kwargs):
+        asked.append(sorted(allow_patterns))
+        if VISION_SHARD in allow_patterns:
+            (folder / VISION_SHARD).write_bytes(vision)
+        return str(folder)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(vl_cache))
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(
+        hub.HfApi, "get_paths_info", lambda self, repo, paths, revision: [Info()] * len(paths)
+    )
+    source = ModelSource("org/vl", folder, "org/vl", "main", COMMIT_A)
+    info = inspect_target(folder)
+    view = fetch_target_weights(source, 3, tmp_path / "views", together=False, text=target_weights(info))
+    assert asked == [["model-layer0.safetensors", "model-layer1.safetensors", "model-layer2.safetensors",
+                      "model-rest.safetensors"]]  # fmt: skip
+    assert not (view / VISION_SHARD).exists() and (view / "model-layer0.safetensors").exists()
+    assert not any(w.startswith("model.visual.") for w in _index(view))
+    printed = capsys.readouterr().out
+    assert (
+        "--target_model org/vl: 1 weight file(s) (12.3 MB) hold only the checkpoint's parts outside its text "
+        "model (model.visual): not downloaded"
+    ) in printed
+    # the whole target (evaluation, regeneration) still takes every file
+    assert fetch_target_weights(source, None, together=False) == folder
+    assert VISION_SHARD in asked[-1]
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_training_a_wrapper_by_hub_name_reads_no_vision_shard(name, tmp_path, monkeypatch, capsys):
+    """The real command offline, the wrapper's vision shard gone from the cache (and, where the text model
+    can be cut, the shard of the layer after the last tap): --plan says what the run leaves out, and two
+    training steps load the text model and train. Gemma 4's text model is built whole (per-layer inputs): its
+    every layer is read."""
+    cache = wrapper_cache(tmp_path, name)
+    folder = cache / "models--org--vl" / "snapshots" / COMMIT_A
+    (folder / VISION_SHARD).unlink()
+    layers = 4 if name == "gemma4" else 3  # taps 1, 2: layers 0-2 run
+    if layers == 3:
+        (folder / "model-layer3.safetensors").unlink()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(16)))
+    out = tmp_path / "run"
+    flags = train_flags("org/vl", data, out, target_layer_ids="1,2")
+    skipped = (
+        "1 weight file(s) (size unknown offline) hold only the checkpoint's parts outside its text model "
+        f"({', '.join(WRAPPERS[name])}): not downloaded"
+    )
+    assert train_main([*flags, "--plan"]) == 0
+    plan = capsys.readouterr().out
+    assert f"{layers + 1} safetensors file(s)" in plan and skipped in plan, plan
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train_main([*flags, "--max_steps", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert f"--target_model org/vl: {skipped}" in capsys.readouterr().out
+    assert (out / "checkpoints" / "step-00000002").is_dir()
+    [view] = (out / "cache").glob("org--vl-*")
+    assert sorted(p.name for p in view.glob("*.safetensors")) == sorted(
+        ["model-rest.safetensors", *(f"model-layer{i}.safetensors" for i in range(layers))]
+    )
 
 
 # ----------------------------------------------------------------------------------------------- errors

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from regenerated_rows import assert_fields_kept, messages_of, with_fields
 
 from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.data.sources import BadRow
@@ -219,16 +220,17 @@ def test_multi_turn_and_prompt_only_rows(tiny_target, tmp_path):
         ["user", "assistant"],
         ["user", "assistant"],
     ]
-    assert [[m["role"] for m in r["messages"]] for r in rows] == expected_roles
+    assert [[m["role"] for m in messages_of(r)] for r in rows] == expected_roles
+    assert [t["from"] for t in rows[2]["conversations"]] == ["human", "gpt", "human", "gpt"]  # its own format
     for row, source in zip(rows, inputs, strict=True):
-        prompts = [m for m in row["messages"] if m["role"] != "assistant"]
+        prompts = [m for m in messages_of(row) if m["role"] != "assistant"]
         given = source.get("messages") or [
             {"role": {"human": "user"}[t["from"]], "content": t["value"]}
             for t in source["conversations"]
             if t["from"] != "gpt"
         ]
         assert prompts == [m for m in given if m["role"] != "assistant"]  # prompts kept, in order
-        assert all(m["content"] not in ("", "OLD") for m in row["messages"] if m["role"] == "assistant")
+        assert all(m["content"] not in ("", "OLD") for m in messages_of(row) if m["role"] == "assistant")
     assert not out.with_name("out.jsonl.parts").exists() and not out.with_name("out.jsonl.lock").exists()
 
     # a finished OUT is left alone, even when asked with other settings: there is nothing to compare to
@@ -348,6 +350,41 @@ def test_a_rank_finishing_after_the_merge_says_so(tiny_target, chat_data, tmp_pa
     assert not (tmp_path / "out.jsonl.lock").exists()
 
 
+def test_every_field_of_a_row_survives_regeneration_its_resume_and_the_merge(
+    tiny_target, chat_data, tmp_path, monkeypatch, capsys
+):
+    """Rows with an id, a source and nested metadata (some in ShareGPT format) come back whole, only their
+    answers regenerated: in one run, and in a run interrupted twice (rank 1 of 2 alone, then a process
+    stopped by a failing disk after its first batch) whose parts a last process continues and merges: the
+    same bytes."""
+    given = with_fields(read_rows(chat_data)[:8])
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in given))
+    settings = {"batch_size": 2}
+    reference = run(tiny_target, data, tmp_path / "reference.jsonl", **settings)
+    assert_fields_kept(reference, given)
+
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert rg.main(flags(tiny_target, data, out, **settings)) == 0  # batches 1 and 3: rows 2, 3, 6, 7
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    write = rg.PartWriter.write
+
+    def write_then_fail(self, records):
+        write(self, records)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(rg.PartWriter, "write", write_then_fail)
+    assert rg.main(flags(tiny_target, data, out, **settings)) == 1  # batch 0 written, then stopped
+    assert sorted(finished_rows(parts)) == [0, 1, 2, 3, 6, 7] and not out.exists()
+    monkeypatch.setattr(rg.PartWriter, "write", write)
+    assert rg.main(flags(tiny_target, data, out, **settings)) == 0
+    assert not parts.exists() and "wrote" in capsys.readouterr().out
+    assert out.read_text() == (tmp_path / "reference.jsonl").read_text()
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -428,9 +465,9 @@ def test_sigkill_and_restart_give_the_uninterrupted_rows_once_each(
     written = {}
     merge = rg.merge
 
-    def checked_merge(out_path, parts_dir, num_rows, *args):
+    def checked_merge(out_path, parts_dir, rows, *args):
         written["rows"] = finished_rows(parts_dir)
-        return merge(out_path, parts_dir, num_rows, *args)
+        return merge(out_path, parts_dir, rows, *args)
 
     monkeypatch.setattr(rg, "merge", checked_merge)
     assert rg.main(flags(tiny_target, data, out, **settings)) == 0

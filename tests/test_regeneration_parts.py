@@ -3,12 +3,15 @@ out), damaged parts, and part files that survive a kill mid-write and are read f
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
 import pytest
 
+from dflash_ddp.data.sources import BadRow, read_conversations_and_rows
 from dflash_ddp.regeneration import parts as parts_mod
+from dflash_ddp.regeneration.turns import plan_row
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -31,11 +34,17 @@ def test_merge_orders_rows_leaves_out_bad_empty_and_cut_rows_and_waits_for_missi
     (parts / "rank1-of-2.jsonl").write_text(
         record(1, "") + "\n" + json.dumps({"row": 4, "bad": "f:5: refused"}) + "\n" + record(3, "d")[:20]
     )
-    assert parts_mod.merge(out, parts, 5, keep_truncated) is None  # row 3 is not finished
+    rows = [
+        plan_row(
+            i, f"f:{i + 1}", [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "old"}]
+        )
+        for i in range(5)
+    ]
+    assert parts_mod.merge(out, parts, rows, keep_truncated) is None  # row 3 is not finished
     assert not out.exists() and parts.exists()
 
     (parts / "rank0-of-1.jsonl").write_text(record(3, "d") + "\n" + record(0, "a") + "\n")
-    summary = parts_mod.merge(out, parts, 5, keep_truncated)
+    summary = parts_mod.merge(out, parts, rows, keep_truncated)
     # the settings outlive OUT.parts, beside OUT, with the merge-time choice
     assert json.loads(parts_mod.settings_path(out).read_text()) == {
         "rows": 5,
@@ -129,6 +138,75 @@ def test_rows_with_kept_tool_calls_are_written(tmp_path):
     (parts / "settings.json").write_text("{}")
     record = {"row": 0, "messages": messages, "hit_max_new_tokens": False, "new_tokens": 4}
     (parts / "rank0-of-1.jsonl").write_text(json.dumps(record) + "\n")
-    summary = parts_mod.merge(tmp_path / "out.jsonl", parts, 1)
+    summary = parts_mod.merge(tmp_path / "out.jsonl", parts, [plan_row(0, "f:1", messages)])
     assert summary.written == 1 and summary.empty == 0 and summary.turns == 1  # only the answer was generated
     assert read_rows(tmp_path / "out.jsonl") == [{"messages": messages}]
+
+
+def test_the_merge_writes_each_input_row_back_with_only_its_answers_replaced(tmp_path):
+    """Every field of a row and every turn not regenerated (their own keys too) as read; the regenerated
+    turns replaced whole, in the row's own format; a part line of an earlier version (which carried the
+    row's chat_template_kwargs itself) merges the same."""
+    chat = {
+        "id": "a-1",
+        "messages": [
+            {"role": "system", "content": "S", "name": "house rules"},
+            {"role": "user", "content": "U1"},
+            {"role": "assistant", "content": "OLD", "reasoning_content": "old thinking"},
+            {"role": "user", "content": "U2"},
+        ],
+        "chat_template_kwargs": {"enable_thinking": False},
+        "meta": {"source": "web", "scores": [0.5, None]},
+    }
+    share = {
+        "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "OLD"}],
+        "split": "test",
+    }
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps(chat) + "\n" + json.dumps(share) + "\n")
+    rows = [
+        plan_row(i, where, messages, kwargs, fields)
+        for i, ((where, messages, kwargs), fields) in enumerate(read_conversations_and_rows([str(data)]))
+    ]
+    assert [r.targets for r in rows] == [[2, 4], [1]]
+    answer = [{"role": "assistant", "content": text} for text in ("A1", "A2", "B")]
+    generated = [
+        [*rows[0].messages[:2], answer[0], rows[0].messages[3], answer[1]],
+        [rows[1].messages[0], answer[2]],
+    ]
+    parts = tmp_path / "out.jsonl.parts"
+    parts.mkdir()
+    (parts / "settings.json").write_text("{}")
+    records = [
+        {"row": 0, "messages": generated[0], "hit_max_new_tokens": False, "new_tokens": 6},
+        {"row": 1, "messages": generated[1], "hit_max_new_tokens": False, "new_tokens": 2},
+    ]
+    records[0]["chat_template_kwargs"] = {"enable_thinking": False}  # as earlier versions wrote it
+    (parts / "rank0-of-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = parts_mod.merge(tmp_path / "out.jsonl", parts, rows)
+    assert summary.written == 2 and summary.turns == 3
+    assert read_rows(tmp_path / "out.jsonl") == [
+        {
+            "id": "a-1",
+            "messages": [
+                {"role": "system", "content": "S", "name": "house rules"},
+                {"role": "user", "content": "U1"},
+                {"role": "assistant", "content": "A1"},
+                {"role": "user", "content": "U2"},
+                {"role": "assistant", "content": "A2"},
+            ],
+            "chat_template_kwargs": {"enable_thinking": False},
+            "meta": {"source": "web", "scores": [0.5, None]},
+        },
+        {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "B"}], "split": "test"},
+    ]
+    assert list(read_rows(tmp_path / "out.jsonl")[0]) == list(chat)  # the fields in their order
+
+
+def test_a_field_json_cannot_hold_is_a_bad_row_and_a_date_is_written_as_text():
+    messages = [{"role": "user", "content": "Q"}]
+    when = datetime.datetime(2026, 12, 4, 9, 30)
+    row = plan_row(0, "d.parquet:row 0", messages, None, {"messages": messages, "when": when})
+    assert row.fields["when"] == "2026-12-04T09:30:00"
+    with pytest.raises(BadRow, match=r"d.parquet:row 3: field 'image' cannot be written .* --skip_bad_rows"):
+        plan_row(3, "d.parquet:row 3", messages, None, {"messages": messages, "image": b"\x89PNG"})

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from regenerated_rows import assert_fields_kept, with_fields
 
 from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.regeneration import regenerate as rg
@@ -178,6 +179,34 @@ def test_a_kill_and_a_restart_give_every_row_once(tiny_target, chat_data, tmp_pa
     assert not parts.exists()
 
 
+def test_every_field_of_a_row_survives_the_engine_path_its_resume_and_the_merge(
+    tiny_target, chat_data, tmp_path, fake_server, monkeypatch
+):
+    """Rows with an id, a source and nested metadata (some in ShareGPT format) come back whole through the
+    engine, only their answers replaced; a run stopped after its first rows (a failing disk) and continued
+    writes the same bytes."""
+    given = with_fields(read_rows(chat_data)[:12])
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in given))
+    reference = tmp_path / "reference.jsonl"
+    assert rg.main(argv(tiny_target, data, reference, fake_server)) == 0
+    assert_fields_kept(read_rows(reference), given)
+
+    out, part = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts" / "rank0-of-1.jsonl"
+    write = rg.PartWriter.write
+
+    def write_then_fail(self, records):
+        write(self, records)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(rg.PartWriter, "write", write_then_fail)
+    assert rg.main(argv(tiny_target, data, out, fake_server, requests_in_flight=1)) == 1
+    assert 0 < part.read_bytes().count(b"\n") < 12 and not out.exists()
+    monkeypatch.setattr(rg.PartWriter, "write", write)
+    assert rg.main(argv(tiny_target, data, out, fake_server, requests_in_flight=4)) == 0
+    assert out.read_text() == reference.read_text()
+
+
 def test_a_prompt_longer_than_the_servers_context_is_a_bad_row(
     tiny_target, chat_data, tmp_path, fake_server, capsys
 ):
@@ -219,10 +248,11 @@ def test_engine_flags_are_checked(tiny_target, chat_data, tmp_path, capsys, flag
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")
 def test_greedy_regeneration_through_vllm_equals_the_transformers_path(tmp_path):
-    """The embedded target (vLLM's CPU attention needs head sizes of 64 and more), 12 held-out rows."""
+    """The embedded target (vLLM's CPU attention needs head sizes of 64 and more), 12 held-out rows, each
+    with an id, a source and nested metadata (some in ShareGPT format), which come back whole."""
     data = tmp_path / "rows.jsonl"
-    lines = (ASSETS / "data" / "heldout_regenerated.jsonl").read_text().splitlines(keepends=True)
-    data.write_text("".join(lines[:12]))
+    given = with_fields(read_rows(ASSETS / "data" / "heldout_regenerated.jsonl")[:12])
+    data.write_text("".join(json.dumps(row) + "\n" for row in given))
     common = ["--target_model", str(ASSETS / "tiny_qwen3"), "--data", str(data), "--max_new_tokens", "48"]
     common += ["--keep_truncated"]
     assert (
@@ -234,3 +264,4 @@ def test_greedy_regeneration_through_vllm_equals_the_transformers_path(tmp_path)
     assert len(ours) == 12
     differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
     assert not differ, f"rows {differ} differ"
+    assert_fields_kept(theirs, given, answers_changed=False)  # the rows hold this target's own answers

@@ -1,9 +1,11 @@
 """The target side: which hidden states are tapped, what is loaded, and bad target directories."""
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from dflash_ddp.drafter.config import default_target_layer_ids
@@ -14,7 +16,7 @@ from dflash_ddp.target_model.features import (
     last_layer_norm,
 )
 from dflash_ddp.target_model.head import SharedTargetHead
-from dflash_ddp.target_model.info import inspect_target
+from dflash_ddp.target_model.info import inspect_target, layer_mlp_widths
 
 
 @pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])
@@ -159,3 +161,33 @@ def test_a_prefill_in_pieces_equals_one_pass(tiny_target, topk):
     if topk:
         assert torch.equal(soft_a.ids, soft_b.ids)
         torch.testing.assert_close(soft_b.probs.float(), soft_a.probs.float(), rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "widths"),
+    [
+        # experts x active + shared expert, no dense width at all (the released Qwen3.5/3.6-MoE text config)
+        ("Qwen3_5MoeTextConfig", {512 * 8 + 512}),
+        ("Qwen3MoeConfig", {768 * 8}),
+        # 3 dense layers, then 8 routed experts of 2048 + 1 shared
+        ("DeepseekV3Config", {18432, 2048 * 8 + 2048}),
+        # intermediate_size is only an alias of the experts' width: every layer sparse
+        ("DeepseekV4Config", {2048 * 6 + 2048}),
+        ("GptOssConfig", {2880 * 4}),  # intermediate_size names the experts' width
+        ("NemotronHConfig", {0, 21504, 7688 * 2 + 7688}),  # Mamba/attention blocks have no MLP
+    ],
+)
+def test_a_targets_mlp_width_is_read_by_meaning_per_layer(config_class, widths):
+    config = getattr(transformers, config_class)()
+    assert set(layer_mlp_widths(config)) == widths
+
+
+def test_a_config_without_the_width_its_layers_need_is_one_line_naming_the_model_type_and_field():
+    """A hand-written config.json (no class fills its defaults) with experts and no expert width."""
+    config = SimpleNamespace(model_type="my_moe", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    with pytest.raises(
+        ValueError,
+        match="model type 'my_moe': layer 0 has experts but its config gives no "
+        "moe_intermediate_size and num_experts_per_tok; check the checkpoint's config.json",
+    ):
+        layer_mlp_widths(config)

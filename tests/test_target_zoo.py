@@ -11,19 +11,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from target_zoo import ZOO_NAMES, build_zoo_target
-from transformers import BertConfig, BertModel, DeepseekV4Config
+from target_zoo import ZOO_NAMES, build_zoo_target, make_config, zoo_config
+from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM
 
+from dflash_ddp.drafter.config import drafter_config_for
 from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
 from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.evaluate import main as evaluate_main
-from dflash_ddp.evaluation.decoding import greedy_generate, speculative_generate
+from dflash_ddp.evaluation.decoding import greedy_generate, speculative_generate, untrained_drafter
+from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.export import main as export_main
-from dflash_ddp.target_model.features import TargetFeatureExtractor
+from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
-from dflash_ddp.target_model.text_stack import read_text_stack
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
@@ -175,24 +176,44 @@ def test_a_hybrid_targets_recurrent_state_rolls_back_to_the_accepted_prefix(name
     assert {1, 2, 3, 4} <= set(result.accepted[:-1])  # every acceptance length, each rolled back
 
 
-def test_a_hybrid_vision_language_target_trains_as_a_tensor_parallel_group(zoo, chat_data, tmp_path):
-    """Qwen3.5 as it ships (Gated DeltaNet + gated attention under a vision wrapper): one group of 2 target
-    ranks + 1 drafter rank trains the colocated run's steps to the same losses."""
-    target = zoo("qwen3_5")
+@pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v4"])
+def test_a_target_trains_as_a_tensor_parallel_group(name, zoo, chat_data, tmp_path):
+    """Qwen3.5 as it ships (Gated DeltaNet + gated attention under a vision wrapper) and DeepSeek V4 (4
+    hyper-connection streams, compressed attention, hash-routed experts): one group of 2 target ranks + 1
+    drafter rank trains the colocated run's steps to the same losses."""
+    target = zoo(name)
     train(target, chat_data, tmp_path / "colocated", seed=1)
-    flags = train_flags(target, chat_data, tmp_path / "tp2", max_steps=2, target_layer_ids="1,2", seed=1)
-    result = subprocess.run(
-        torchrun_cmd(3) + ["-m", "dflash_ddp.train", *flags, "--target_tp_size", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = launch_tp2(target, chat_data, tmp_path / "tp2")
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [
         [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         for run in ("colocated", "tp2")
     ]
     assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_a_tensor_parallel_plan_that_does_not_run_is_one_line_on_the_group(zoo, chat_data, tmp_path):
+    """transformers 5.25's GLM-5 plan shards its linear-attention layers' output projection but not their
+    inputs: the group's ranks say so in one line before training, without a traceback."""
+    result = launch_tp2(zoo("glm5_next"), chat_data, tmp_path / "tp2")
+    assert result.returncode != 0 and "[rank" not in result.stderr, result.stderr[-3000:]  # no traceback
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error (rank")]
+    assert lines and all(  # torchrun may stop the other rank before it prints
+        "transformers' tensor-parallel plan for model type 'glm5_next_text' does not run" in line
+        and "pass --target_tp_size 1" in line
+        for line in lines
+    )
+
+
+def launch_tp2(target: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
+    """The CLI under torchrun: 2 target ranks in one tensor-parallel group + 1 drafter rank, 2 steps."""
+    flags = train_flags(target, data, out, max_steps=2, target_layer_ids="1,2", seed=1)
+    return subprocess.run(
+        torchrun_cmd(3) + ["-m", "dflash_ddp.train", *flags, "--target_tp_size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):
@@ -212,8 +233,65 @@ def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path
     assert "BertModel (bert) has no causal-LM text head" in line
 
 
-def test_a_target_with_hyper_connections_is_refused_naming_its_model_type(tmp_path):
-    """DeepSeek V4 passes 4 residual streams between its layers: its taps are not one hidden state."""
-    DeepseekV4Config().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="model type 'deepseek_v4' is not supported: it carries 4 residual"):
-        read_text_stack(tmp_path)
+def test_a_zoo_config_sets_only_the_fields_its_class_defines():
+    """The zoo builds each family from its config class's defaults; a field the class does not define (which
+    no released checkpoint has) is refused, so a zoo target cannot hide a failure a real one shows."""
+    for name in ZOO_NAMES:
+        zoo_config(name, 64)
+    with pytest.raises(TypeError, match="Qwen3_5MoeTextConfig defines no intermediate_size"):
+        make_config("Qwen3_5MoeTextConfig", intermediate_size=128)
+    assert "intermediate_size" not in zoo_config("qwen3_5_moe", 64)[1].text_config.to_dict()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v4", "glm5_next"])
+def test_a_hyper_connection_target_feeds_the_drafter_the_mean_of_its_streams(
+    name, zoo, chat_data, tmp_path, capsys
+):
+    """DeepSeek V4 and GLM-5 pass 4 residual streams between layers; a tapped layer's feature is the mean of
+    its post-mix streams, as vLLM feeds a drafter (`aux_recon.mean(dim=1)` after layer L for tap L), and
+    --plan says so."""
+    info = inspect_target(zoo(name))
+    assert train_main([*train_flags(zoo(name), chat_data, tmp_path), "--plan"]) == 0
+    assert "4 residual streams between layers (hyper-connections)" in capsys.readouterr().out
+    ids = torch.randint(3, info.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    whole = load_causal_lm(info, CPU, torch.float32)
+    streams = {}
+    hooks = [
+        decoder_layers(whole)[i].register_forward_hook(
+            lambda _m, _a, out, i=i: streams.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i in (1, 2)
+    ]
+    with torch.no_grad():
+        whole(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    assert streams[1].shape == (2, 24, 4, info.hidden_size)
+    expected = torch.cat([streams[i].mean(dim=-2) for i in (1, 2)], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_target_whose_cache_changes_its_logits_is_said_in_one_line_not_called_lossy(chat_data, tmp_path):
+    """transformers' DeepSeek V4 selects other compressed blocks with its cache than without once a context
+    has more of them than its indexer's top-k (as `glm_moe_dsa` does): greedy decoding itself leaves the
+    cacheless forward, and the evaluation names the model type instead of failing the drafter. Its cache
+    cannot be cropped either: the decoder restores a copy, and transformers' assisted rows are left out."""
+    target = tmp_path / "dsv4"
+    tok = build_tokenizer(target)
+    _, config = zoo_config("deepseek_v4", len(tok))
+    config.index_topk = 2
+    torch.manual_seed(0)
+    DeepseekV4ForCausalLM(config).save_pretrained(target)
+    drafter = untrained_drafter(drafter_config_for(inspect_target(target), 1, [1, 2], 0, 4))
+    report = evaluate(target, drafter, chat_data, num_prompts=2, max_new_tokens=24, device="cpu")
+    assert report["mismatched"] and all(
+        m["target_cache_differs_at"] <= m["first_difference"] for m in report["mismatched"]
+    )
+    assert report["lossless"] and "prompt_lookup" not in report
+    notes = "\n".join(report["notes"])
+    assert (
+        "model type 'deepseek_v4': transformers' implementation gives other tokens with its KV cache" in notes
+    )
+    assert "which model type 'deepseek_v4' cannot (compressed attention)" in notes
+    assert "near tie" not in notes

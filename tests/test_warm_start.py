@@ -23,9 +23,10 @@ from dflash_ddp.config import EMBEDDED_PRESET, EMBEDDED_TARGET, parse_config
 from dflash_ddp.evaluation.decoding import as_transformers_assistant, speculative_generate
 from dflash_ddp.evaluation.evaluate import prepare_evaluation
 from dflash_ddp.parallel.topology import Topology
-from dflash_ddp.serving.export import load_drafter, save_drafter
+from dflash_ddp.serving.export import export_checkpoint, load_drafter, save_drafter
 from dflash_ddp.setup.run import prepare
 from dflash_ddp.setup.trainer import build_trainer
+from dflash_ddp.train import main as train_main
 
 from helpers import torchrun_cmd
 
@@ -88,23 +89,46 @@ def refusal(flags: list[str], out: Path) -> str:
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
-def test_step_0_drafts_exactly_as_the_source_in_every_family(source, tmp_path, family):
-    """The drafter a run builds from an export (the trainer's own code path, before any step) decodes the same
-    tokens with the same accepted lengths as the export itself; grown into DFlash2 or DSpark as well."""
-    flags = ["--init_from", str(source), "--drafter", family]
-    flags += ["--target_topk", "16"] if family == "dspark" else []
-    cfg, setup = run_setup(flags, tmp_path / "run")
-    grown = build_trainer(cfg, setup, torch.device("cpu"), total_steps=6).drafter.eval()
+def test_a_max_steps_0_run_exports_a_drafter_that_drafts_exactly_as_the_source(source, tmp_path, family):
+    """`--init_from A --max_steps 0` through the CLI saves the drafter the trainer builds from A, untrained, as
+    step 0; its export (bf16, stamped, with a model card) decodes the same tokens with the same accepted lengths
+    as A itself, grown into DFlash2 or DSpark as well (DSpark with its default --target_topk), and a DFlash
+    export holds A's weights bit for bit. The run's own evaluation (--eval_data) measures it as A decodes."""
+    run, evaluated = tmp_path / "run", family == "dflash"
+    flags = ["--init_from", str(source), "--drafter", family, "--max_steps", "0", "--output_dir", str(run)]
+    flags += ["--eval_prompts", "1", "--eval_max_new_tokens", "16"] if evaluated else ["--eval_data", ""]
+    assert train_main(flags) == 0
+    state = json.loads((run / "checkpoints" / "step-00000000" / "trainer_state.json").read_text())
+    assert state["global_step"] == state["total_steps"] == 0 and state["config"]["drafter"] == family
+    out = tmp_path / "export"
+    export_checkpoint(run, out)
+    digest = hashlib.sha256((source / "model.safetensors").read_bytes()).hexdigest()
+    stamp = json.loads((out / "config.json").read_text())["dflash_ddp"]
+    assert stamp["global_step"] == 0 and stamp["init_from"]["sha256"] == digest
+    card = (out / "README.md").read_text()
+    assert "no optimizer step (a `--max_steps 0` run): the drafter it started from, as loaded" in card
+    exported = load_drafter(out)
     evaluation = prepare_evaluation(EMBEDDED_TARGET, source, HELDOUT, 3, "cpu")
-    target, mine = evaluation.target, as_transformers_assistant(grown, evaluation.target)
+    target, mine = evaluation.target, as_transformers_assistant(exported, evaluation.target)
+    accepted = []
     for _, prompt in evaluation.prompts:
         theirs = speculative_generate(target, evaluation.drafter, prompt, 40, evaluation.eos)
         ours = speculative_generate(target, mine, prompt, 40, evaluation.eos)
         assert ours.tokens == theirs.tokens and ours.accepted == theirs.accepted
-    assert max(theirs.accepted) > 1  # the source drafts something worth comparing
+        accepted += theirs.accepted
+    assert max(accepted) > 1  # the source drafts something worth comparing
     if family == "dflash":
-        exported = load_drafter(source).state_dict()
-        assert all(torch.equal(v, exported[k]) for k, v in grown.state_dict().items() if k in exported)
+        weights = load_file(source / "model.safetensors")
+        assert load_file(out / "model.safetensors").keys() == weights.keys()
+        assert all(torch.equal(v, weights[k]) for k, v in load_file(out / "model.safetensors").items())
+    if evaluated:  # the in-job evaluation of step 0 (its first prompt, 16 tokens): A's accepted lengths
+        report = json.loads((run / "eval.json").read_text())
+        first = speculative_generate(target, evaluation.drafter, evaluation.prompts[0][1], 16, evaluation.eos)
+        histogram = [first.accepted.count(n) for n in range(1, exported.config.block_size + 1)]
+        assert (
+            report["step"] == 0 and report["lossless"] and report["dflash"]["accept_histogram"] == histogram
+        )
+        assert "the run's final evaluation (eval.json, step 0)" in card
 
 
 def edited(source: Path, tmp_path: Path, **fields) -> Path:

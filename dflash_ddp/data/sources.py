@@ -205,20 +205,8 @@ def _rows(path: Path):
     return _arrow_rows(path)
 
 
-def read_conversations(
-    paths: list[str],
-    skip_bad_rows: bool = False,
-    stats: DataStats | None = None,
-    require_assistant: bool = True,
-):
-    """Rows of the --data inputs as Conversations, where = 'file:line' or 'file:row N'.
-
-    `require_assistant=False` accepts prompt-only rows (for regeneration).
-
-    A bad row raises BadRow naming its place and the reason, or with `skip_bad_rows` is counted in
-    `stats` and skipped. Problems of a whole file (missing, wrong type) always raise."""
-    stats = stats if stats is not None else DataStats()
-    rows = []
+def _conversations(paths: list[str], skip_bad_rows: bool, stats: DataStats, require_assistant: bool):
+    """(Conversation, the row as read) for every usable row of the --data inputs, in order."""
     for path in data_files(paths):
         for where, row in _rows(path):
             stats.rows += 1
@@ -228,11 +216,42 @@ def read_conversations(
                 if not isinstance(row, dict):
                     raise BadRow(f"{where}: a row must be a JSON object")
                 messages = _normalise_messages(row, where, require_assistant)
-                rows.append(Conversation(where, messages, _row_template_kwargs(row, where)))
+                yield Conversation(where, messages, _row_template_kwargs(row, where)), row
             except BadRow as e:
                 if not skip_bad_rows:
                     raise
                 stats.skip(e)
+
+
+def read_conversations(
+    paths: list[str],
+    skip_bad_rows: bool = False,
+    stats: DataStats | None = None,
+    require_assistant: bool = True,
+) -> list[Conversation]:
+    """Rows of the --data inputs as Conversations, where = 'file:line' or 'file:row N'.
+
+    `require_assistant=False` accepts prompt-only rows (for regeneration).
+
+    A bad row raises BadRow naming its place and the reason, or with `skip_bad_rows` is counted in
+    `stats` and skipped. Problems of a whole file (missing, wrong type) always raise."""
+    stats = stats if stats is not None else DataStats()
+    rows = [c for c, _ in _conversations(paths, skip_bad_rows, stats, require_assistant)]
+    if not rows:
+        raise ValueError(f"--data {paths}: no usable rows")
+    return rows
+
+
+def read_conversations_and_rows(
+    paths: list[str],
+    skip_bad_rows: bool = False,
+    stats: DataStats | None = None,
+    require_assistant: bool = True,
+) -> list[tuple[Conversation, dict]]:
+    """read_conversations' rows, each with the row itself as read (every field, the conversation in its own
+    format): regeneration writes the rows back with only their answers replaced."""
+    stats = stats if stats is not None else DataStats()
+    rows = list(_conversations(paths, skip_bad_rows, stats, require_assistant))
     if not rows:
         raise ValueError(f"--data {paths}: no usable rows")
     return rows

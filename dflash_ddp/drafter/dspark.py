@@ -37,6 +37,9 @@ from dflash_ddp.drafter.objective import LossTerms, ScoredRows, as_target_logits
 from dflash_ddp.drafter.weighting import LossSettings, reweighting
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+# DSpark's loss always reads the target's distribution: the reference trains on its top 64 tokens, which
+# --drafter dspark takes as its --target_topk unless the run gives one
+TARGET_TOPK = 64
 
 
 class DSparkDraftConfig(DFlashDraftConfig):

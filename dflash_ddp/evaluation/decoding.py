@@ -127,6 +127,35 @@ def greedy_generate(
     return DecodeResult(tokens, time.perf_counter() - start, target_forwards=len(tokens))
 
 
+class VerifiedCache:
+    """The target's cache across verify steps, rolled back to the committed prefix after each: cropped, or
+    where a layer cannot be cropped (DeepSeek V4's compressed keys) restored from a copy taken before the
+    verify and advanced over the committed tokens again."""
+
+    def __init__(self, cache: DynamicCache, block_size: int):
+        # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the last
+        # block_size states (their recurrent state cannot be cut like keys and values), as transformers does
+        cache.activate_past_recording(recurrent_states_to_keep=block_size)
+        self.cache = cache
+        self.croppable = all(getattr(layer, "is_croppable", True) for layer in cache.layers)
+        self.before: DynamicCache | None = None
+
+    def before_verify(self) -> None:
+        if not self.croppable:
+            self.before = copy.deepcopy(self.cache)
+
+    def keep(self, target: nn.Module, block: torch.Tensor, kept: int) -> None:
+        """Keep the first `kept` positions of the verified `block` in the cache (the tapped layers' outputs
+        at them are captured again where the verify is run anew)."""
+        if kept == block.shape[1]:
+            return
+        if self.croppable:
+            self.cache.crop(kept - block.shape[1])
+            return
+        self.cache = self.before
+        target(input_ids=block[:, :kept], cache=self.cache, use_cache=True)
+
+
 @torch.inference_mode()
 def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     target: nn.Module,
@@ -171,10 +200,10 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     # itself would scale Gemma's rows once more on top, and Falcon-H1 scales in its forward, not there)
     scale = getattr(config, "input_embedding_scale", 1.0)
     masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
-    target_cache, drafter_cache = DynamicCache(config=target.config), DynamicCache()
-    # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the last
-    # block_size states (their recurrent state cannot be cut like keys and values), as transformers does
-    target_cache.activate_past_recording(recurrent_states_to_keep=block_size)
+    target_cache, drafter_cache = (
+        VerifiedCache(DynamicCache(config=target.config), block_size),
+        DynamicCache(),
+    )
     accepted: list[int] = []
     contexts: list[int] = []
     calibration: list[tuple[int, float, bool]] = []
@@ -186,7 +215,7 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     # layers on the last position alone, and those layers' outputs at every prompt position are context
     last = torch.tensor([ids.shape[1] - 1], device=device)
     with capture_layer_outputs(decoder_layers(target), layer_ids, False, final_norm) as captured:
-        logits = target(input_ids=ids, cache=target_cache, use_cache=True, logits_to_keep=last).logits
+        logits = target(input_ids=ids, cache=target_cache.cache, use_cache=True, logits_to_keep=last).logits
         context = torch.cat([captured[i] for i in layer_ids], dim=-1)
         context_start = 0  # position of context[:, 0]
         choose = _Chooser(sampling, device)
@@ -214,9 +243,9 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
                     skipped += drafts.shape[1] - int(low[0])
                     drafts = drafts[:, : int(low[0])]
                     draft_probs = None if draft_probs is None else draft_probs[: int(low[0])]
-            verified = target(
-                input_ids=torch.cat([anchor, drafts], dim=1), cache=target_cache, use_cache=True
-            )
+            block = torch.cat([anchor, drafts], dim=1)
+            target_cache.before_verify()
+            verified = target(input_ids=block, cache=target_cache.cache, use_cache=True)
             if sampling is None:
                 choices = verified.logits[0].argmax(dim=-1)  # choices[k]: the target's token after input k
                 num_ok = int((drafts[0] == choices[:-1]).long().cumprod(dim=0).sum())
@@ -232,7 +261,7 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
                 reached = range(min(num_ok + 1, drafts.shape[1]))
                 calibration += [(j + 1, float(confidence[j]), j < num_ok) for j in reached]
             # The anchor and the accepted drafts stay in the target cache; the bonus token is the next anchor.
-            target_cache.crop(-(drafts.shape[1] - num_ok))
+            target_cache.keep(target, block, num_ok + 1)
             context = torch.cat([captured[i] for i in layer_ids], dim=-1)[:, : num_ok + 1]
             context_start = anchor_pos
     _sync(device)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer, row_template_kwargs
 from dflash_ddp.data.sources import read_conversations
@@ -48,10 +49,11 @@ from dflash_ddp.evaluation.decoding import (
 from dflash_ddp.evaluation.engine import engine_evaluation
 from dflash_ddp.evaluation.report import METHOD_LABELS, OWN_DECODING, family_label, methods, print_report
 from dflash_ddp.evaluation.sampling import Sampling
-from dflash_ddp.evaluation.ties import ULPS, logit_gap
+from dflash_ddp.evaluation.ties import ULPS, cache_divergence, logit_gap
 from dflash_ddp.hub import resolve_data
 from dflash_ddp.parallel.topology import resolve_device
 from dflash_ddp.serving.export import load_drafter
+from dflash_ddp.target_model.features import residual_streams
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 
@@ -65,6 +67,33 @@ NO_TRANSFORMERS_WINDOW = (
     "transformers' generate runs DFlash drafters with full attention only: no transformers row for a drafter "
     "with sliding-window layers"
 )
+
+
+def assisted_decoding_note(target) -> str | None:
+    """Why transformers' assisted decoding (the prompt-lookup and transformers rows) cannot run on this target,
+    or None when it can: it crops the target's cache after each verify, and some caches cannot be cropped."""
+    cache = DynamicCache(config=target.config)
+    if all(getattr(layer, "is_croppable", True) for layer in cache.layers):
+        return None
+    return (
+        f"transformers' assisted decoding crops the target's cache, which model type "
+        f"'{target.config.get_text_config(decoder=True).model_type}' cannot (compressed attention): no "
+        "prompt_lookup or transformers rows; this project's decoder restores a copy of the cache instead"
+    )
+
+
+def hyper_connection_note(target) -> str | None:
+    """Why transformers' DFlash generate cannot run a drafter of this target, or None when it can: it hands the
+    drafter a hyper-connection model's hidden states as they are ([.., streams, hidden]), not their mean over
+    the streams, which the engines feed and the drafter is trained on."""
+    streams = residual_streams(target.config)
+    if streams == 1:
+        return None
+    return (
+        f"transformers' DFlash generate passes the drafter all {streams} residual streams of model type "
+        f"'{target.config.get_text_config(decoder=True).model_type}', not their mean as vLLM does: no "
+        "transformers row"
+    )
 
 
 def sampled_row_note(config) -> str | None:
@@ -202,6 +231,11 @@ def run_evaluation(
     }
     if transformers_note(setup.drafter.config):
         del runs["transformers_dflash"]
+    if hyper_connection_note(target):
+        runs.pop("transformers_dflash", None)
+    if assisted_decoding_note(target):
+        runs.pop("transformers_dflash", None)
+        runs.pop("prompt_lookup")
     sampled_row = sampled_row_note(setup.drafter.config) is None
     # One short untimed pass per method first, so that one-off costs (CUDA kernels, allocator) are not timed.
     for run in runs.values():
@@ -224,6 +258,10 @@ def run_evaluation(
             if tokens != truth:
                 first = _first_difference(tokens, truth)
                 gap = logit_gap(target, prompt, truth, tokens, first) or {"near_tie": False}
+                if not gap["near_tie"] and name in OWN_DECODING:  # the target's own doing only up to there
+                    divergence = cache_divergence(target, prompt, truth)
+                    if divergence is not None and divergence <= first:
+                        gap["target_cache_differs_at"] = divergence
                 mismatched.append({"method": name, "prompt": where, "first_difference": first} | gap)
         if on_prompt is not None:
             on_prompt(index + 1, len(setup.prompts))
@@ -291,7 +329,14 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
         "dtype": str(setup.target.dtype).removeprefix("torch."),
         "greedy": {"tokens": greedy_tokens, "tokens_per_s": greedy_rate},
         "notes": [
-            n for n in (transformers_note(setup.drafter.config), sampled_row_note(setup.drafter.config)) if n
+            n
+            for n in (
+                transformers_note(setup.drafter.config),
+                sampled_row_note(setup.drafter.config),
+                assisted_decoding_note(setup.target),
+                hyper_connection_note(setup.target),
+            )
+            if n
         ],
     }
     for name in methods(results):
@@ -328,10 +373,18 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
     # the verdict is this project's decoding; transformers' own speculative paths are comparisons, and where
     # one of them is not lossless on a target (prompt lookup on some hybrid caches) that is said, not failed
     own = [m for m in mismatched if m["method"] in OWN_DECODING]
-    report["lossless"] = all(m["near_tie"] for m in own)
-    if own and report["lossless"]:
+    report["lossless"] = all(m["near_tie"] or m.get("target_cache_differs_at") is not None for m in own)
+    if any(m.get("target_cache_differs_at") is not None for m in own):
         report["notes"].append(
-            f"{len(own)} output(s) of this project's decoding leave greedy's at a near tie of the target's "
+            f"model type '{setup.target.config.get_text_config(decoder=True).model_type}': transformers' "
+            "implementation gives other tokens with its KV cache than without (its own greedy decoding leaves "
+            "its cacheless forward), so no decoding can equal greedy there; the outputs that differ are the "
+            "target's, not counted against the drafter"
+        )
+    ties = [m for m in own if m["near_tie"]]
+    if ties and report["lossless"]:
+        report["notes"].append(
+            f"{len(ties)} output(s) of this project's decoding leave greedy's at a near tie of the target's "
             f"{report['dtype']} logits (the two tokens within {ULPS} units in the last place): the target's own "
             "rounding of a batched verify against one-token steps, not the drafter; float32 (on the CPU) "
             "checks token for token"

@@ -13,9 +13,12 @@ import torch
 
 from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
+from dflash_ddp.checkpoint.reader import read_json
 from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.evaluation.report import print_report
 from dflash_ddp.evaluation.watch import LOG_FILE, start_in_job
+
+FINAL_FILE = "eval.json"  # the final evaluation's report
 
 
 class EvaluationSettings(Protocol):
@@ -64,6 +67,7 @@ def run_final_evaluation(cfg: EvaluationSettings, device: torch.device) -> dict:
     """Measure tau with real speculative decoding on held-out conversations, against baselines."""
 
     checkpoint = resolve_checkpoint(Path(cfg.output_dir))
+    step = int(read_json(checkpoint, "trainer_state.json")["global_step"])
     report = evaluate(
         target_dir=cfg.target_model,
         drafter=checkpoint,
@@ -75,5 +79,15 @@ def run_final_evaluation(cfg: EvaluationSettings, device: torch.device) -> dict:
         template_kwargs=cfg.chat_template_kwargs,
     )
     print_report(report)
-    (Path(cfg.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    # with its step: a resume that trains on (from a --max_steps 0 run's step 0, say) may leave it behind
+    (Path(cfg.output_dir) / FINAL_FILE).write_text(json.dumps({"step": step, **report}, indent=2) + "\n")
     return report
+
+
+def evaluated_at(out: Path, step: int) -> bool:
+    """Whether the run's final evaluation (eval.json) measured its checkpoint of `step` (a file from before
+    eval.json named its step is taken as the last checkpoint's, as it was written)."""
+    try:
+        return json.loads((out / FINAL_FILE).read_text()).get("step", step) == step
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -43,3 +43,16 @@ def logit_gap(
     gap = best - chosen
     tolerance = tie_tolerance(max(abs(best), abs(chosen)), target.dtype)
     return {"logit_gap": gap, "tolerance": tolerance, "near_tie": abs(gap) <= tolerance}
+
+
+@torch.inference_mode()
+def cache_divergence(target: nn.Module, prompt: list[int], greedy: list[int]) -> int | None:
+    """The first position of `greedy` (the target's own decoding with its KV cache) that the target's
+    forward without a cache, over the same tokens, would not choose; None where they agree. Where they do not,
+    the target's implementation computes other logits with its cache than without (transformers' sparse
+    attention of `glm_moe_dsa` once a context passes its index top-k): no decoding can match both."""
+    if len(greedy) < 2:
+        return None
+    ids = torch.tensor([prompt + greedy[:-1]], dtype=torch.long, device=target.device)
+    chosen = target(input_ids=ids).logits[0, len(prompt) - 1 :].argmax(dim=-1).tolist()
+    return next((i for i, (a, b) in enumerate(zip(chosen, greedy, strict=True)) if a != b), None)

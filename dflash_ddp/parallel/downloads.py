@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dflash_ddp.hub import (
     ModelSource,
+    TextWeights,
     fetch_weights,
     hub_dataset_name,
     hub_model_name,
@@ -34,24 +35,31 @@ def resolve_target(name: str, together: bool = True) -> ModelSource:
 
 
 def fetch_target_weights(
-    source: ModelSource, num_layers: int | None, view_root: Path | None = None, together: bool = True
+    source: ModelSource,
+    num_layers: int | None,
+    view_root: Path | None = None,
+    together: bool = True,
+    text: TextWeights | None = None,
 ) -> Path:
-    """Download and check the weight files of the first `num_layers` layers (None: the whole target), and
-    return the directory transformers should load them from (see hub.truncated_view)."""
+    """Download and check the weight files of the first `num_layers` layers (None: the whole target), of its
+    text model alone with `text` (a vision-language wrapper's vision tower is left in the hub), and return
+    the directory transformers should load them from (see hub.truncated_view: with `text`, a hub name needs
+    `view_root`, as its snapshot's own index names files that are not downloaded)."""
 
     def fetch(fetched: str | None) -> str:
-        fetch_weights(source, num_layers, local_only=fetched is not None)
+        fetch_weights(source, num_layers, local_only=fetched is not None, text=text)
         return "fetched"
 
     if source.repo_id is None:
         fetch(None)  # a local directory: only its files' integrity is checked
         return source.path
-    once(f"weights/{source.name}/{num_layers}", fetch, together)
+    which = f"{source.name}/{num_layers}/{'text' if text else 'all'}"
+    once(f"weights/{which}", fetch, together)
     if view_root is None:
         return source.path
     view = once(
-        f"view/{source.name}/{num_layers}",
-        lambda made: made or str(truncated_view(source, num_layers, view_root)),
+        f"view/{which}",
+        lambda made: made or str(truncated_view(source, num_layers, view_root, text)),
         together,
     )
     return Path(view)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_ddp.files import atomic_write_text, fsync_dir
+from dflash_ddp.regeneration.turns import Row, output_row
 
 ROW_PREFIX = re.compile(rb'^\{"row": (\d+), ')  # how json.dumps starts every part-file record
 
@@ -144,9 +145,11 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
-def merge(out: Path, parts: Path, num_rows: int, keep_truncated: bool = False) -> Summary | None:
-    """Write OUT from the part files when every row is finished, then remove OUT.parts. Called under the
-    lock; None when rows are still missing (another rank is at work, or one died: run again)."""
+def merge(out: Path, parts: Path, rows: list[Row], keep_truncated: bool = False) -> Summary | None:
+    """Write OUT from the part files when every row is finished, then remove OUT.parts. Each line of OUT is
+    the input row (`rows`, in input order) with its regenerated answers, every other field kept. Called
+    under the lock; None when rows are still missing (another rank is at work, or one died: run again)."""
+    num_rows = len(rows)
     index = index_parts(parts, num_rows)
     if len(index) < num_rows:
         return None
@@ -176,10 +179,8 @@ def merge(out: Path, parts: Path, num_rows: int, keep_truncated: bool = False) -
                 summary.hit_max_new_tokens += 1
                 if not keep_truncated:
                     continue
-            row = {"messages": record["messages"]}
-            if "chat_template_kwargs" in record:  # the row's own: training renders it as it was generated
-                row["chat_template_kwargs"] = record["chat_template_kwargs"]
-            dst.write(json.dumps(row, ensure_ascii=False) + "\n")
+            # the row's own chat_template_kwargs among its fields: training renders it as it was generated
+            dst.write(json.dumps(output_row(rows[row], record["messages"]), ensure_ascii=False) + "\n")
             summary.written += 1
         for src in files.values():
             src.close()

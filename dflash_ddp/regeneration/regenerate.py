@@ -5,10 +5,11 @@
     python -m dflash_ddp.regenerate --engine vllm --vllm_python VLLM_VENV/bin/python --target_model DIR ...
     python -m dflash_ddp.regenerate --engine vllm --engine_url http://HOST:PORT [URL2 ...] --target_model DIR ...
 
-Each row keeps its system and user turns. Every assistant turn is replaced by what the target generates
-given the conversation before it (earlier turns already regenerated), and a row that ends with a user turn
-gets one generated assistant turn appended. Multi-turn rows go in rounds: round j generates the j-th
-assistant turn of every row of the batch that has one.
+Each row keeps its system and user turns and every other field (an id, a source, nested metadata: the row is
+written back as it was read, in its own `messages` or ShareGPT `conversations` format). Every assistant turn
+is replaced by what the target generates given the conversation before it (earlier turns already
+regenerated), and a row that ends with a user turn gets one generated assistant turn appended. Multi-turn
+rows go in rounds: round j generates the j-th assistant turn of every row of the batch that has one.
 
 Who generates: the target itself through transformers' `generate`, in batches (the default), or a serving
 engine (`--engine vllm`): a vLLM server started from vLLM's own Python (`--vllm_python`, `--vllm_args` for its
@@ -34,8 +35,10 @@ Determinism and resume contract (transformers' path; the engine path: per row, s
   template and every generation setting; a run with other ones is refused, never mixed in. --skip_bad_rows
   is not among them (the row count guards the numbering), so a run stopped at a bad row continues with it.
 - The process that finds every row finished writes OUT atomically (temporary file, fsync, rename), rows in
-  input order, each once, as {"messages": [...]}, keeps the settings beside it as OUT.settings.json (the
-  drafter export stamps them), then removes OUT.parts. Bad rows, rows with an empty
+  input order, each once, as the input row with its regenerated turns (parts.merge, turns.output_row: the
+  part files hold only the generated conversation, the other fields come from the input, which
+  settings.json pins), keeps the settings beside it as OUT.settings.json (the drafter export stamps them),
+  then removes OUT.parts. Bad rows, rows with an empty
   generated answer (the trainer refuses those) and rows cut off by --max_new_tokens (training would append an
   end of turn to them; --keep_truncated, read by the merging process, keeps them) are left out and counted.
 - OUT.lock (an flock, removed at the end) makes the start-up checks and the merge of the ranks run one at a
@@ -66,7 +69,13 @@ from transformers import GenerationConfig
 from transformers import logging as hf_logging
 
 from dflash_ddp.data.chat_template import check_template_kwargs, json_object, load_target_tokenizer
-from dflash_ddp.data.sources import BadRow, DataStats, data_file_contents, data_files, read_conversations
+from dflash_ddp.data.sources import (
+    BadRow,
+    DataStats,
+    data_file_contents,
+    data_files,
+    read_conversations_and_rows,
+)
 from dflash_ddp.engines import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.files import file_sha256
 from dflash_ddp.hub import ModelSource, hub_dataset_name
@@ -147,7 +156,9 @@ def parse_args(argv: list[str] | None) -> RegenerateConfig:
     parser.add_argument(
         "--data", required=True, nargs="+", help="jsonl/json/parquet files, globs, save_to_disk dirs"
     )
-    parser.add_argument("--out", required=True, help="output jsonl, one {'messages': [...]} per row")
+    parser.add_argument(
+        "--out", required=True, help="output jsonl: each input row, every field kept, its answers regenerated"
+    )
     defaults = RegenerateConfig("", [], "")
     for name, kind, text in (
         ("batch_size", int, "rows per generate call (rows of a batch share a seed)"),
@@ -187,13 +198,15 @@ def parse_args(argv: list[str] | None) -> RegenerateConfig:
 
 
 def load_rows(cfg: RegenerateConfig) -> tuple[list[Row], DataStats]:
-    """The input rows in order, numbered after bad rows are skipped (so the numbers are stable per input)."""
+    """The input rows in order, numbered after bad rows are skipped (so the numbers are stable per input),
+    each with every field it was read with (written back around its regenerated answers)."""
     stats = DataStats()
-    conversations = read_conversations(cfg.data, cfg.skip_bad_rows, stats, require_assistant=False)
     rows = []
-    for where, messages, row_kwargs in conversations:
+    for (where, messages, row_kwargs), fields in read_conversations_and_rows(
+        cfg.data, cfg.skip_bad_rows, stats, require_assistant=False
+    ):
         try:
-            rows.append(plan_row(len(rows), where, messages, row_kwargs))
+            rows.append(plan_row(len(rows), where, messages, row_kwargs, fields))
         except BadRow as e:
             if not cfg.skip_bad_rows:
                 raise
@@ -415,7 +428,7 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
     rate = run.rate()
     with locked(lock):
         merged_before = not parts.is_dir()  # by a rank that finished first and found every row done
-        summary = None if merged_before else merge(out, parts, len(rows), cfg.keep_truncated)
+        summary = None if merged_before else merge(out, parts, rows, cfg.keep_truncated)
         if merged_before or summary is not None:
             # Removed while held: a process waiting on it, or creating it anew, finds OUT finished and only reads.
             lock.unlink(missing_ok=True)

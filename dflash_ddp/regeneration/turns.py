@@ -1,11 +1,14 @@
 """The rows of a regeneration and their turns: which assistant turns to generate, the prompts the target's
-chat template renders for them, and the rounds that generate them (round j answers every row's j-th turn,
-after its earlier turns were regenerated). Who generates is a parameter: the target through transformers'
-`generate` (regenerate.py) or a serving engine (served.py)."""
+chat template renders for them, the rounds that generate them (round j answers every row's j-th turn,
+after its earlier turns were regenerated), and the row written back with its answers replaced and every
+other field kept. Who generates is a parameter: the target through transformers' `generate`
+(regenerate.py) or a serving engine (served.py)."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,7 +16,7 @@ import torch
 from jinja2 import TemplateError
 
 from dflash_ddp.data.chat_template import row_template_kwargs
-from dflash_ddp.data.sources import BadRow
+from dflash_ddp.data.sources import ROLE_ALIASES, BadRow
 
 
 @dataclass
@@ -22,15 +25,23 @@ class Row:
 
     index: int
     where: str
-    messages: list[dict]
+    messages: list[dict]  # the turns as the chat template takes them (roles normalised)
     targets: list[int]  # message positions; len(messages) means "append a turn"
     template_kwargs: dict = field(default_factory=dict)  # the row's own chat_template_kwargs
+    fields: dict = field(default_factory=dict)  # the row as read: every field, written back by output_row
 
 
-def plan_row(index: int, where: str, messages: list[dict], template_kwargs: dict | None = None) -> Row:
+def plan_row(
+    index: int,
+    where: str,
+    messages: list[dict],
+    template_kwargs: dict | None = None,
+    fields: dict | None = None,
+) -> Row:
     """Every assistant turn is regenerated, except those that call tools (the tool results after them answer
     those very calls, so they are kept as written); a trailing user or tool turn gets a reply. BadRow if
-    nothing is left."""
+    nothing is left, or if a field of the row (`fields`, as read; by default the row of `messages` and
+    `template_kwargs` alone) cannot be written back as JSON."""
     targets = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
     if messages[-1]["role"] in ("user", "tool"):
         targets.append(len(messages))
@@ -40,7 +51,55 @@ def plan_row(index: int, where: str, messages: list[dict], template_kwargs: dict
         )
     if targets[0] == 0:
         raise BadRow(f"{where}: turn 0 is an assistant turn, so there is no prompt to answer")
-    return Row(index, where, messages, targets, template_kwargs or {})
+    if fields is None:
+        fields = {"messages": messages} | (
+            {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
+        )
+    return Row(index, where, messages, targets, template_kwargs or {}, json_fields(fields, where))
+
+
+def _json_default(value):
+    if isinstance(value, (datetime.date, datetime.time)):  # a parquet timestamp or date column
+        return value.isoformat()
+    raise TypeError(type(value).__name__)
+
+
+def json_fields(fields: dict, where: str) -> dict:
+    """The row's fields as the output writes them (JSON: a parquet column's dates and times as ISO text),
+    checked before anything is generated; BadRow naming a field that JSON cannot hold (bytes, an image)."""
+    out = {}
+    for name, value in fields.items():
+        try:
+            out[name] = json.loads(json.dumps(value, default=_json_default))
+        except (TypeError, ValueError) as e:
+            raise BadRow(
+                f"{where}: field {name!r} cannot be written to the regenerated row as JSON ({e}); drop that "
+                "column from the data, or pass --skip_bad_rows to skip and count such rows"
+            ) from None
+    return out
+
+
+def output_row(row: Row, messages: list[dict]) -> dict:
+    """The row as read with its regenerated answers: every field, and every turn not regenerated, kept as
+    they were; each regenerated assistant turn (and an appended answer) written in the row's own format,
+    `messages` ({role, content}) or ShareGPT `conversations` ({from, value}, the assistant named as the row's
+    own assistant turns name it). A regenerated turn is replaced whole: its other keys (reasoning_content
+    ...) belonged to the answer it replaces."""
+    key, role_key, text_key = (
+        ("messages", "role", "content") if "messages" in row.fields else ("conversations", "from", "value")
+    )
+    turns = list(row.fields[key])
+    speaker = next(
+        (t[role_key] for t in turns if ROLE_ALIASES.get(str(t[role_key]).lower()) == "assistant"),
+        "assistant" if key == "messages" else "gpt",
+    )
+    for position in row.targets:
+        turn = {role_key: speaker, text_key: messages[position]["content"]}
+        if position == len(turns):
+            turns.append(turn)
+        else:
+            turns[position] = turn
+    return {**row.fields, key: turns}
 
 
 @dataclass
@@ -137,7 +196,6 @@ def regenerate_batch(
 
 
 def record(row: Row, messages: list[dict], hit: bool, new_tokens: int) -> dict:
-    """A finished row as its part-file line ("row" first: the index reads only that); the row's own template
-    arguments travel with it, so that training renders it as it was generated."""
-    out = {"row": row.index, "messages": messages, "hit_max_new_tokens": hit, "new_tokens": new_tokens}
-    return out | ({"chat_template_kwargs": row.template_kwargs} if row.template_kwargs else {})
+    """A finished row as its part-file line ("row" first: the index reads only that). Its other fields are
+    not repeated here: the merge takes them from the input (whose bytes settings.json pins), output_row."""
+    return {"row": row.index, "messages": messages, "hit_max_new_tokens": hit, "new_tokens": new_tokens}

@@ -86,6 +86,16 @@ def init_from_lines(record: dict | None) -> list[str]:
     return [line]
 
 
+def untrained_line(state: dict, cfg: dict) -> str:
+    """What a checkpoint of step 0 (a --max_steps 0 run) holds: the source drafter, or random weights."""
+    start = (
+        "the drafter it started from, as loaded"
+        if state.get("init_from")
+        else f"a fresh drafter's random initialisation (seed {cfg.get('seed')})"
+    )
+    return f"- no optimizer step (a `--max_steps 0` run): {start}"
+
+
 def target_type(stamp: dict) -> str:
     """`, model type X (checkpoint class Y)` of the target as the stamp records it (empty before it did)."""
     if not stamp.get("target_model_type"):
@@ -123,9 +133,11 @@ def run_evaluation(checkpoint: Path, state: dict | None) -> tuple[dict | None, s
     final = run_dir / "eval.json"
     if final.is_file() and step == state.get("total_steps"):
         try:
-            return json.loads(final.read_text()), f"the run's final evaluation (eval.json, step {step})"
+            report = json.loads(final.read_text())
         except (OSError, json.JSONDecodeError):
             return None, ""
+        if report.get("step", step) == step:  # not one of an earlier end the run has since trained past
+            return report, f"the run's final evaluation (eval.json, step {step})"
     best = best_record(records)
     if best:
         return (
@@ -292,10 +304,16 @@ def model_card(
             f"- data: {', '.join(f'`{d}`' for d in cfg.get('data', []))} (fingerprint `{fingerprints.get('data')}`), "
             f"chat template arguments {json.dumps(cfg.get('chat_template_kwargs', {}))}",
             *init_from_lines(state.get("init_from")),
-            f"- {state.get('global_step')} optimizer steps (epoch {state.get('epoch', '?')}), "
-            f"{state.get('tokens_seen', 0):,} tokens seen",
-            f"- objective: {scored_against(cfg)} at each block position after randomly drawn anchors on response "
-            f"tokens, weighted by {weighted_by(cfg, block)}; {objective}",
+            *(
+                [
+                    f"- {state.get('global_step')} optimizer steps (epoch {state.get('epoch', '?')}), "
+                    f"{state.get('tokens_seen', 0):,} tokens seen",
+                    f"- objective: {scored_against(cfg)} at each block position after randomly drawn anchors on "
+                    f"response tokens, weighted by {weighted_by(cfg, block)}; {objective}",
+                ]
+                if state.get("global_step")
+                else [untrained_line(state, cfg)]
+            ),
             "",
         ]
     report, source = run_evaluation(checkpoint, state)

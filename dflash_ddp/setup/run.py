@@ -23,7 +23,7 @@ from dflash_ddp.drafter.config import (
 from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.zlab import to_zlab_config
 from dflash_ddp.files import fingerprint_files
-from dflash_ddp.hub import ModelSource, weights_summary
+from dflash_ddp.hub import ModelSource, TextWeights, weights_summary
 from dflash_ddp.observe.trackers import Trackers
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.machine import GIB
@@ -110,10 +110,10 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         view_root = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
         if cfg.eval_data:
             fetch_target_weights(source, None, together=together)
-        run_layers = target_layers_run(cfg, info, taps)
-        info = dataclasses.replace(
-            info, path=fetch_target_weights(source, run_layers, view_root, together=together)
+        view = fetch_target_weights(
+            source, target_layers_read(cfg, info, taps), view_root, together, target_weights(info)
         )
+        info = dataclasses.replace(info, path=view)
     if warm and (not cfg.plan or cfg.calibrate or source.repo_id is None):  # the target's files are here
         check_source_target(cfg, warm, info.path, source.commit)
     memory = plan_memory(cfg, info, drafter_config, topology, device, plan_gpu_bytes(cfg))
@@ -125,9 +125,22 @@ def plan_gpu_bytes(cfg: TrainConfig) -> int | None:
     return int(cfg.plan_gpu_memory * GIB) if cfg.plan_gpu_memory else None
 
 
+def target_weights(info: TargetInfo) -> TextWeights:
+    """The tensors target ranks read: the text model the checkpoint's own classes name (text_stack.py), so
+    that a vision-language wrapper's vision tower is neither downloaded nor opened."""
+    stack = info.text_stack()
+    return TextWeights.of(stack.prefix, stack.embed_tensor, stack.head_tensor)
+
+
 def target_layers_run(cfg: TrainConfig, info: TargetInfo, taps: list[int]) -> int:
     """How many of the target's layers its ranks run: up to the last tap, or all with soft targets."""
     return layers_run(info.num_layers, taps, cfg.target_topk)
+
+
+def target_layers_read(cfg: TrainConfig, info: TargetInfo, taps: list[int]) -> int | None:
+    """How many layers' weights target ranks read: those they run, or all (None) where the text model cannot
+    be cut (Gemma 4's per-layer inputs: it is built whole, and its forward stops after the last tap)."""
+    return target_layers_run(cfg, info, taps) if info.text_stack().truncatable else None
 
 
 def load_data(
@@ -156,10 +169,10 @@ def load_data(
 
 
 def build_schedule(cfg: TrainConfig, data: TokenizedDataset, topology: Topology) -> BatchSchedule:
-    """The global batch sequence for --max_steps, or for --num_epochs when max_steps is -1."""
+    """The global batch sequence for --max_steps (0: none), or for --num_epochs when max_steps is -1."""
     lengths = data.lengths
     per_step = topology.num_drafters * cfg.gradient_accumulation_steps
-    if cfg.max_steps > 0:
+    if cfg.max_steps >= 0:
         return BatchSchedule(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.max_steps)
     return BatchSchedule.for_epochs(lengths, cfg.tokens_per_batch, cfg.seed, per_step, cfg.num_epochs)
 
@@ -215,8 +228,8 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topo
 
 
 def text_stack_note(info: TargetInfo) -> str:
-    """What of a wrapper checkpoint the target ranks leave out (a vision or audio tower), and the layers'
-    kinds of a hybrid target."""
+    """What of a wrapper checkpoint the target ranks leave out (a vision or audio tower), the layers' kinds
+    of a hybrid target, and a hyper-connection target's streams."""
     note = ""
     if info.other_parameters:
         note += (
@@ -226,6 +239,11 @@ def text_stack_note(info: TargetInfo) -> str:
     kinds = sorted(set(info.layer_types))
     if len(kinds) > 1:
         note += "; layers " + ", ".join(f"{info.layer_types.count(k)} {k}" for k in kinds)
+    if info.residual_streams > 1:
+        note += (
+            f"; {info.residual_streams} residual streams between layers (hyper-connections): each tapped "
+            "feature is their mean after the layer's post-mix, as the engines feed a drafter"
+        )
     return note
 
 
@@ -240,6 +258,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         f"{extra_layers} more layer(s) than the taps need and a {info.vocab_size} x {info.hidden_size} LM head, "
         f"about {soft_target_compute_share(info, c.target_layer_ids):.0%} more target compute per token"
     )
+    reader = ", which DSpark's loss reads" if cfg.drafter == "dspark" else ""  # on by default with dspark
     for line in topology.describe():
         print(f"{'topology':>26}: {line}")
     plan = {
@@ -248,14 +267,16 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "target_layers_run": f"0..{target_layers_run(cfg, info, c.target_layer_ids) - 1} of {info.num_layers} ("
         + (
             f"all layers, the final norm and the LM head: the top {cfg.target_topk} next-token probabilities are "
-            f"sent as soft targets (--target_topk); {soft_cost}"
+            f"sent as soft targets (--target_topk{reader}); {soft_cost}"
             if cfg.target_topk
             else "all layers, the last one's output final-normed as transformers' hidden_states[N]; the LM head skipped"
             if max(c.target_layer_ids) == info.num_layers - 1
             else "later layers, the final norm and the LM head skipped"
         )
         + ")",
-        "target_weights": weights_summary(setup.source, target_layers_run(cfg, info, c.target_layer_ids))
+        "target_weights": weights_summary(
+            setup.source, target_layers_read(cfg, info, c.target_layer_ids), target_weights(info)
+        )
         + (f"; {setup.source.repo_id} at commit {setup.source.commit}" if setup.source.repo_id else ""),
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,

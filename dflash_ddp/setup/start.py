@@ -88,8 +88,9 @@ def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
         if error:
             raise ValueError(error)
         return
+    resumed = run.resume_from is not None  # at step 0 too: a --max_steps 0 run's checkpoint
     decision = torch.tensor(
-        [run.start_step, 1 if error else 0, run.cfg.gradient_accumulation_steps, run.first_batch],
+        [run.start_step, 1 if error else 0, run.cfg.gradient_accumulation_steps, run.first_batch, resumed],
         dtype=torch.int64,
     )
     dist.broadcast(decision, src=topo.drafter_ranks[0])
@@ -98,7 +99,7 @@ def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
     if int(decision[2]) != run.cfg.gradient_accumulation_steps:
         run.set_accumulation(int(decision[2]), topo)
     run.start_step, run.first_batch = int(decision[0]), int(decision[3])
-    if run.start_step and not topo.is_leader:  # other drafter ranks read the same checkpoint
+    if int(decision[4]) and not topo.is_leader:  # other drafter ranks read the same checkpoint
         resume = run.cfg.resume
         root = Path(resume) if resume not in ("auto", "never") else Path(run.cfg.output_dir) / "checkpoints"
         run.resume_from = root if resume not in ("auto", "never") else root / checkpoint_name(run.start_step)
@@ -140,6 +141,8 @@ IDENTITY = (
     "fingerprints.data",
     "drafter",
 )
+# How many steps the run trains: free to change from a checkpoint of step 0 (what --max_steps 0 saves).
+SCHEDULE_LENGTH = ("max_steps", "num_epochs")
 # Identity fields that checkpoints written before them lack, and the value they stand for there: those
 # checkpoints were trained from a local directory.
 ADDED_LATER = {"fingerprints.target_commit": None}
@@ -229,6 +232,8 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
         for k in RESUME_OVERRIDABLE
         if _trains_as(saved["config"], k) != _trains_as(current["config"], k)
     }
+    free = SCHEDULE_LENGTH if saved["global_step"] == 0 else ()  # no step has run on the saved schedule
+    overrides = [*overrides, *free]
     refused = [
         f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items() if k not in overrides
     ]
@@ -246,4 +251,7 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
             + ",".join(k for k in changed if k not in overrides)
             + ")"
         )
-    return [f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items()]
+    return [
+        f"{k}: {old!r} -> {new!r}" + (" (from a checkpoint of step 0)" if k in free else "")
+        for k, (old, new) in changed.items()
+    ]

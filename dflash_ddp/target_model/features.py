@@ -17,7 +17,7 @@ from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
 from dflash_ddp.target_model.tensor_parallel import load_sharded
-from dflash_ddp.target_model.text_stack import load_text_model
+from dflash_ddp.target_model.text_stack import load_text_model, text_model_of
 
 
 class _StopForward(Exception):
@@ -25,11 +25,14 @@ class _StopForward(Exception):
 
 
 def layer_output(output) -> torch.Tensor:
-    """A decoder layer's hidden states as a whole local tensor. Under tensor parallelism transformers'
-    plans leave them replicated (plain tensors); a plan that leaves them sharded returns a DTensor, gathered
-    here once, on the device."""
+    """A decoder layer's hidden states as a whole local [B, S, H] tensor. Under tensor parallelism
+    transformers' plans leave them replicated (plain tensors); a plan that leaves them sharded returns a
+    DTensor, gathered here once, on the device. A hyper-connection model (DeepSeek V4, GLM-5) passes
+    [B, S, streams, H] between its layers, after the layer's post-mix: the engines feed a drafter their mean
+    over the streams (vLLM's `aux_recon.mean(dim=1)`), and so does training."""
     out = output[0] if isinstance(output, tuple) else output
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    return out.mean(dim=-2) if out.dim() == 4 else out
 
 
 def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> nn.Module | None:
@@ -38,8 +41,9 @@ def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> 
     A tap on layer L reads transformers' `hidden_states[L + 1]`, and for L = N-1 transformers puts the
     final-normed output there, not the layer's raw output. transformers' own DFlash generate and the z-lab
     reference read exactly that entry when serving, so training must see the same features (on the tiny
-    target the raw and normed outputs differ by up to 3.4)."""
-    if num_layers - 1 not in layer_ids:
+    target the raw and normed outputs differ by up to 3.4). A hyper-connection model's last tap is the mean
+    of its streams as for any other layer: the engines take it before the model's own reduction and norm."""
+    if num_layers - 1 not in layer_ids or residual_streams(model.config) > 1:
         return None
     norm = getattr(getattr(model, "model", model), "norm", None)
     if not isinstance(norm, nn.Module):
@@ -49,6 +53,11 @@ def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> 
             f"or `.model.norm`; tap layers below {num_layers - 1}"
         )
     return norm
+
+
+def residual_streams(config) -> int:
+    """How many residual streams a model passes between its layers (hyper-connections: 4; else 1)."""
+    return getattr(config.get_text_config(decoder=True), "hc_mult", 1) or 1
 
 
 @contextlib.contextmanager
@@ -82,8 +91,12 @@ def capture_layer_outputs(
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a text model, a causal LM, or a wrapper loaded whole (GLM-5: those of the
+    module that owns the input embedding)."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        layers = getattr(text_model_of(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
             f"cannot find the decoder layers of {type(model).__name__} (expected `.model.layers`)"

@@ -23,7 +23,7 @@ class TargetInfo:
     model_type: str
     num_layers: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the drafter's MLP width: the target's dense one, else its widest layer's
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -38,7 +38,14 @@ class TargetInfo:
     logit_scale: float = 1.0  # the target multiplies its logits by this (Falcon-H1)
     architecture: str = ""  # the checkpoint's class (a causal LM or a vision-language wrapper)
     other_parameters: int = 0  # parameters of the checkpoint a target rank never loads (a vision tower)
+    mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
+    residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
     stack: TextStack | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def mlp_width(self) -> int:
+        """The widest MLP a token passes through in any layer (the memory plan's activations)."""
+        return max(self.mlp_widths, default=self.intermediate_size)
 
     def text_stack(self) -> TextStack:
         """Where the checkpoint keeps the text model (read from the directory when not known yet)."""
@@ -108,7 +115,8 @@ def layer_attribute(config, name: str, default=None):
 
 def full_attention_rope(config) -> dict:
     """The rope of the target's full-attention layers: `rope_parameters` itself, or its full-attention
-    entry where the family gives one per layer type (Gemma 3/4, OLMo 3); plain rope for a family with none
+    entry where the family gives one per layer type (Gemma 3/4, OLMo 3), or its attention's `main` entry
+    (DeepSeek V4); plain rope for a family with none
     (Nemotron-H's attention has no positions: the drafter's own still needs some)."""
     rope = getattr(config, "rope_parameters", None) or {
         "rope_type": "default",
@@ -116,19 +124,90 @@ def full_attention_rope(config) -> dict:
     }
     if FULL_ATTENTION in rope:
         rope = rope[FULL_ATTENTION]
+    elif "main" in rope and "rope_type" not in rope:  # DeepSeek V4: its attention's, beside the compressor's
+        rope = rope["main"]
     return dict(rope)
+
+
+def _dense_width(config) -> int | None:
+    """`intermediate_size` where the class defines it as its own field (DeepSeek V4's is only an alias of
+    its experts' width), else None."""
+    if "intermediate_size" in getattr(type(config), "attribute_map", {}):
+        return None
+    return layer_attribute(config, "intermediate_size")
+
+
+def _first(config, names: tuple[str, ...]):
+    return next((v for v in (layer_attribute(config, n) for n in names) if v is not None), None)
+
+
+def _sparse_layers(config, experts: int | None) -> list[bool | None]:
+    """Per decoder layer: True for experts, False for a dense MLP, None for a layer without an MLP
+    (Nemotron-H's Mamba and attention blocks), each from the fields its family states it in."""
+    n = config.num_hidden_layers
+    if not experts:
+        return [False] * n
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    if "moe" in layer_types:  # one kind per block: "moe", "mlp", or a mixer
+        return [True if t == "moe" else False if t == "mlp" else None for t in layer_types]
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds:
+        return [kind != "dense" for kind in kinds]
+    first_dense = getattr(config, "first_k_dense_replace", None)
+    if first_dense is not None:
+        return [i >= first_dense for i in range(n)]
+    moe_layers = getattr(config, "moe_layers", None)
+    if moe_layers is not None:
+        return [i in moe_layers for i in range(n)]
+    dense_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return [i not in dense_only and (i + 1) % step == 0 for i in range(n)]
+
+
+def layer_mlp_widths(config) -> tuple[int, ...]:
+    """The MLP width a token passes through in each decoder layer, read by meaning: a dense layer's
+    `intermediate_size`; a sparse layer's expert width (`moe_intermediate_size`, or `intermediate_size` where
+    the family names its experts' width so) times the experts per token, plus its shared experts'. A field the
+    config lacks is one line naming the model type and the field."""
+    experts = _first(config, ("num_experts", "num_local_experts", "n_routed_experts"))
+    expert_width, dense = layer_attribute(config, "moe_intermediate_size"), _dense_width(config)
+    if experts and expert_width is None:  # gpt-oss, MiniMax-M2, Llama 4: intermediate_size is the experts'
+        expert_width, dense = dense, layer_attribute(config, "intermediate_size_mlp")
+    per_token = _first(config, ("num_experts_per_tok", "top_k_experts"))
+    shared = _first(config, ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"))
+    widths = []
+    for i, sparse in enumerate(_sparse_layers(config, experts)):
+        if sparse is None:
+            widths.append(0)
+        elif sparse and expert_width and per_token:
+            widths.append(
+                expert_width * per_token
+                + (shared or (getattr(config, "n_shared_experts", 0) or 0) * expert_width)
+            )
+        elif not sparse and dense:
+            widths.append(dense)
+        else:
+            needed = "moe_intermediate_size and num_experts_per_tok" if sparse else "intermediate_size"
+            raise ValueError(
+                f"target model type '{config.model_type}': layer {i} has {'experts' if sparse else 'a dense MLP'} "
+                f"but its config gives no {needed}; check the checkpoint's config.json"
+            )
+    return tuple(widths)
 
 
 def target_info_from_config(config, path: Path, stack: TextStack | None = None) -> TargetInfo:
     """The shape of a target from its text config; `path` is where its files live, `stack` where the
     checkpoint keeps the text model (None: a causal-LM checkpoint of `config`)."""
     heads = config.num_attention_heads
+    widths = layer_mlp_widths(config)
     return TargetInfo(
         path=path,
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=_dense_width(config) or max(widths),
+        mlp_widths=widths,
+        residual_streams=getattr(config, "hc_mult", 1) or 1,
         num_attention_heads=heads,
         num_key_value_heads=layer_attribute(config, "num_key_value_heads") or heads,
         head_dim=layer_attribute(config, "head_dim") or config.hidden_size // heads,

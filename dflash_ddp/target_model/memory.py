@@ -42,9 +42,10 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     inflight, tp_size, topk = load.inflight, load.tp_size, load.topk
     width = len(target_layer_ids) * info.hidden_size
     q = info.num_attention_heads * info.head_dim
-    # a layer's live tensors during a no-grad forward: residual, normed input and the all-reduced output
-    # whole on every rank; q/k/v, attention output, gate, up and their product split across the group
-    per_token = 4 * info.hidden_size + (2 * q + 3 * info.intermediate_size) // tp_size
+    # a layer's live tensors during a no-grad forward: residual in and out (a hyper-connection target's
+    # streams each), normed input and the all-reduced output whole on every rank; q/k/v, attention output,
+    # gate, up and their product split across the group
+    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + (2 * q + 3 * info.mlp_width) // tp_size
     piece, max_seq_len, layers = load.prefill_tokens, load.max_seq_len, load.layers
     running = tokens_per_batch
     if piece and piece < max_seq_len:  # rows of a batch (at most one per max_seq_len tokens) x one piece

@@ -78,6 +78,24 @@ def load_sharded(
     tensor-parallel plan; each rank reads only its shard of every weight."""
     tp_size = meshes.get_mesh("tp").size()
     with group_mesh(meshes, device):
-        return load_text_model(
+        model = load_text_model(
             info.path, info.text_stack(), layers, dtype, distributed_config=DistributedConfig(tp_size=tp_size)
         )
+    _check_plan_runs(model, info, tp_size)
+    return model
+
+
+@torch.no_grad()
+def _check_plan_runs(model: nn.Module, info: TargetInfo, tp_size: int) -> None:
+    """One forward of 2 tokens on every rank of the group (the same on each, so all fail alike): a plan that
+    shards a projection its inputs do not match (transformers 5.25's GLM-5 plan names its linear-attention
+    layers' output projection as its MLA layers') is one line before training, not a traceback mid-run."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        model(input_ids=ids, use_cache=False)
+    except RuntimeError as error:
+        raise ValueError(
+            f"--target_tp_size {tp_size}: transformers' tensor-parallel plan for model type '{info.model_type}' "
+            f"does not run on {info.path} ({str(error).splitlines()[0]}); pass --target_tp_size 1 (each target "
+            "rank holds a whole copy)"
+        ) from None

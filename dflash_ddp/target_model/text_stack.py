@@ -45,6 +45,8 @@ class TextStack:
     final_logit_softcapping: float | None  # tanh soft-capping of the final logits (Gemma 2-4)
     other_parameters: int  # parameters of the checkpoint outside the text model and its head (vision ...)
     truncatable: bool  # the text model can be built with fewer layers (not Gemma 4: per-layer input tables)
+    text_lm: bool = True  # transformers has a causal LM of the text config alone (not GLM-5's)
+    base_key_mapping: dict[str, str] | None = None  # reads the text model alone from a causal-LM checkpoint
 
     @property
     def key_mapping(self) -> dict[str, str] | None:
@@ -121,6 +123,11 @@ def _owner_of(model: nn.Module, embed: nn.Module) -> tuple[str, nn.Module]:
     return max(owners, key=lambda item: len(item[0]))
 
 
+def text_model_of(model: PreTrainedModel) -> nn.Module:
+    """The text model inside `model`: the innermost pretrained model that owns its input embedding."""
+    return _owner_of(model, model.get_input_embeddings())[1]
+
+
 def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(module): name for name, module in model.named_modules()}
 
@@ -130,12 +137,6 @@ def read_text_stack(path: str | Path) -> TextStack:
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True)
-    if getattr(text, "hc_mult", 1) > 1:
-        raise ValueError(
-            f"--target_model {path}: model type '{text.model_type}' is not supported: it carries "
-            f"{text.hc_mult} residual streams between its layers (hyper-connections), and a tapped layer's "
-            "features would need the model's own reduction of them, which this trainer does not do"
-        )
     cls = checkpoint_class(config, path)
     with torch.device("meta"):
         model = cls._from_config(copy.deepcopy(config))
@@ -160,16 +161,24 @@ def read_text_stack(path: str | Path) -> TextStack:
         )
     # the text model's prefix in the files: the saved embedding's name less its name inside the text model
     inner = embed_name.removeprefix(f"{prefix}.")
+    own_class = AutoModelForCausalLM._model_mapping.get(type(text), None)
     with torch.device("meta"):
-        own = AutoModelForCausalLM.from_config(copy.deepcopy(text))
+        # GLM-5's text config has no causal LM of its own: generation runs the checkpoint's class
+        own = (
+            own_class._from_config(copy.deepcopy(text))
+            if own_class
+            else AutoModel.from_config(copy.deepcopy(text))
+        )
+    own_head = own.get_output_embeddings() if own_class else None
     counted = {id(p) for p in text_model.parameters()} | {id(head.weight)}
     return TextStack(
         config=text,
         architecture=cls.__name__,
         prefix=saved[embed_name].removesuffix(f".{inner}"),
-        own_prefix=_owner_of(own, own.get_input_embeddings())[0],
+        own_prefix=_owner_of(own, own.get_input_embeddings())[0] if own_class else own.base_model_prefix,
         wrapped=cls is not type(own),
-        own_head_tensor=f"{_module_names(own)[id(own.get_output_embeddings())]}.weight",
+        text_lm=own_class is not None,
+        own_head_tensor=f"{_module_names(own)[id(own_head)]}.weight" if own_head is not None else head_name,
         embed_tensor=saved[embed_name],
         head_tensor=saved.get(head_name, head_name),
         embedding_scale=float(
@@ -179,7 +188,36 @@ def read_text_stack(path: str | Path) -> TextStack:
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None) or None,
         other_parameters=sum(p.numel() for p in model.parameters() if id(p) not in counted),
         truncatable=_truncatable(text),
+        base_key_mapping=None if cls is not type(own) else _base_key_mapping(text, files),
     )
+
+
+def _outside_later_layers(name: str) -> bool:
+    return not re.search(r"\.layers\.[1-9]\d*\.", f".{name}")
+
+
+def _base_key_mapping(text: PretrainedConfig, saved: list[str]) -> dict[str, str] | None:
+    """transformers' `key_mapping` that loads the text model alone (AutoModel) from a causal-LM checkpoint
+    where transformers' own renamings would misread a name before stripping the causal LM's prefix (DeepSeek
+    V4: its attention's `.norm.` -> `.kv_norm.` also hits `model.norm.weight`): the prefix stripped first. None
+    where every weight loads as it is. Checked on the weights outside layers 1.. (the layers repeat layer 0)."""
+    with torch.device("meta"):
+        base = AutoModel.from_config(copy.deepcopy(text))
+    transforms = get_model_conversion_mapping(base)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    wanted = {n for n in base.state_dict() if _outside_later_layers(n)}
+    prefix = base.base_model_prefix
+
+    def loaded(names) -> set[str]:
+        meta = base.state_dict()
+        return {rename_source_key(n, renamings, converters, prefix, meta)[0] for n in names}
+
+    names = [n for n in saved if _outside_later_layers(n)]
+    if not names or wanted <= loaded(names):
+        return None
+    stripped = [n.removeprefix(f"{prefix}.") for n in names]
+    return {f"^{re.escape(prefix)}\\.": ""} if wanted <= loaded(stripped) else None
 
 
 def _truncatable(text: PretrainedConfig) -> bool:
@@ -201,6 +239,21 @@ def truncated_text_config(stack: TextStack, layers: int) -> PretrainedConfig:
     return _cut(stack.config, layers) if stack.truncatable else copy.deepcopy(stack.config)
 
 
+def _load_checkpoint_class(path: Path, stack: TextStack, dtype: torch.dtype, **kwargs) -> nn.Module:
+    """The checkpoint as its own class (a vision-language wrapper whose text model has no causal LM), whole."""
+    cls = getattr(transformers, stack.architecture)
+    model, loading = cls.from_pretrained(
+        path, dtype=dtype, local_files_only=True, output_loading_info=True, **kwargs
+    )
+    missing = sorted(loading.get("missing_keys", ()))
+    if missing:
+        raise ValueError(
+            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {stack.architecture} "
+            f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); is it complete and saved by transformers?"
+        )
+    return model
+
+
 def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
     config = copy.deepcopy(text)
     whole = config.num_hidden_layers
@@ -220,14 +273,17 @@ def load_text_model(
     """The text model's first `layers` decoder layers (`with_head`: as a causal LM, with its final norm and
     LM head), read from the checkpoint in `path` and nothing else of it; `kwargs` go to `from_pretrained` (a
     tensor-parallel `distributed_config`). A weight the text model expects and the checkpoint lacks is an
-    error: transformers would fill it with random numbers."""
+    error: transformers would fill it with random numbers. Where transformers has no causal LM of the text
+    config alone (GLM-5), the whole model `with_head` is the checkpoint's own class."""
+    if with_head and not stack.text_lm:
+        return _load_checkpoint_class(path, stack, dtype, **kwargs)
     model_class = AutoModelForCausalLM if with_head else AutoModel
     model, loading = model_class.from_pretrained(
         path,
         config=truncated_text_config(stack, layers),
         dtype=dtype,
         local_files_only=True,
-        key_mapping=stack.key_mapping,
+        key_mapping=stack.key_mapping if with_head or stack.wrapped else stack.base_key_mapping,
         output_loading_info=True,
         **kwargs,
     )
