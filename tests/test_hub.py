@@ -32,8 +32,10 @@ from dflash_ddp.hub import (
     weight_files,
 )
 from dflash_ddp.parallel.downloads import fetch_target_weights
+from dflash_ddp.regenerate import main as regenerate_main
 from dflash_ddp.setup.run import target_weights
 from dflash_ddp.target_model.info import inspect_target
+from dflash_ddp.target_model.loading import load_causal_lm, whole_target
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer, conversation
@@ -241,7 +243,7 @@ def test_a_download_of_a_wrapper_fetches_only_its_text_shards_and_says_what_it_s
         "--target_model org/vl: 1 weight file(s) (12.3 MB) hold only the checkpoint's parts outside its text "
         "model (model.visual): not downloaded"
     ) in printed
-    # the whole target (evaluation, regeneration) still takes every file
+    # without `text` (a caller that loads the checkpoint's own class whole) every file
     assert fetch_target_weights(source, None, together=False) == folder
     assert VISION_SHARD in asked[-1]
 
@@ -283,6 +285,31 @@ def test_training_a_wrapper_by_hub_name_reads_no_vision_shard(name, tmp_path, mo
     assert sorted(p.name for p in view.glob("*.safetensors")) == sorted(
         ["model-rest.safetensors", *(f"model-layer{i}.safetensors" for i in range(layers))]
     )
+
+
+def test_decoding_a_wrapper_by_hub_name_reads_no_vision_shard(tmp_path, monkeypatch):
+    """The evaluation's target (whole_target) offline with the vision shard gone: a view of the text model's
+    files, loaded as the causal LM the decoder runs, equal to the wrapper's own logits; regeneration with
+    transformers runs from the same view."""
+    cache = wrapper_cache(tmp_path, "qwen3_5")
+    folder = cache / "models--org--vl" / "snapshots" / COMMIT_A
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        expected = load_causal_lm(inspect_target(folder), torch.device("cpu"), torch.float32)(ids).logits
+    (folder / VISION_SHARD).unlink()
+    info = whole_target("org/vl")
+    assert info.path != folder and not (info.path / VISION_SHARD).exists()
+    with torch.no_grad():
+        logits = load_causal_lm(info, torch.device("cpu"), torch.float32)(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(2)))
+    out = tmp_path / "regenerated.jsonl"
+    argv = ["--target_model", "org/vl", "--data", str(data), "--out", str(out), "--max_new_tokens", "4"]
+    assert regenerate_main([*argv, "--keep_truncated"]) == 0
+    assert len(out.read_text().splitlines()) == 2
 
 
 # ----------------------------------------------------------------------------------------------- errors

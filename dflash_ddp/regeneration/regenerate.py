@@ -85,7 +85,7 @@ from dflash_ddp.regeneration.parts import PartWriter, Summary, index_parts, lock
 from dflash_ddp.regeneration.served import ServedSettings, served_records, served_row_work
 from dflash_ddp.regeneration.turns import Answer, ChatTurns, Row, plan_row, regenerate_batch, seed_of
 from dflash_ddp.target_model.info import inspect_target
-from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm
+from dflash_ddp.target_model.loading import decoding_weights, eos_token_ids, load_causal_lm, views_root
 
 PROGRESS_EVERY_S = 30.0
 REQUEST_TIMEOUT_S = 3600  # one completion of a long answer, queued behind many on a busy server
@@ -389,7 +389,10 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
     source = resolve_target(cfg.target_model)
     info = inspect_target(source.path)
     if not cfg.engine_url:  # servers already running have their weights; tokenizer and config suffice here
-        fetch_target_weights(source, None)
+        # transformers decodes the text model alone (a wrapper's vision shards stay in the hub); vLLM loads all
+        text = decoding_weights(info) if cfg.engine == "transformers" else None
+        path = fetch_target_weights(source, None, views_root() if text else None, text=text)
+        info = inspect_target(path) if path != source.path else info
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
     with contextlib.ExitStack() as servers:
         if cfg.engine == "vllm":

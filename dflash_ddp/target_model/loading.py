@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_ddp.hub import fetch_weights, locate_model
+from dflash_ddp.hub import TextWeights, cache_dir, fetch_weights, locate_model, truncated_view
 from dflash_ddp.target_model.info import TargetInfo, inspect_target
 from dflash_ddp.target_model.text_stack import load_text_model
 
@@ -38,10 +38,28 @@ def eos_token_ids(tokenizer, target: nn.Module | Path) -> list[int]:
     return sorted(ids)
 
 
+VIEWS = "dflash_ddp-views"  # beside the hub cache: views of a snapshot that index the text model alone
+
+
+def views_root() -> Path:
+    """Where views of hub snapshots for decoding live (hub.truncated_view), beside the hub cache."""
+    return cache_dir().parent / VIEWS
+
+
+def decoding_weights(info: TargetInfo) -> TextWeights | None:
+    """The tensors decoding reads: the text model and its head (a wrapper's vision tower never), or None
+    where generation runs the checkpoint's own class whole (GLM-5's text config has no causal LM)."""
+    stack = info.text_stack()
+    return TextWeights.of(stack.prefix, stack.embed_tensor, stack.head_tensor) if stack.text_lm else None
+
+
 def whole_target(name: str | Path) -> TargetInfo:
-    """A target for decoding, by directory or hub name, with every weight file on disk (a hub name's are
-    downloaded into the hub cache by this process) and checked intact."""
+    """A target for decoding, by directory or hub name, with the weight files decoding reads on disk (a hub
+    name's are downloaded into the hub cache by this process, a vision-language wrapper's other shards left
+    there, and the model read through a view that indexes the text model's alone) and checked intact."""
     source = locate_model(str(name))
     info = inspect_target(source.path)  # a local directory's problems first: not one, no config, no weights
-    fetch_weights(source, None)
-    return info
+    text = decoding_weights(info)
+    fetch_weights(source, None, text=text)
+    view = truncated_view(source, None, views_root(), text)
+    return info if view == source.path else inspect_target(view)
