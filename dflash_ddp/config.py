@@ -17,6 +17,7 @@ from dflash_ddp.drafter.distillation import LOSSES
 from dflash_ddp.drafter.dspark import MARKOV_HEAD_TYPES
 from dflash_ddp.drafter.dspark import TARGET_TOPK as DSPARK_TARGET_TOPK
 from dflash_ddp.drafter.families import FAMILIES
+from dflash_ddp.drafter.lilicorr import TARGET_TOPK as LILICORR_TARGET_TOPK
 from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, OPTIMIZERS, ORTHOGONALISATIONS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.hub import hub_dataset_name
@@ -111,7 +112,9 @@ class TrainConfig:
         "the drafter family: dflash drafts a block's positions independently; dflash2 adds convolutions "
         "inside the block and a candidate selector that drafts each position given the one before it; "
         "dspark adds a Markov head (a bias from the previous token) and a confidence head (trained against the "
-        f"target's distribution: --target_topk {DSPARK_TARGET_TOPK} unless given)",
+        f"target's distribution: --target_topk {DSPARK_TARGET_TOPK} unless given); lilicorr reranks each "
+        "slot's candidates with a lattice correlator walked left to right (its penalty reads the target's "
+        f"top-k: --target_topk {LILICORR_TARGET_TOPK} unless given; --lilicorr_conv adds DFlash2's convolutions)",
         choices=tuple(FAMILIES),
     )
     init_from: str = setting(
@@ -171,6 +174,51 @@ class TrainConfig:
     )
     confidence_alpha: float = setting(
         1.0, "dspark", "weight of the confidence head's BCE (0: no confidence head)", **_WEIGHT
+    )
+    lilicorr_conv: bool = setting(
+        False,
+        "lilicorr",
+        "DFlash2's grouped convolutions in every backbone layer (--conv_kernel_size, --conv_group_size)",
+    )
+    lilicorr_candidate_topk: int = setting(
+        8,
+        "lilicorr",
+        "candidates per drafted slot: the LM head's best tokens (a power of two <= 16)",
+        minimum=1,
+    )
+    lilicorr_hidden_size: int = setting(
+        1024, "lilicorr", "the correlator's width (0: the drafter's)", minimum=0
+    )
+    lilicorr_num_heads: int = setting(8, "lilicorr", "attention heads of the correlator's layers", minimum=1)
+    lilicorr_mlp_ratio: float = setting(
+        2.0,
+        "lilicorr",
+        "MLP width of the correlator's layers over its width",
+        in_range=(lambda x: x > 0, "> 0"),
+    )
+    lilicorr_num_layers: int = setting(2, "lilicorr", "layers of the correlator over the lattice", minimum=0)
+    lilicorr_factor_dim: int = setting(
+        1024, "lilicorr", "width of the outgoing and incoming vectors that score a transition", minimum=1
+    )
+    lilicorr_vector_eps: float = setting(
+        1e-4, "lilicorr", "epsilon of those vectors' L2 normalisation", in_range=(lambda x: x > 0, "> 0")
+    )
+    lilicorr_logit_scale: float = setting(
+        8.0, "lilicorr", "scale of a transition's cosine into its logit", in_range=(lambda x: x > 0, "> 0")
+    )
+    lilicorr_ce_alpha: float = setting(0.25, "lilicorr", "weight of the correlator's K-way CE", **_WEIGHT)
+    lilicorr_margin_alpha: float = setting(
+        0.0, "lilicorr", "weight of the hinge on the true candidate's margin (--lilicorr_margin)", **_WEIGHT
+    )
+    lilicorr_margin: float = setting(
+        2.0, "lilicorr", "the margin the hinge asks of the true candidate over the best other", **_WEIGHT
+    )
+    lilicorr_penalty_alpha: float = setting(
+        0.25,
+        "lilicorr",
+        "weight of the penalty on probability given to candidates the target scores below the true one "
+        "(reads --target_topk)",
+        **_WEIGHT,
     )
     # data
     data: list[str] = setting(
@@ -270,7 +318,7 @@ class TrainConfig:
         allowed="0 or an integer >= 1",
         minimum=0,
         overridable=True,
-        family_defaults={"dspark": DSPARK_TARGET_TOPK},
+        family_defaults={"dspark": DSPARK_TARGET_TOPK, "lilicorr": LILICORR_TARGET_TOPK},
     )
     ce_weight: float = setting(
         0.0,

@@ -9,6 +9,7 @@ import dataclasses
 
 from dflash_ddp.drafter.dspark import TARGET_TOPK as DSPARK_TARGET_TOPK
 from dflash_ddp.drafter.families import FAMILIES
+from dflash_ddp.drafter.lilicorr import TARGET_TOPK as LILICORR_TARGET_TOPK
 
 
 def check_family(cfg) -> None:
@@ -59,6 +60,14 @@ def check_sliding(cfg) -> None:
 
 def check_loss(cfg) -> None:
     """--loss, --target_topk and --ce_weight together: each soft-target setting needs the others."""
+    if cfg.drafter == "lilicorr":
+        if cfg.loss != "ce" or (cfg.lilicorr_penalty_alpha and not cfg.target_topk):
+            raise ValueError(
+                f"--drafter lilicorr (--loss {cfg.loss}, --target_topk {cfg.target_topk}): the backbone's loss is "
+                "--loss ce, and the correlator's penalty (--lilicorr_penalty_alpha) reads the target's top-k: pass "
+                f"--target_topk K >= 1 or leave it out ({LILICORR_TARGET_TOPK}), or --lilicorr_penalty_alpha 0"
+            )
+        return
     if cfg.drafter == "dspark":
         if cfg.loss != "ce" or not cfg.target_topk:
             raise ValueError(

@@ -161,4 +161,5 @@ def test_dspark_takes_the_references_top_64_unless_given(tmp_path):
     assert "value: 64" in next(
         line for line in usage(["--drafter", "dspark"]).splitlines() if "0 or an integer >= 1" in line
     )
-    assert "| 0; with --drafter dspark: 64 |" in markdown_reference()
+    assert "| 0; with --drafter dspark: 64; with --drafter lilicorr: 64 |" in markdown_reference()
+    assert parse_config(["--drafter", "lilicorr"])[0].target_topk == 64

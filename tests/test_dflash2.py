@@ -249,7 +249,7 @@ def train_config(**settings) -> TrainConfig:
     [
         ({"conv_group_size": 8}, "--conv_group_size 8 sets the dflash2 drafter, .* pass --drafter dflash2"),
         ({"selector_loss_alpha": 0.5}, "--selector_loss_alpha 0.5 sets the dflash2 drafter"),
-        ({"drafter": "dflash3"}, "--drafter dflash3: choose dflash, dflash2 or dspark"),
+        ({"drafter": "dflash3"}, "--drafter dflash3: choose dflash, dflash2, dspark or lilicorr"),
         ({"drafter": "dflash2", "selector_top_k": 0}, "--selector_top_k 0: must be a positive integer"),
         (
             {"drafter": "dflash2", "selector_loss_alpha": -1.0},
@@ -379,8 +379,8 @@ def test_a_config_missing_a_dflash2_field_names_it():
     del broken["dflash_config"]["selector_rank"]
     with pytest.raises(ValueError, match="config.json: missing field 'dflash_config.selector_rank'"):
         from_zlab_config(broken)
-    with pytest.raises(ValueError, match="architectures \\['LiLiCorrDraftModel'\\]: not a drafter"):
-        from_zlab_config({**ZLAB_FIXTURE, "architectures": ["LiLiCorrDraftModel"]})
+    with pytest.raises(ValueError, match="architectures \\['DominoDraftModel'\\]: not a drafter"):
+        from_zlab_config({**ZLAB_FIXTURE, "architectures": ["DominoDraftModel"]})
     # sliding layers without is_causal are causal to z-lab's reader: refused, not silently run otherwise
     causal = {k: v for k, v in ZLAB_FIXTURE.items() if k != "is_causal"}
     with pytest.raises(ValueError, match="a drafter with causal layers cannot be loaded"):

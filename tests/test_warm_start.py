@@ -88,11 +88,12 @@ def refusal(flags: list[str], out: Path) -> str:
     return message
 
 
-@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark", "lilicorr"])
 def test_a_max_steps_0_run_exports_a_drafter_that_drafts_exactly_as_the_source(source, tmp_path, family):
     """`--init_from A --max_steps 0` through the CLI saves the drafter the trainer builds from A, untrained, as
     step 0; its export (bf16, stamped, with a model card) decodes the same tokens with the same accepted lengths
-    as A itself, grown into DFlash2 or DSpark as well (DSpark with its default --target_topk), and a DFlash
+    as A itself, grown into DFlash2, DSpark or LiLiCorr as well (DSpark and LiLiCorr with their default
+    --target_topk), and a DFlash
     export holds A's weights bit for bit. The run's own evaluation (--eval_data) measures it as A decodes."""
     run, evaluated = tmp_path / "run", family == "dflash"
     flags = ["--init_from", str(source), "--drafter", family, "--max_steps", "0", "--output_dir", str(run)]

@@ -25,6 +25,7 @@ class DFlashDraftConfig(PretrainedConfig):
     serving_fields: ClassVar[
         tuple[str, ...]
     ] = ()  # the family's own fields of the serving config's dflash_config
+    optional_serving: ClassVar[dict] = {}  # serving fields the engines default when a config leaves them out
     serving_top_level: ClassVar[bool] = (
         False  # whether the engines read those fields at the config's top level too
     )

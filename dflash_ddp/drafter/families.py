@@ -9,6 +9,7 @@ from __future__ import annotations
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.dflash2 import DFlash2DraftConfig, DFlash2DraftModel
 from dflash_ddp.drafter.dspark import DSparkDraftConfig, DSparkDraftModel
+from dflash_ddp.drafter.lilicorr import LiLiCorrDraftConfig, LiLiCorrDraftModel
 from dflash_ddp.drafter.model import DFlashDraftModel
 
 # --drafter value -> (config class, model class); the model class's name is the serving architecture
@@ -16,6 +17,7 @@ FAMILIES: dict[str, tuple[type[DFlashDraftConfig], type[DFlashDraftModel]]] = {
     "dflash": (DFlashDraftConfig, DFlashDraftModel),
     "dflash2": (DFlash2DraftConfig, DFlash2DraftModel),
     "dspark": (DSparkDraftConfig, DSparkDraftModel),
+    "lilicorr": (LiLiCorrDraftConfig, LiLiCorrDraftModel),
 }
 
 

@@ -399,7 +399,7 @@ class DFlashDraftModel(PreTrainedModel):
         # under autocast fc reads bf16 features as they are; otherwise they take the weights' dtype
         if not torch.is_autocast_enabled(features.device.type):
             features = features.to(self.fc.weight.dtype)
-        context = self.hidden_norm(self.fc(features))
+        context = self.combine_context(features)
         hidden = noise_embeds.to(context.dtype)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         for layer, mask in zip(self.layers, masks, strict=True):
@@ -409,6 +409,14 @@ class DFlashDraftModel(PreTrainedModel):
             else:
                 hidden = layer(hidden, context, cos, sin, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+    def combine_context(self, features: torch.Tensor) -> torch.Tensor:
+        """The tapped target features [B, S, K*H] combined into the context the layers attend to [B, S, H]."""
+        return self.hidden_norm(self.fc(features))
+
+    def bind_target(self, embedding: nn.Module) -> None:
+        """The target's input embedding, for a family whose head reads candidates' embeddings (LiLiCorr);
+        DFlash reads its block's embeddings from its input alone."""
 
     def _layer_masks(self, mask, position_ids: torch.Tensor, cache, noise_embeds: torch.Tensor) -> list:
         """Each layer's mask: `mask` for every layer without sliding windows; with them, a training chunk's

@@ -79,6 +79,7 @@ class DrafterTrainer:
         self.drafter = drafter
         self.group = group  # the drafter ranks' process group when M > 1
         self.head = head
+        drafter.bind_target(head.embed_tokens)
         # the target's logits are the head's, scaled and soft-capped where the target does (Falcon-H1, Gemma)
         conventions = {"logit_scale": head.logit_scale, "logit_softcap": head.logit_softcapping}
         self.settings = replace(settings, loss=replace(settings.loss, **conventions))

@@ -35,6 +35,12 @@ class LossSettings:
     dspark_ce_alpha: float = 0.1
     dspark_l1_alpha: float = 0.9
     confidence_alpha: float = 1.0
+    # LiLiCorr's correlator terms (lilicorr.py): its CE, the hinge on the true candidate's margin and the
+    # penalty on candidates the target scores below the truth (Model-Optimizer's 0.25 / 0 (margin 2) / 0.25)
+    lilicorr_ce_weight: float = 0.25
+    lilicorr_margin_weight: float = 0.0
+    lilicorr_margin: float = 2.0
+    lilicorr_penalty_weight: float = 0.25
     logit_scale: float = 1.0  # the target's multiplier of its logits (Falcon-H1's lm_head_multiplier)
     logit_softcap: float | None = None  # the target's final soft-capping of its logits (Gemma), else None
 

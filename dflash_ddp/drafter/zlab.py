@@ -153,8 +153,9 @@ def from_zlab_config(data: dict, where: str = "config.json") -> DFlashDraftConfi
         if slides:  # vLLM reads dflash_config.swa_window_size first, then sliding_window
             window = dflash["swa_window_size"] if "swa_window_size" in dflash else data["sliding_window"]
             kwargs["sliding_window"] = window
+        optional = {**_OPTIONAL_FIELDS, **config_class.optional_serving}
         for name in config_class.serving_fields:  # the engines look in dflash_config first, then the top
-            value = dflash.get(name, data.get(name, _OPTIONAL_FIELDS.get(name, KeyError)))
+            value = dflash.get(name, data.get(name, optional.get(name, KeyError)))
             if value is KeyError:
                 raise KeyError(f"dflash_config.{name}")
             kwargs[name] = value

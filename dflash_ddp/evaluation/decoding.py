@@ -196,6 +196,8 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     ids = _as_input(prompt_ids, device)
     eos = set(eos_token_ids)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    if hasattr(drafter, "bind_target"):  # a test's stand-in drafter has none
+        drafter.bind_target(embed)
     # the block's embeddings as the drafter trained on them: the rows times the target's scale (the module
     # itself would scale Gemma's rows once more on top, and Falcon-H1 scales in its forward, not there)
     scale = getattr(config, "input_embedding_scale", 1.0)

@@ -224,6 +224,25 @@ def dflash2_lines(dflash: dict) -> list[str]:
     ]
 
 
+def lilicorr_lines(dflash: dict) -> list[str]:
+    """What a LiLiCorr drafter adds to DFlash, with its own numbers."""
+    width = dflash["lilicorr_hidden_size"] or "the drafter's"
+    conv = (
+        f" Its layers carry DFlash2's grouped convolutions ({dflash['conv_kernel_size']} taps, groups of "
+        f"{dflash['conv_group_size']} channels)."
+        if dflash.get("conv_kernel_size")
+        else ""
+    )
+    return [
+        "It is a [LiLiCorr](https://arxiv.org/abs/2608.20530) drafter: each drafted position keeps the target LM "
+        f"head's top {dflash['lilicorr_candidate_topk']} tokens, a {dflash['lilicorr_num_layers']}-layer "
+        f"correlator of width {width} scores the transitions between the candidates of adjacent positions, and "
+        f"the draft is a walk through that lattice from the anchor.{conv} vLLM serves it on its V2 runner (GPU) "
+        "with the target's full vocabulary (a pruned draft vocabulary is refused).",
+        "",
+    ]
+
+
 def model_card(
     config: dict,
     checkpoint: Path,
@@ -239,7 +258,8 @@ def model_card(
     block = config["block_size"]
     dflash2 = config["architectures"] == ["DFlash2DraftModel"]
     dspark = config["architectures"] == ["DSparkDraftModel"]
-    family = "DFlash2" if dflash2 else "DSpark" if dspark else "DFlash"
+    lilicorr = config["architectures"] == ["LiLiCorrDraftModel"]
+    family = "DFlash2" if dflash2 else "DSpark" if dspark else "LiLiCorr" if lilicorr else "DFlash"
     hub = hub_model_name(target_name) if target_name else None
     base_model = hub[0] if hub else None
     header = {
@@ -247,7 +267,7 @@ def model_card(
         "pipeline_tag": "text-generation",
         "tags": [
             "dflash",
-            *(["dflash2"] if dflash2 else ["dspark"] if dspark else []),
+            *(["dflash2"] if dflash2 else ["dspark"] if dspark else ["lilicorr"] if lilicorr else []),
             "speculative-decoding",
             "draft-model",
             "dflash_ddp",
@@ -269,7 +289,15 @@ def model_card(
         "verifies in one pass; greedy output is exactly the target's own. Trained with dflash_ddp (one torchrun "
         "job: target ranks stream hidden states to drafter ranks).",
         "",
-        *(dflash2_lines(dflash) if dflash2 else dspark_lines(config) if dspark else []),
+        *(
+            dflash2_lines(dflash)
+            if dflash2
+            else dspark_lines(config)
+            if dspark
+            else lilicorr_lines(dflash)
+            if lilicorr
+            else []
+        ),
         "## The drafter",
         "",
         f"- block size {block} ({block - 1} drafted tokens per step, plus the target's bonus token)",

@@ -54,6 +54,10 @@ def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
         dspark_ce_alpha=cfg.dspark_ce_alpha,
         dspark_l1_alpha=cfg.dspark_l1_alpha,
         confidence_alpha=cfg.confidence_alpha,
+        lilicorr_ce_weight=cfg.lilicorr_ce_alpha,
+        lilicorr_margin_weight=cfg.lilicorr_margin_alpha,
+        lilicorr_margin=cfg.lilicorr_margin,
+        lilicorr_penalty_weight=cfg.lilicorr_penalty_alpha,
     )
     return StepSettings(
         cfg.num_anchors,
