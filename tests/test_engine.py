@@ -126,14 +126,15 @@ def test_vllm_serves_the_export_losslessly_with_the_projects_tau(tmp_path):
     [
         ("dflash2", [], "does not support"),
         ("dspark", ["--target_topk", "8"], "does not support: dspark speculative decoding"),
+        ("lilicorr", ["--lilicorr_hidden_size", "32", "--lilicorr_factor_dim", "16"], "does not support"),
     ],
 )
 def test_a_v2_runner_export_is_refused_by_vllms_cpu_build_in_one_line_naming_the_runner(
     tmp_path, capsys, family, flags, refusal
 ):
-    """vLLM serves DFlash2 (candidate heads) and DSpark on its V2 runner (GPU) only: the CPU build's refusal,
-    which comes after its config validation accepted the export, is the message and the exit is 2, never a
-    silent fallback to another family."""
+    """vLLM serves DFlash2 and LiLiCorr (candidate heads) and DSpark on its V2 runner (GPU) only: the CPU
+    build's refusal, which comes after its config validation accepted the export, is the message and the exit
+    is 2, never a silent fallback to another family."""
     argv = ["--output_dir", str(tmp_path / "run"), "--drafter", family, "--max_steps", "2", "--eval_data", ""]
     assert train_main([*argv, *flags]) == 0
     assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0

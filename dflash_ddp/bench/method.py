@@ -36,6 +36,7 @@ DEFAULT_OBJECTIVE = {"position_weighting": "dpace", **MUON_NS5, "learning_rate":
 POLAR_EXPRESS_3 = {"muon_orthogonalisation": "polar_express_3"}
 # not a flag: the share of the budget's steps a variant trains, for variants compared at equal wall time
 STEP_SHARE = "step_share"
+LILICORR = {"drafter": "lilicorr", "target_topk": 64, "lilicorr_hidden_size": 0, "lilicorr_factor_dim": 256}
 VARIANTS = {
     "decay": {
         "position_weighting": "decay",
@@ -86,6 +87,10 @@ VARIANTS = {
         "markov_head_type": "gated",
     },
     "dspark-rnn": {**DEFAULT_OBJECTIVE, "drafter": "dspark", "target_topk": 64, "markov_head_type": "rnn"},
+    # LiLiCorr with Model-Optimizer's objective and head shape scaled to the tiny targets' width (the recipe's
+    # 1024-wide correlator and factors are a quarter of Qwen3-8B's 4096): the drafter's width, factors of 256
+    "lilicorr": {**DEFAULT_OBJECTIVE, **LILICORR},
+    "lilicorr-conv": {**DEFAULT_OBJECTIVE, **LILICORR, "lilicorr_conv": True},
 }
 # The embedded default's shape and batches (the README's run) for both targets, at the learning rate every
 # variant was first measured with (a variant that changes it names the change).
