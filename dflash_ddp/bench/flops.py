@@ -100,9 +100,10 @@ def drafter_flops(
     gradient. Attention counts only the entries the block rule allows (context keys before each anchor
     and the block itself), not the masked-out ones a kernel's tiles may still compute.
     Recomputed by this code, counted in `executed` only: q/k/v projections and the MLP's gate and up
-    (drafter/model.py rebuilds them in backward with `recompute`, --recompute qkv_mlp), the attention scores (flash-style backward: 2 L h D E), the LM
-    head's logits (the chunked loss: 2 H V N; so the LM head executes 3 x 2 H V N), and with gradient
-    checkpointing each layer's forward once more."""
+    (drafter/model.py rebuilds them in backward with `recompute`, --recompute qkv_mlp), the attention
+    scores (flash-style backward: 2 L h D E), and with gradient checkpointing each layer's forward once
+    more. The LM head's logits are not recomputed: the loss takes their gradient in the same pass
+    (drafter/objective.py), so the LM head executes its model count, 2 x 2 H V N."""
     L, H, V = c.num_hidden_layers, c.hidden_size, c.vocab_size
     qo, kv, mlp = matmul_params_per_layer(
         H, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -117,10 +118,7 @@ def drafter_flops(
     }
     model = 3 * (forward["layers"] + forward["context_kv"] + forward["attention"])
     model += 2 * (forward["fc"] + forward["lm_head"])
-    recomputed = {
-        "attention_scores": forward["attention"] // 2,
-        "lm_head": forward["lm_head"],
-    }
+    recomputed = {"attention_scores": forward["attention"] // 2}
     if recompute:
         recomputed["qkv"] = 2 * L * (work.positions * (q + kv) + work.context_tokens * kv)
         recomputed["mlp_gate_up"] = 2 * L * work.positions * 2 * H * c.intermediate_size

@@ -81,10 +81,11 @@ def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
     """Predicted peak of a drafter rank: state, one chunk's activations and workspaces, received features.
 
     A chunk's tensors peak in one of two moments, whichever holds more: at the loss (every layer's saved
-    tensors and the loss's logits chunks) or inside the backward of the last layer (the other layers'
-    saved tensors, the last layer's input, and that layer's backward temporaries; its other saved tensors
-    are freed by then: measured, the peak sits in the recomputation of its q/k/v). So "activations" counts
-    what both moments share and "backward or loss" the larger of the two remainders.
+    tensors, the loss's logits chunk and the rows' gradient it keeps) or inside the backward of the last
+    layer (the other layers' saved tensors, the last layer's input, and that layer's backward temporaries;
+    its other saved tensors are freed by then: measured, the peak sits in the recomputation of its q/k/v).
+    So "activations" counts what both moments share and "backward or loss" the larger of the two
+    remainders.
 
     With per-layer gradient checkpointing the layers keep only their inputs, and one layer's activations
     exist again while its backward recomputes them."""
@@ -110,8 +111,12 @@ def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
     backward = positions * (backward_per_position(c, recompute) + c.extra_backward_per_position()) * 4
     if recompute:
         backward += 5 * MLP_ROWS * c.intermediate_size * 4
-    loss_ws = 2 * min(loss_chunk_size, positions) * c.vocab_size * 4
-    loss_ws += c.extra_loss_bytes(min(loss_chunk_size, positions), dtype_bytes)
+    # the loss: a chunk's fp32 logits and their softmax gradient (measured: nothing else that size at once),
+    # beside the gradient of its rows, at most one per position (the fused LM-head loss keeps it from its
+    # forward to its backward; DSpark's checkpointed loss adds it up over its chunks' backward)
+    loss_rows = min(loss_chunk_size, positions)
+    loss_ws = 2 * loss_rows * c.vocab_size * 4 + positions * c.hidden_size * dtype_bytes
+    loss_ws += c.extra_loss_bytes(loss_rows, dtype_bytes)
     if load.attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
         # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
         # scores and their softmax per head

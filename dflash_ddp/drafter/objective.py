@@ -1,9 +1,9 @@
 """The DFlash training loss: the weighted, chunked LM-head loss of the drafter's block positions, and the
 sums that logging and global normalisation add up (`LossTerms`).
 
-Full-vocabulary logits for every block position never exist at once (`chunked_weighted_ce`); the weights
-come with the block inputs (blocks.py) or, for D-PACE and AUF, from the rows' own CE and argmax
-(weighting.py).
+Full-vocabulary logits for every block position never exist at once, and each chunk's are computed once: the
+gradient is taken with the loss (`chunked_weighted_ce`, a fused linear cross-entropy). The weights come with
+the block inputs (blocks.py) or, for D-PACE and AUF, from the rows' own CE and argmax (weighting.py).
 """
 
 from __future__ import annotations
@@ -45,73 +45,91 @@ def head_logits(
     return as_target_logits(hidden.to(head_weight.dtype) @ head_weight.T, scale, softcap)
 
 
-class _ChunkedLMHeadCE(torch.autograd.Function):
-    """Weighted per-row loss through the LM head, `chunk` rows at a time, recomputed in backward.
+class _FusedLMHeadLoss(torch.autograd.Function):
+    """Weighted per-row loss through the frozen LM head, `chunk` rows at a time, with its gradient taken in
+    the same pass (a fused linear cross-entropy).
 
     Full-vocabulary logits for all block positions never exist at once: the peak is chunk x vocab. The
-    row loss is the hard label's CE or a loss against soft targets (distillation.py). Returns the weighted
-    loss sum and, without gradient, whether each row's argmax equals its label, the weights used and each
-    row's `top_k` highest-scoring tokens (best first; none when top_k is 0).
+    row loss is the hard label's CE or a loss against soft targets (distillation.py); its gradient with
+    respect to the logits has a closed form there, so each chunk's logits are computed once: the forward
+    also takes d(row loss)/d(hidden) through the head (which gets no gradient) and keeps it, [N, H] in the
+    head's dtype, and backward only scales its rows by their weights and the incoming gradient.
+    The weights multiply in backward because D-PACE and AUF know them only once every chunk is scored.
+    Returns the weighted loss sum and, without gradient, whether each row's argmax equals its label, the
+    weights used and each row's `top_k` highest-scoring tokens (best first; none when top_k is 0).
     """
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, soft, scoring):
-        """`scoring`: (the LossSettings, the reweighting map or None, how many best tokens to return)."""
-        settings, reweight, top_k = scoring
-        chunk, loss, ce_weight = settings.chunk_rows, settings.loss, settings.ce_weight
-        scale, cap = settings.logit_scale, settings.logit_softcap
+        """`scoring`: (the LossSettings, the reweighting map or None, how many best tokens to return,
+        whether to take the gradient: `_with_grad`)."""
+        settings, reweight, top_k, with_grad = scoring
+        chunk = settings.chunk_rows
         soft_ids, soft_probs = soft if soft is not None else (None, None)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         candidates = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
+        # the rows' gradient in the product's dtype, the head's (bf16 on CUDA, fp32 on the CPU)
+        grad_rows = hidden.new_empty(hidden.shape, dtype=head_weight.dtype) if with_grad else None
         nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = head_logits(hidden[rows], head_weight, scale, cap)
-            nll, loss_rows = row_losses(
-                logits, labels[rows], _rows(soft_ids, rows), _rows(soft_probs, rows), loss, ce_weight
-            )
+            soft_rows = (_rows(soft_ids, rows), _rows(soft_probs, rows))
+            out = (correct[rows], candidates[rows], _rows(grad_rows, rows))
+            nll, loss_rows = _score_rows(hidden[rows], head_weight, labels[rows], soft_rows, settings, out)
             nlls.append(nll)
             row_loss.append(loss_rows)
-            correct[rows] = logits.argmax(dim=-1) == labels[rows]
-            if top_k:
-                candidates[rows] = best_first(logits, top_k)[1]
         if reweight is not None:  # weights from the rows' own label CE and argmax: constants for backward
             weights = reweight(torch.cat(nlls), correct)
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         for i, loss_rows in enumerate(row_loss):
             loss_sum += (loss_rows * weights[i * chunk : (i + 1) * chunk]).sum()
-        ctx.save_for_backward(hidden, head_weight, labels, weights, soft_ids, soft_probs)
-        ctx.chunk, ctx.loss, ctx.ce_weight, ctx.scale, ctx.cap = chunk, loss, ce_weight, scale, cap
+        ctx.save_for_backward(grad_rows, weights)
+        ctx.dtype = hidden.dtype
         ctx.mark_non_differentiable(correct, weights, candidates)
         return loss_sum, correct, weights, candidates
 
     @staticmethod
     def backward(ctx, grad_loss, *_grad_flags):
-        hidden, head_weight, labels, weights, soft_ids, soft_probs = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
-            h = hidden[rows].to(head_weight.dtype)
-            logits = head_logits(h, head_weight, ctx.scale, ctx.cap)
-            grad_logits = logit_gradients(
-                logits,
-                labels[rows],
-                _rows(soft_ids, rows),
-                _rows(soft_probs, rows),
-                ctx.loss,
-                ctx.ce_weight,
-            )
-            if ctx.cap:  # d(cap * tanh(z / cap)) / dz = 1 - tanh(z / cap)^2
-                grad_logits = grad_logits * (1 - (logits / ctx.cap) ** 2)
-            if ctx.scale != 1.0:
-                grad_logits = grad_logits * ctx.scale
-            scale = (weights[rows] * grad_loss)[:, None]
-            grad_hidden[rows] = ((grad_logits * scale).to(h.dtype) @ head_weight).to(hidden.dtype)
+        grad_rows, weights = ctx.saved_tensors
+        grad_hidden = (grad_rows * (weights * grad_loss)[:, None]).to(ctx.dtype)
         return grad_hidden, *([None] * 5)
+
+
+def _score_rows(hidden, head_weight, labels, soft, settings, out):
+    """One chunk of rows through the LM head: (label CE, row loss); writes into `out` = (argmax-correct
+    flags, best tokens, d(row loss)/d(hidden) or None: no gradient). A function of its own so that the
+    chunk's [rows, V] temporaries are gone before the next chunk's exist; the logits are overwritten once
+    nothing else reads them."""
+    scale, cap = settings.logit_scale, settings.logit_softcap
+    correct, candidates, grad_out = out
+    h = hidden.to(head_weight.dtype)
+    logits = (h @ head_weight.T).float()  # as head_logits, finished in place: no [rows, V] temporaries
+    if scale != 1.0:
+        logits.mul_(scale)
+    if cap:
+        logits.div_(cap).tanh_().mul_(cap)
+    nll, loss_rows = row_losses(logits, labels, *soft, settings.loss, settings.ce_weight)
+    torch.eq(logits.argmax(dim=-1), labels, out=correct)
+    if candidates.shape[1]:
+        candidates.copy_(best_first(logits, candidates.shape[1])[1])
+    if grad_out is not None:
+        grad = logit_gradients(logits, labels, *soft, settings.loss, settings.ce_weight)
+        if cap:  # d(cap * tanh(z / cap)) / dz = 1 - tanh(z / cap)^2, computed in the logits' place
+            grad *= logits.div_(cap).square_().neg_().add_(1.0)
+        del logits
+        if scale != 1.0:
+            grad *= scale
+        torch.mm(grad.to(h.dtype), head_weight, out=grad_out)
+    return nll, loss_rows
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if t is None else t[rows]
+
+
+def _with_grad(hidden: torch.Tensor) -> bool:
+    """Whether the loss's gradient will be asked for (inside its forward a custom function cannot tell)."""
+    return torch.is_grad_enabled() and hidden.requires_grad
 
 
 def chunked_weighted_ce(
@@ -127,9 +145,8 @@ def chunked_weighted_ce(
     time, against `labels` (`settings.loss` "ce"), or against the soft targets `soft` = (ids, probs) [rows, k]
     ("kl" or "tv", with `settings.ce_weight` of the hard label's CE mixed in). `reweight`, when given, maps
     the rows' detached label CE and argmax-correct flags to the weights used instead of `weights`."""
-    loss_sum, correct, _, _ = _ChunkedLMHeadCE.apply(
-        hidden, head_weight, labels, weights, soft, (settings, reweight, 0)
-    )
+    scoring = (settings, reweight, 0, _with_grad(hidden))
+    loss_sum, correct, _, _ = _FusedLMHeadLoss.apply(hidden, head_weight, labels, weights, soft, scoring)
     return loss_sum, correct
 
 
@@ -215,8 +232,9 @@ def scored_rows(
     if settings.loss != "ce":
         soft = tuple(t.flatten(0, 2)[flat_idx] for t in (inputs.soft_ids, inputs.soft_probs))
     labels = inputs.labels.flatten()[flat_idx]
-    loss_sum, correct, weights, candidates = _ChunkedLMHeadCE.apply(
-        hidden, head_weight, labels, inputs.weights.flatten()[flat_idx], soft, (settings, reweight, top_k)
+    scoring = (settings, reweight, top_k, _with_grad(hidden))
+    loss_sum, correct, weights, candidates = _FusedLMHeadLoss.apply(
+        hidden, head_weight, labels, inputs.weights.flatten()[flat_idx], soft, scoring
     )
     return ScoredRows(hidden, flat_idx, labels, weights, correct, candidates, loss_sum)
 
