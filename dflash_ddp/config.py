@@ -20,9 +20,17 @@ from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.lilicorr import TARGET_TOPK as LILICORR_TARGET_TOPK
 from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, OPTIMIZERS, ORTHOGONALISATIONS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
-from dflash_ddp.hub import hub_dataset_name
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
-from dflash_ddp.setting_checks import check_family, check_init_from, check_loss, check_sliding
+from dflash_ddp.setting_checks import (
+    check_family,
+    check_init_from,
+    check_loss,
+    check_paths,
+    check_required,
+    check_sliding,
+    check_together,
+    check_values,
+)
 from dflash_ddp.settings import check_setting, field_types, load_yaml, parse_flags, setting
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -58,6 +66,7 @@ EMBEDDED_PRESET: dict[str, typing.Any] = {
 
 
 _WEIGHT = {"in_range": (lambda x: x >= 0, "a number >= 0"), "overridable": True}
+_POSITIVE = (lambda x: x > 0, "a number > 0")
 
 
 @dataclass
@@ -176,49 +185,35 @@ class TrainConfig:
         1.0, "dspark", "weight of the confidence head's BCE (0: no confidence head)", **_WEIGHT
     )
     lilicorr_conv: bool = setting(
-        False,
-        "lilicorr",
-        "DFlash2's grouped convolutions in every backbone layer (--conv_kernel_size, --conv_group_size)",
+        False, "lilicorr", "DFlash2's convolutions in every layer (--conv_kernel_size ...)"
     )
     lilicorr_candidate_topk: int = setting(
-        8,
-        "lilicorr",
-        "candidates per drafted slot: the LM head's best tokens (a power of two <= 16)",
-        minimum=1,
+        8, "lilicorr", "candidates per slot (a power of two <= 16)", minimum=1
     )
     lilicorr_hidden_size: int = setting(
         1024, "lilicorr", "the correlator's width (0: the drafter's)", minimum=0
     )
     lilicorr_num_heads: int = setting(8, "lilicorr", "attention heads of the correlator's layers", minimum=1)
     lilicorr_mlp_ratio: float = setting(
-        2.0,
-        "lilicorr",
-        "MLP width of the correlator's layers over its width",
-        in_range=(lambda x: x > 0, "> 0"),
+        2.0, "lilicorr", "its layers' MLP width / its width", in_range=_POSITIVE
     )
     lilicorr_num_layers: int = setting(2, "lilicorr", "layers of the correlator over the lattice", minimum=0)
     lilicorr_factor_dim: int = setting(
-        1024, "lilicorr", "width of the outgoing and incoming vectors that score a transition", minimum=1
+        1024, "lilicorr", "width of the vectors scoring a transition", minimum=1
     )
-    lilicorr_vector_eps: float = setting(
-        1e-4, "lilicorr", "epsilon of those vectors' L2 normalisation", in_range=(lambda x: x > 0, "> 0")
-    )
+    lilicorr_vector_eps: float = setting(1e-4, "lilicorr", "epsilon of their L2 norm", in_range=_POSITIVE)
     lilicorr_logit_scale: float = setting(
-        8.0, "lilicorr", "scale of a transition's cosine into its logit", in_range=(lambda x: x > 0, "> 0")
+        8.0, "lilicorr", "a transition's cosine to logit", in_range=_POSITIVE
     )
     lilicorr_ce_alpha: float = setting(0.25, "lilicorr", "weight of the correlator's K-way CE", **_WEIGHT)
     lilicorr_margin_alpha: float = setting(
-        0.0, "lilicorr", "weight of the hinge on the true candidate's margin (--lilicorr_margin)", **_WEIGHT
+        0.0, "lilicorr", "weight of the hinge (--lilicorr_margin)", **_WEIGHT
     )
     lilicorr_margin: float = setting(
-        2.0, "lilicorr", "the margin the hinge asks of the true candidate over the best other", **_WEIGHT
+        2.0, "lilicorr", "the true candidate's margin over the best other", **_WEIGHT
     )
     lilicorr_penalty_alpha: float = setting(
-        0.25,
-        "lilicorr",
-        "weight of the penalty on probability given to candidates the target scores below the true one "
-        "(reads --target_topk)",
-        **_WEIGHT,
+        0.25, "lilicorr", "weight of the penalty on candidates the target ranks below the true one", **_WEIGHT
     )
     # data
     data: list[str] = setting(
@@ -529,77 +524,29 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Reject impossible settings with the flag name, the value and what to pass instead."""
-        if not self.target_model:
-            raise ValueError(
-                "--target_model is required (a local Hugging Face model directory or a hub name)"
-            )
-        if not self.data:
-            raise ValueError("--data is required (one or more jsonl/json/parquet files)")
+        check_required(self)
         for f in dataclasses.fields(self):
             check_setting(f.name, getattr(self, f.name), f.metadata["setting"])
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed {self.seed}: must be in [0, 2^63)")
-        if self.max_steps < -1:
-            raise ValueError(
-                f"--max_steps {self.max_steps}: pass a positive number, 0 to save the starting drafter "
-                "untrained, or -1 to run --num_epochs"
-            )
-        if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise ValueError(f"--mask_token_id {self.mask_token_id}: must be a token id >= 0")
+        check_values(self)
         check_template_kwargs(self.chat_template_kwargs)
         resolve_report_to(self.report_to)  # unknown names, and packages not installed, refused now
         check_loss(self)
-        for name in ("loss_gamma", "loss_gamma_start"):
-            if getattr(self, name) is not None and self.position_weighting != "decay":
-                raise ValueError(
-                    f"--{name} {getattr(self, name)} sets the decay of --position_weighting decay, and D-PACE "
-                    "(the default) has no decay: pass --position_weighting decay with it, or drop it"
-                )
         check_family(self)
         check_sliding(self)
         check_init_from(self)
-        if self.calibrate and not self.plan:
-            raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
-        if self.channel_backend == "nccl" and self.device == "cpu":
-            raise ValueError(
-                "--channel_backend nccl needs GPUs: use --device cuda, or --channel_backend gloo"
-            )
-        if self.target_layer_ids is not None and len(self.target_layer_ids) == 0:
-            raise ValueError("--target_layer_ids: give at least one layer id")
+        check_together(self)
         unknown = [name for name in self.resume_override if name not in RESUME_OVERRIDABLE]
         if unknown:
             raise ValueError(
                 f"--resume_override {','.join(unknown)}: not a setting it can override; choose from "
                 + ", ".join(RESUME_OVERRIDABLE)
             )
-        if self.eval_steps and not self.eval_data:
-            raise ValueError(
-                f"--eval_steps {self.eval_steps} needs --eval_data (conversations to take prompts from)"
-            )
-        if self.eval_steps % self.save_steps:
-            raise ValueError(
-                f"--eval_steps {self.eval_steps} is not a multiple of --save_steps {self.save_steps}: checkpoints "
-                "are what is evaluated"
-            )
-        self._check_paths()
+        check_paths(self)
 
     @property
     def batch_tokens(self) -> int:
         """The most tokens one batch holds: the budget, or one sequence longer than it."""
         return max(self.tokens_per_batch, self.max_seq_len)
-
-    def _check_paths(self) -> None:
-        """Paths read only after training (--eval_data) or written later (--output_dir), checked now."""
-        if self.eval_data and not Path(self.eval_data).is_file() and hub_dataset_name(self.eval_data) is None:
-            raise ValueError(
-                f"--eval_data {self.eval_data}: no such file (nor a hub dataset name org/name[:split])"
-            )
-        for flag, path in (("--output_dir", self.output_dir), ("--cache_dir", self.cache_dir)):
-            existing = (
-                next((p for p in (Path(path), *Path(path).parents) if p.exists()), None) if path else None
-            )
-            if existing is not None and not existing.is_dir():
-                raise ValueError(f"{flag} {path}: {existing} is a file, not a directory; pass another path")
 
 
 # Settings a resumed run may change when named in --resume_override (a change of any other setting that

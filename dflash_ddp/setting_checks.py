@@ -6,17 +6,23 @@ soft targets.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from dflash_ddp.drafter.dspark import TARGET_TOPK as DSPARK_TARGET_TOPK
 from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.lilicorr import TARGET_TOPK as LILICORR_TARGET_TOPK
+from dflash_ddp.hub import hub_dataset_name
+
+# DFlash2's settings that --drafter lilicorr --lilicorr_conv reads too
+CONVOLUTION_SETTINGS = ("conv_kernel_size", "conv_group_size")
 
 
 def check_family(cfg) -> None:
     """A setting of another drafter family (its --help group) would be silently ignored: refuse it."""
     for f in dataclasses.fields(cfg):
         family = f.metadata["setting"].group
-        if family in FAMILIES and family != cfg.drafter and getattr(cfg, f.name) != f.default:
+        shared = f.name in CONVOLUTION_SETTINGS and cfg.drafter == "lilicorr" and cfg.lilicorr_conv
+        if family in FAMILIES and family != cfg.drafter and getattr(cfg, f.name) != f.default and not shared:
             raise ValueError(
                 f"--{f.name} {getattr(cfg, f.name)} sets the {family} drafter, and this run trains "
                 f"--drafter {cfg.drafter}: pass --drafter {family} with it, or drop it"
@@ -107,3 +113,62 @@ def check_init_from(cfg) -> None:
             f"--init_layers_map {cfg.init_layers_map} names {len(cfg.init_layers_map)} source layers, and "
             f"--num_draft_layers is {cfg.num_draft_layers}: name one source layer for each drafter layer"
         )
+
+
+def check_together(cfg) -> None:
+    """Settings that only make sense with others: the decay's gamma, --calibrate, the channel's backend, the
+    taps, and --eval_steps."""
+    for name in ("loss_gamma", "loss_gamma_start"):
+        if getattr(cfg, name) is not None and cfg.position_weighting != "decay":
+            raise ValueError(
+                f"--{name} {getattr(cfg, name)} sets the decay of --position_weighting decay, and D-PACE "
+                "(the default) has no decay: pass --position_weighting decay with it, or drop it"
+            )
+    if cfg.calibrate and not cfg.plan:
+        raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
+    if cfg.channel_backend == "nccl" and cfg.device == "cpu":
+        raise ValueError("--channel_backend nccl needs GPUs: use --device cuda, or --channel_backend gloo")
+    if cfg.target_layer_ids is not None and len(cfg.target_layer_ids) == 0:
+        raise ValueError("--target_layer_ids: give at least one layer id")
+    if cfg.eval_steps and not cfg.eval_data:
+        raise ValueError(
+            f"--eval_steps {cfg.eval_steps} needs --eval_data (conversations to take prompts from)"
+        )
+    if cfg.eval_steps % cfg.save_steps:
+        raise ValueError(
+            f"--eval_steps {cfg.eval_steps} is not a multiple of --save_steps {cfg.save_steps}: checkpoints "
+            "are what is evaluated"
+        )
+
+
+def check_paths(cfg) -> None:
+    """Paths read only after training (--eval_data) or written later (--output_dir), checked now."""
+    if cfg.eval_data and not Path(cfg.eval_data).is_file() and hub_dataset_name(cfg.eval_data) is None:
+        raise ValueError(
+            f"--eval_data {cfg.eval_data}: no such file (nor a hub dataset name org/name[:split])"
+        )
+    for flag, path in (("--output_dir", cfg.output_dir), ("--cache_dir", cfg.cache_dir)):
+        existing = next((p for p in (Path(path), *Path(path).parents) if p.exists()), None) if path else None
+        if existing is not None and not existing.is_dir():
+            raise ValueError(f"{flag} {path}: {existing} is a file, not a directory; pass another path")
+
+
+def check_required(cfg) -> None:
+    """A target and data: a run has nothing to train without them."""
+    if not cfg.target_model:
+        raise ValueError("--target_model is required (a local Hugging Face model directory or a hub name)")
+    if not cfg.data:
+        raise ValueError("--data is required (one or more jsonl/json/parquet files)")
+
+
+def check_values(cfg) -> None:
+    """Values a setting's own range does not say: the seed's, --max_steps' and the mask token's."""
+    if not 0 <= cfg.seed < 2**63:
+        raise ValueError(f"--seed {cfg.seed}: must be in [0, 2^63)")
+    if cfg.max_steps < -1:
+        raise ValueError(
+            f"--max_steps {cfg.max_steps}: pass a positive number, 0 to save the starting drafter untrained, or "
+            "-1 to run --num_epochs"
+        )
+    if cfg.mask_token_id is not None and cfg.mask_token_id < 0:
+        raise ValueError(f"--mask_token_id {cfg.mask_token_id}: must be a token id >= 0")
