@@ -220,3 +220,23 @@ def test_a_lilicorr_run_trains_resumes_exactly_exports_and_decodes_losslessly(co
     report = json.loads(report_path.read_text())
     assert report["drafter"] == "lilicorr" and report["lossless"] and report["dflash"]["mismatches"] == 0
     assert report["dflash_sampled"]["tau"] >= 1.0
+
+
+def test_a_lilicorr_drafter_of_a_second_target_trains_exports_and_decodes_losslessly(
+    tiny_target, chat_data, tmp_path
+):
+    """Another target (a random 6-layer Qwen3 with its own tokenizer) through the same commands, with the
+    convolutions: lossless greedy and a sampled row."""
+    run, export = tmp_path / "run", tmp_path / "export"
+    flags = ["--target_model", str(tiny_target), "--data", str(chat_data), "--output_dir", str(run)]
+    flags += ["--drafter", "lilicorr", "--lilicorr_conv", "--max_steps", "2", "--target_layer_ids", "1,3"]
+    assert train_main(flags + [f"--{k}={v}" for k, v in HEAD.items()]) == 0
+    assert export_main([str(run), str(export), "--dtype", "float32"]) == 0
+    report_path = tmp_path / "report.json"
+    args = ["--target_model", str(tiny_target), "--drafter", str(export), "--data", str(chat_data)]
+    assert (
+        evaluate_main([*args, "--num_prompts", "2", "--max_new_tokens", "16", "--json", str(report_path)])
+        == 0
+    )
+    report = json.loads(report_path.read_text())
+    assert report["drafter"] == "lilicorr" and report["lossless"] and report["dflash_sampled"]["tau"] >= 1.0
