@@ -31,7 +31,9 @@ def test_the_quick_long_context_benchmark_prints_both_tables(tmp_path):
     assert "| tau 0-2K |" in out
     [length] = [line for line in out.splitlines() if line.startswith("| 1024 |")]
     predicted, measured = (float(cell) for cell in length.split("|")[2:4])
-    assert 1 / 1.5 < predicted / measured < 1.5
+    # the plan is generous at this tiny size (each process's measured resident baseline dominates): 1.44x
+    # before the fused LM-head loss lowered the real peak, 1.53x after (2026-12-04); above 1.6 it has drifted
+    assert 1 / 1.5 < predicted / measured < 1.6
     assert (tmp_path / "quick" / "table.md").read_text().strip() in out
     # a second run reads what the first kept
     again = bench(tmp_path, 300)
