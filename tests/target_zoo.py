@@ -89,6 +89,11 @@ def _mla(class_name: str, **family) -> Any:
     return make_config(class_name, shrink=shape, num_key_value_heads=4, **family)
 
 
+def _wrapper(class_name: str, text: Any, vision: Any, **fields) -> Any:
+    """A vision-language wrapper's config over `text` and `vision`, nothing of the text shape at its level."""
+    return make_config(class_name, shrink=(), text_config=text, vision_config=vision, **fields)
+
+
 def _vision(class_name: str, **fields) -> Any:
     """A vision tower's config: none of the text shape, only what the family gives."""
     return make_config(class_name, shrink=(), **fields)
@@ -185,13 +190,7 @@ def _qwen3_5_text_only(vocab_size: int) -> Built:
 def _qwen3_5(vocab_size: int) -> Built:
     """Qwen3.5 as shipped: the vision-language wrapper."""
     text = _qwen3_5_text("Qwen3_5TextConfig", vocab_size)
-    config = make_config(
-        "Qwen3_5Config",
-        shrink=(),
-        text_config=text,
-        vision_config=_qwen_vision("Qwen3_5VisionConfig"),
-        tie_word_embeddings=False,
-    )
+    config = _wrapper("Qwen3_5Config", text, _qwen_vision("Qwen3_5VisionConfig"), tie_word_embeddings=False)
     return "Qwen3_5ForConditionalGeneration", config
 
 
@@ -202,11 +201,10 @@ def _qwen3_5_moe_text_only(vocab_size: int) -> Built:
 
 def _qwen3_5_moe(vocab_size: int) -> Built:
     """Qwen3.5-MoE / Qwen3.6-MoE as shipped: the vision-language wrapper over a sparse hybrid text stack."""
-    config = make_config(
+    config = _wrapper(
         "Qwen3_5MoeConfig",
-        shrink=(),
-        text_config=_qwen3_5_text("Qwen3_5MoeTextConfig", vocab_size),
-        vision_config=_qwen_vision("Qwen3_5MoeVisionConfig"),
+        _qwen3_5_text("Qwen3_5MoeTextConfig", vocab_size),
+        _qwen_vision("Qwen3_5MoeVisionConfig"),
         tie_word_embeddings=False,
     )
     return "Qwen3_5MoeForConditionalGeneration", config
@@ -248,13 +246,7 @@ def _gemma3_text_only(vocab_size: int) -> Built:
 def _gemma3(vocab_size: int) -> Built:
     """Gemma 3 as shipped (4B and up): the wrapper with a one-layer SigLIP tower, 4 tokens per image."""
     vision = _vision("SiglipVisionConfig", **TINY_VISION, image_size=16, patch_size=4, vision_use_head=False)
-    config = make_config(
-        "Gemma3Config",
-        shrink=(),
-        text_config=_gemma3_text(vocab_size),
-        vision_config=vision,
-        mm_tokens_per_image=4,
-    )
+    config = _wrapper("Gemma3Config", _gemma3_text(vocab_size), vision, mm_tokens_per_image=4)
     return "Gemma3ForConditionalGeneration", config
 
 
@@ -273,9 +265,7 @@ def _gemma4(vocab_size: int) -> Built:
         patch_size=4,
         position_embedding_size=64,
     )
-    config = make_config(
-        "Gemma4Config", shrink=(), text_config=_gemma4_text(vocab_size), vision_config=vision
-    )
+    config = _wrapper("Gemma4Config", _gemma4_text(vocab_size), vision)
     return "Gemma4ForConditionalGeneration", config
 
 
@@ -283,9 +273,7 @@ def _mistral3(vocab_size: int) -> Built:
     """Mistral Small 3.x as shipped: the wrapper with a Mistral text stack and a one-layer Pixtral tower."""
     text = make_config("MistralConfig", vocab_size=vocab_size, sliding_window=None)
     vision = _vision("PixtralVisionConfig", **TINY_VISION, image_size=16, patch_size=4)
-    config = make_config(
-        "Mistral3Config", shrink=(), text_config=text, vision_config=vision, tie_word_embeddings=False
-    )
+    config = _wrapper("Mistral3Config", text, vision, tie_word_embeddings=False)
     return "Mistral3ForConditionalGeneration", config
 
 
@@ -342,9 +330,7 @@ def _llama4(vocab_size: int) -> Built:
         projector_input_dim=32,
         projector_output_dim=32,
     )
-    config = make_config(
-        "Llama4Config", shrink=(), text_config=_llama4_text_config(vocab_size), vision_config=vision
-    )
+    config = _wrapper("Llama4Config", _llama4_text_config(vocab_size), vision)
     return "Llama4ForConditionalGeneration", config
 
 
@@ -443,9 +429,7 @@ def _glm5_next(vocab_size: int) -> Built:
         out_hidden_size=64,
         projection_intermediate_size=64,
     )
-    config = make_config(
-        "Glm5NextConfig", shrink=(), text_config=_glm5_next_text(vocab_size), vision_config=vision
-    )
+    config = _wrapper("Glm5NextConfig", _glm5_next_text(vocab_size), vision)
     return "Glm5NextForConditionalGeneration", config
 
 
