@@ -150,6 +150,7 @@ class OracleDrafter(nn.Module):
         self.sequence = torch.tensor(sequence)
         self.wrong_at = wrong_at
 
+    bind_target = DFlashDraftModel.bind_target  # reads nothing of the target
     draft_tokens = DFlashDraftModel.draft_tokens  # each position's argmax under the LM head
     confidences = DFlashDraftModel.confidences  # none: it has no confidence head
 

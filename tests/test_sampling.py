@@ -70,6 +70,9 @@ class NearbyDrafter:
             self.logits[self.anchor] = 0.5 * logits + torch.linspace(0, 2, logits.shape[0])
         return self.logits[self.anchor].expand(self.config.block_size - 1, -1)
 
+    def bind_target(self, embedding):
+        pass  # reads nothing of the target
+
     def confidences(self, hidden, previous):
         return None  # no confidence head
 

@@ -151,6 +151,9 @@ class OracleDrafter:
         self.anchor_pos = int(position_ids[0, -1]) - self.config.block_size + 1
         return SimpleNamespace(last_hidden_state=noise_embeds)
 
+    def bind_target(self, embedding):
+        pass  # reads nothing of the target
+
     def confidences(self, hidden, previous):
         return None  # no confidence head
 

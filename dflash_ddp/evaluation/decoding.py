@@ -183,10 +183,10 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     outputs of the committed verified positions (anchor and accepted drafts) become the next new context.
 
     `drafter` is called as transformers' DFlash candidate generator calls it and needs `config.block_size`,
-    `config.mask_token_id`, `config.target_layer_ids`, `draft_tokens`, `confidences` and, to sample,
-    `sample_drafts` (DFlashDraftModel's). Returns the
-    generated tokens, the number of tokens committed by each verify step (bonus included, cut at EOS /
-    max_new_tokens like the tokens), the tokens of context before each step's block, and wall time.
+    `config.mask_token_id`, `config.target_layer_ids`, `bind_target`, `draft_tokens`, `confidences` and, to
+    sample, `sample_drafts` (DFlashDraftModel's). Returns the generated tokens, the number of tokens committed
+    by each verify step (bonus included, cut at EOS / max_new_tokens like the tokens), the tokens of context
+    before each step's block, and wall time.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -196,8 +196,7 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     ids = _as_input(prompt_ids, device)
     eos = set(eos_token_ids)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    if hasattr(drafter, "bind_target"):  # a test's stand-in drafter has none
-        drafter.bind_target(embed)
+    drafter.bind_target(embed)
     # the block's embeddings as the drafter trained on them: the rows times the target's scale (the module
     # itself would scale Gemma's rows once more on top, and Falcon-H1 scales in its forward, not there)
     scale = getattr(config, "input_embedding_scale", 1.0)
