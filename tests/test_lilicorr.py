@@ -108,6 +108,22 @@ def test_the_correlators_loss_is_teacher_forced_and_trains_the_backbone_through_
     assert drafter.fc.weight.grad.abs().sum() > 0
 
 
+def test_the_logged_recall_and_unary_accuracy_are_shares_of_the_lattices_slots():
+    """Candidate recall (the true token among a slot's candidates) and the LM head's own accuracy count the
+    same slots, those of every fully scored block: shares at most 1, recall at least the head's accuracy (its
+    best token is the first candidate). 4 candidates of 20 tokens leave most true paths broken early."""
+    torch.manual_seed(0)
+    drafter = build_model(lilicorr_config(vocab_size=20, mask_token_id=19))
+    drafter.bind_target(nn.Embedding(20, 32))
+    ids = torch.randint(0, 19, (1, 40), generator=torch.Generator().manual_seed(0))
+    inputs = build_block_inputs(ids, torch.ones_like(ids), [torch.tensor([8, 14, 20, 26, 30])], 4, 19)
+    out = drafter(torch.randn(1, 20, 32), torch.randn(1, 40, 64), inputs.position_ids).last_hidden_state
+    settings = LossSettings(lilicorr_penalty_weight=0.0)
+    metrics = drafter.loss_terms(out, torch.randn(20, 32), inputs, settings).metrics()
+    recall, unary = metrics["candidate_recall"], metrics["unary_accuracy"]
+    assert 0 < unary <= recall < 1, metrics
+
+
 def test_a_shape_the_engines_refuse_is_refused_naming_the_setting():
     errors = lilicorr_config(
         lilicorr_candidate_topk=6, lilicorr_num_heads=3, conv_kernel_size=2

@@ -36,7 +36,10 @@ DEFAULT_OBJECTIVE = {"position_weighting": "dpace", **MUON_NS5, "learning_rate":
 POLAR_EXPRESS_3 = {"muon_orthogonalisation": "polar_express_3"}
 # not a flag: the share of the budget's steps a variant trains, for variants compared at equal wall time
 STEP_SHARE = "step_share"
-LILICORR = {"drafter": "lilicorr", "target_topk": 64, "lilicorr_hidden_size": 0, "lilicorr_factor_dim": 256}
+# LiLiCorr's correlator in the recipe's proportions: Model-Optimizer's is 1024 wide with factors of 1024 on
+# Qwen3-8B's 4096, so a quarter of the tiny drafters' 256 (at their full width the lattice's 8 candidates per
+# slot made a step about 10x DFlash's here; at a quarter it is about 2x)
+LILICORR = {"drafter": "lilicorr", "target_topk": 64, "lilicorr_hidden_size": 64, "lilicorr_factor_dim": 64}
 VARIANTS = {
     "decay": {
         "position_weighting": "decay",
@@ -87,8 +90,7 @@ VARIANTS = {
         "markov_head_type": "gated",
     },
     "dspark-rnn": {**DEFAULT_OBJECTIVE, "drafter": "dspark", "target_topk": 64, "markov_head_type": "rnn"},
-    # LiLiCorr with Model-Optimizer's objective and head shape scaled to the tiny targets' width (the recipe's
-    # 1024-wide correlator and factors are a quarter of Qwen3-8B's 4096): the drafter's width, factors of 256
+    # LiLiCorr with Model-Optimizer's objective, its correlator scaled as LILICORR says
     "lilicorr": {**DEFAULT_OBJECTIVE, **LILICORR},
     "lilicorr-conv": {**DEFAULT_OBJECTIVE, **LILICORR, "lilicorr_conv": True},
 }
