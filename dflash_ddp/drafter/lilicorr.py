@@ -322,7 +322,7 @@ def lattice_terms(
         rows,
         correct,
         selector_loss_sum=lattice_sum.detach(),
-        selector_rows=float(slots.numel()),  # the lattice blocks' slots: what recall and unary count
+        selector_rows=found.new_tensor(slots.numel(), dtype=torch.float32),  # what recall and unary count
         candidate_hits=found.sum().float(),
         unary_correct=rows.correct[slots].sum().float(),
     )
