@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_ddp.drafter.blocks import build_block_inputs
-from dflash_ddp.drafter.objective import block_loss_terms, chunked_weighted_ce
+from dflash_ddp.drafter.objective import block_loss_terms, chunked_weighted_ce, scored_rows
 from dflash_ddp.drafter.weighting import (
     LossSettings,
     dpace_weights,
@@ -86,6 +86,40 @@ def test_the_backward_runs_no_product_and_no_grad_runs_no_gradient():
     with torch.no_grad(), ProductCount() as no_grad:
         chunked_weighted_ce(hidden, head, labels, weights, settings)
     assert (forward.products, backward.products, no_grad.products) == (6, 0, 3)
+
+
+@pytest.mark.parametrize(("scale", "softcap"), [(1.0, None), (0.25, 5.0)])
+def test_the_candidates_log_probs_and_their_gradient_come_from_the_same_pass(scale, softcap):
+    """LiLiCorr's candidates (the top 4 by raw logits, as the engines choose them) and their raw
+    log-softmax, taken with the loss: values and the gradient of loss + sum(R * log-probs) equal autograd's
+    through the full logits, with three products per piece in the forward and none in backward."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 49, (1, 40))
+    inputs = build_block_inputs(ids, torch.ones_like(ids), [torch.tensor([3, 9, 15, 21, 30])], 4, 49)
+    settings = LossSettings(chunk_rows=7, logit_scale=scale, logit_softcap=softcap)
+    out, head = torch.randn(1, 20, 16), torch.randn(50, 16)
+    fused = out.clone().requires_grad_()
+    with ProductCount() as forward:
+        rows = scored_rows(fused, head, inputs, settings, top_k=4, log_probs=True)
+    pull = torch.randn(rows.candidate_log_probs.shape)
+    with ProductCount() as backward:
+        (rows.loss_sum + (pull * rows.candidate_log_probs).sum()).backward()
+    reference = out.clone().requires_grad_()
+    raw = reference.flatten(0, 1)[inputs.scored] @ head.T
+    logits = raw * scale
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    labels = inputs.labels.flatten()[inputs.scored]
+    loss = (F.cross_entropy(logits, labels, reduction="none") * rows.weights).sum()
+    candidates = raw.topk(4).indices
+    log_probs = raw.log_softmax(dim=-1).gather(-1, candidates)
+    (loss + (pull * log_probs).sum()).backward()
+    assert torch.equal(rows.candidates, candidates)
+    torch.testing.assert_close(rows.candidate_log_probs, log_probs)
+    torch.testing.assert_close(rows.loss_sum, loss)
+    torch.testing.assert_close(fused.grad, reference.grad)
+    pieces = -(-labels.numel() // 7)
+    assert (forward.products, backward.products) == (3 * pieces, 0)
 
 
 class ProductCount(TorchDispatchMode):

@@ -14,9 +14,9 @@ convolutions in every layer) and a lattice correlator (lattice.py) that reranks 
   probability it puts on candidates the target scores below the true one (the target's log-probabilities
   from --target_topk; a candidate outside the target's top-k takes its k-th). A slot counts only while the
   true token has been a candidate at every slot up to it, and a block only when all its slots are scored
-  (the reference's forced prefix and valid blocks). The candidates' log-probabilities are recomputed from the
-  live logits, so the correlator's loss also trains the backbone; the candidates' ids and embeddings are
-  constants. Accuracy and the estimated tau are the walk's.
+  (the reference's forced prefix and valid blocks). The candidates' log-probabilities come differentiable
+  from the LM-head loss's own pass over the logits (objective.py), so the correlator's loss also trains the
+  backbone; the candidates' ids and embeddings are constants. Accuracy and the estimated tau are the walk's.
 
 An untrained correlator drafts exactly as the LM head does (lattice.py), so a DFlash or DFlash2 drafter
 grown into LiLiCorr (--init_from) starts as itself. Every added weight is drawn after the backbone's.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dflash_ddp.drafter.blocks import BlockInputs
 from dflash_ddp.drafter.config import DFlashDraftConfig
@@ -131,12 +130,12 @@ class LiLiCorrDraftConfig(DFlashDraftConfig):
         return DFlash2DraftConfig.extra_backward_per_position(self) if self.convolved else 0
 
     def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
-        """The correlator's loss for `rows` slots: the candidates' embeddings [rows, K, H], the full logits of
-        a chunk recomputed for their log-probabilities, and the lattice's states through its layers (about
-        twenty of width w per candidate and layer, fp32)."""
+        """The correlator's loss for `rows` slots: the candidates' embeddings [rows, K, H], each row's
+        expected head row kept for the log-probabilities' gradient [rows, H], and the lattice's states through
+        its layers (about twenty of width w per candidate and layer, fp32)."""
         k, width = self.lilicorr_candidate_topk, self.lilicorr_hidden_size or self.hidden_size
         lattice = rows * k * width * 4 * (20 * self.lilicorr_num_layers + 12)
-        return rows * k * self.hidden_size * dtype_bytes + lattice
+        return rows * (k + 1) * self.hidden_size * dtype_bytes + lattice
 
 
 class LiLiCorrDraftModel(DFlashDraftModel):
@@ -229,28 +228,6 @@ class LiLiCorrDraftModel(DFlashDraftModel):
         raise ValueError("a LiLiCorr drafter's drafts are a walk: sample them with sample_drafts")
 
 
-def _candidate_log_probs(hidden, head_weight, candidates):
-    """[n, K] log-probabilities of `candidates` [n, K] under the LM head for outputs `hidden` [n, H]."""
-    logits = (hidden.to(head_weight.dtype) @ head_weight.T).float()
-    return logits.gather(-1, candidates) - logits.logsumexp(dim=-1, keepdim=True)
-
-
-def candidate_log_probs(hidden, head_weight, candidates, chunk_rows: int) -> torch.Tensor:
-    """`_candidate_log_probs` `chunk_rows` rows at a time, each chunk's full logits recomputed in backward."""
-    parts = [
-        checkpoint(
-            _candidate_log_probs,
-            hidden[i : i + chunk_rows],
-            head_weight,
-            candidates[i : i + chunk_rows],
-            use_reentrant=False,
-            preserve_rng_state=False,
-        )
-        for i in range(0, hidden.shape[0], chunk_rows)
-    ]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, candidates.shape[-1])
-
-
 def _target_scores(inputs: BlockInputs, blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """[nb, S, K] the target's log-probabilities of the candidates `ids` at each slot (its top-k's; a
     candidate outside them takes the k-th's, a bound from above)."""
@@ -274,20 +251,19 @@ def lattice_terms(
     the correlator's terms over the blocks whose every slot is scored."""
     c = drafter.config
     k, bs = c.lilicorr_candidate_topk, inputs.block_size
-    rows = scored_rows(last_hidden, head_weight, inputs, settings, top_k=k)
+    rows = scored_rows(last_hidden, head_weight, inputs, settings, top_k=k, log_probs=True)
     row_of = torch.full((inputs.weights.numel(),), -1, dtype=torch.long, device=rows.index.device)
     row_of[rows.index] = torch.arange(rows.index.numel(), device=rows.index.device)
     grid = row_of.view(-1, bs)[:, 1:]  # [B*A, S]: each block's slots' rows
     blocks = ((grid >= 0).all(dim=-1) & (inputs.anchors.flatten() >= 0)).nonzero()[:, 0]
     slots = grid[blocks]  # [nb, S]
     ids, labels, weights = rows.candidates[slots], rows.labels[slots], rows.weights[slots]
-    hidden = rows.hidden[slots]
-    log_probs = candidate_log_probs(hidden.flatten(0, 1), head_weight, ids.flatten(0, 1), settings.chunk_rows)
+    hidden, log_probs = rows.hidden[slots], rows.candidate_log_probs[slots]
     anchors = inputs.anchors.flatten()[blocks]
     before = (anchors - 1).clamp_min(0)
     anchor_state = drafter.context_states[blocks // inputs.anchors.shape[1], before]
     embeddings = drafter.target_embedding[ids].detach().to(hidden.dtype)
-    logits = drafter.lilicorr(embeddings, log_probs.view_as(ids), hidden, anchor_state, anchors >= 1)
+    logits = drafter.lilicorr(embeddings, log_probs, hidden, anchor_state, anchors >= 1)
     hits = ids == labels[..., None]
     found = hits.any(dim=-1)
     truth = hits.float().argmax(dim=-1)  # the label's place among the candidates (0 where not found)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dflash_ddp.drafter.blocks import BlockInputs
 from dflash_ddp.drafter.distillation import logit_gradients, row_losses
@@ -57,25 +58,38 @@ class _FusedLMHeadLoss(torch.autograd.Function):
     The weights multiply in backward because D-PACE and AUF know them only once every chunk is scored.
     Returns the weighted loss sum and, without gradient, whether each row's argmax equals its label, the
     weights used and each row's `top_k` highest-scoring tokens (best first; none when top_k is 0).
+
+    With `log_probs` (LiLiCorr), the top-k tokens are chosen on the raw logits, as the engines choose a
+    lattice's candidates, and their raw log-softmax [N, top_k] is a fifth, differentiable output: its
+    gradient G reaches the rows as G @ W[candidates] - sum(G) * (softmax @ W), so the forward keeps each
+    row's expected head row softmax @ W [N, H] (one more product per chunk) instead of the logits being
+    formed again in backward.
     """
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, soft, scoring):
         """`scoring`: (the LossSettings, the reweighting map or None, how many best tokens to return,
-        whether to take the gradient: `_with_grad`)."""
-        settings, reweight, top_k, with_grad = scoring
+        whether to take the gradient: `_with_grad`, whether to return their log-probabilities)."""
+        settings, reweight, top_k, with_grad, log_probs = scoring
         chunk = settings.chunk_rows
         soft_ids, soft_probs = soft if soft is not None else (None, None)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         candidates = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         # the rows' gradient in the product's dtype, the head's (bf16 on CUDA, fp32 on the CPU)
         grad_rows = hidden.new_empty(hidden.shape, dtype=head_weight.dtype) if with_grad else None
+        candidate_log_probs = hidden.new_empty(
+            hidden.shape[0], top_k if log_probs else 0, dtype=torch.float32
+        )
+        expected_rows = grad_rows.new_empty(hidden.shape) if with_grad and log_probs else None
         nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             soft_rows = (_rows(soft_ids, rows), _rows(soft_probs, rows))
             out = (correct[rows], candidates[rows], _rows(grad_rows, rows))
-            nll, loss_rows = _score_rows(hidden[rows], head_weight, labels[rows], soft_rows, settings, out)
+            lattice = (candidate_log_probs[rows], _rows(expected_rows, rows)) if log_probs else None
+            nll, loss_rows = _score_rows(
+                hidden[rows], head_weight, labels[rows], soft_rows, settings, (out, lattice)
+            )
             nlls.append(nll)
             row_loss.append(loss_rows)
         if reweight is not None:  # weights from the rows' own label CE and argmax: constants for backward
@@ -83,34 +97,41 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
         for i, loss_rows in enumerate(row_loss):
             loss_sum += (loss_rows * weights[i * chunk : (i + 1) * chunk]).sum()
-        ctx.save_for_backward(grad_rows, weights)
+        ctx.save_for_backward(grad_rows, weights, expected_rows, candidates, head_weight)
         ctx.dtype = hidden.dtype
         ctx.mark_non_differentiable(correct, weights, candidates)
-        return loss_sum, correct, weights, candidates
+        return loss_sum, correct, weights, candidates, candidate_log_probs
 
     @staticmethod
-    def backward(ctx, grad_loss, *_grad_flags):
-        grad_rows, weights = ctx.saved_tensors
-        grad_hidden = (grad_rows * (weights * grad_loss)[:, None]).to(ctx.dtype)
-        return grad_hidden, *([None] * 5)
+    def backward(ctx, grad_loss, _correct, _weights, _candidates, grad_log_probs):
+        grad_rows, weights, expected_rows, candidates, head_weight = ctx.saved_tensors
+        grad = grad_rows * (weights * grad_loss)[:, None]
+        if grad_log_probs is not None and expected_rows is not None:
+            g = grad_log_probs.to(head_weight.dtype)
+            picked = F.embedding_bag(candidates, head_weight, per_sample_weights=g, mode="sum")
+            grad += picked - g.sum(dim=-1, keepdim=True) * expected_rows
+        return grad.to(ctx.dtype), *([None] * 5)
 
 
 def _score_rows(hidden, head_weight, labels, soft, settings, out):
-    """One chunk of rows through the LM head: (label CE, row loss); writes into `out` = (argmax-correct
-    flags, best tokens, d(row loss)/d(hidden) or None: no gradient). A function of its own so that the
-    chunk's [rows, V] temporaries are gone before the next chunk's exist; the logits are overwritten once
-    nothing else reads them."""
+    """One chunk of rows through the LM head: (label CE, row loss); writes into `out` = ((argmax-correct
+    flags, best tokens, d(row loss)/d(hidden) or None: no gradient), None or, for the candidates'
+    log-probabilities, (their log-probabilities, the expected head rows or None)). A function of its own so
+    that the chunk's [rows, V] temporaries are gone before the next chunk's exist; the logits are overwritten
+    once nothing else reads them."""
     scale, cap = settings.logit_scale, settings.logit_softcap
-    correct, candidates, grad_out = out
+    (correct, candidates, grad_out), lattice = out
     h = hidden.to(head_weight.dtype)
     logits = (h @ head_weight.T).float()  # as head_logits, finished in place: no [rows, V] temporaries
+    if lattice is not None:  # before the logits are finished: the engines' candidates read the raw ones
+        _candidate_log_probs(logits, head_weight, candidates, lattice)
     if scale != 1.0:
         logits.mul_(scale)
     if cap:
         logits.div_(cap).tanh_().mul_(cap)
     nll, loss_rows = row_losses(logits, labels, *soft, settings.loss, settings.ce_weight)
     torch.eq(logits.argmax(dim=-1), labels, out=correct)
-    if candidates.shape[1]:
+    if candidates.shape[1] and lattice is None:
         candidates.copy_(best_first(logits, candidates.shape[1])[1])
     if grad_out is not None:
         grad = logit_gradients(logits, labels, *soft, settings.loss, settings.ce_weight)
@@ -121,6 +142,18 @@ def _score_rows(hidden, head_weight, labels, soft, settings, out):
             grad *= scale
         torch.mm(grad.to(h.dtype), head_weight, out=grad_out)
     return nll, loss_rows
+
+
+def _candidate_log_probs(logits, head_weight, candidates, lattice) -> None:
+    """The chunk's best tokens by its raw `logits` into `candidates`, their log-softmax and, where the
+    gradient is wanted, each row's expected head row softmax @ W into `lattice`."""
+    log_probs, expected = lattice
+    log_partition = logits.logsumexp(dim=-1, keepdim=True)
+    values, ids = best_first(logits, candidates.shape[1])
+    candidates.copy_(ids)
+    torch.sub(values, log_partition, out=log_probs)
+    if expected is not None:
+        torch.mm(logits.sub(log_partition).exp_().to(head_weight.dtype), head_weight, out=expected)
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -145,8 +178,8 @@ def chunked_weighted_ce(
     time, against `labels` (`settings.loss` "ce"), or against the soft targets `soft` = (ids, probs) [rows, k]
     ("kl" or "tv", with `settings.ce_weight` of the hard label's CE mixed in). `reweight`, when given, maps
     the rows' detached label CE and argmax-correct flags to the weights used instead of `weights`."""
-    scoring = (settings, reweight, 0, _with_grad(hidden))
-    loss_sum, correct, _, _ = _FusedLMHeadLoss.apply(hidden, head_weight, labels, weights, soft, scoring)
+    scoring = (settings, reweight, 0, _with_grad(hidden), False)
+    loss_sum, correct, *_ = _FusedLMHeadLoss.apply(hidden, head_weight, labels, weights, soft, scoring)
     return loss_sum, correct
 
 
@@ -211,6 +244,7 @@ class ScoredRows:
     correct: torch.Tensor  # [N] the LM head's argmax equals the label
     candidates: torch.Tensor  # [N, top_k] the LM head's best tokens, best first
     loss_sum: torch.Tensor  # differentiable
+    candidate_log_probs: torch.Tensor  # [N, top_k] differentiable, or [N, 0] where not asked for
 
 
 def scored_rows(
@@ -219,9 +253,11 @@ def scored_rows(
     inputs: BlockInputs,
     settings: LossSettings,
     top_k: int = 0,
+    log_probs: bool = False,
 ) -> ScoredRows:
     """The LM-head loss of the drafter's output `last_hidden` [B, A*bs, H] at the scored positions (kl and tv
-    read the inputs' soft targets), and each position's `top_k` best tokens."""
+    read the inputs' soft targets), and each position's `top_k` best tokens (with `log_probs`: chosen on the
+    raw logits, with their log-softmax)."""
     flat_idx = inputs.scored
     hidden = last_hidden.reshape(-1, last_hidden.shape[-1]).index_select(0, flat_idx)
     num_blocks = inputs.weights.shape[0] * inputs.weights.shape[1]
@@ -232,11 +268,11 @@ def scored_rows(
     if settings.loss != "ce":
         soft = tuple(t.flatten(0, 2)[flat_idx] for t in (inputs.soft_ids, inputs.soft_probs))
     labels = inputs.labels.flatten()[flat_idx]
-    scoring = (settings, reweight, top_k, _with_grad(hidden))
-    loss_sum, correct, weights, candidates = _FusedLMHeadLoss.apply(
+    scoring = (settings, reweight, top_k, _with_grad(hidden), log_probs)
+    loss_sum, correct, weights, candidates, candidate_log_probs = _FusedLMHeadLoss.apply(
         hidden, head_weight, labels, inputs.weights.flatten()[flat_idx], soft, scoring
     )
-    return ScoredRows(hidden, flat_idx, labels, weights, correct, candidates, loss_sum)
+    return ScoredRows(hidden, flat_idx, labels, weights, correct, candidates, loss_sum, candidate_log_probs)
 
 
 def loss_terms(inputs: BlockInputs, rows: ScoredRows, correct_rows: torch.Tensor, **family) -> LossTerms:
