@@ -1,7 +1,7 @@
 """(h) What one training step costs, by part, side by side in one run, one CPU thread, at 512, 4096 and 32768
 tokens per step: the defaults (Muon and D-PACE), the same with three Polar Express steps instead of torch's
-five Newton-Schulz iterations, and with those in the bf16 torch runs them in, a DFlash2 drafter on the
-defaults, D-PACE with AdamW, the paper's recipe (AdamW and the decay), and the plain loop.
+five Newton-Schulz iterations, and with those in the bf16 torch runs them in, a DFlash2 and a LiLiCorr
+drafter on the defaults, D-PACE with AdamW, the paper's recipe (AdamW and the decay), and the plain loop.
 
 The trainer's parts are timed in this process on the code the CLI runs: the target's forward
 (`TargetFeatureExtractor`), the channel's work on both sides apart from the wire (packing, then unpacking
@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dflash_ddp.bench.method import LILICORR
 from dflash_ddp.bench.speed import SEQ_LEN, long_conversations, plain_seconds_per_step, plain_spec
 from dflash_ddp.config import EMBEDDED_TARGET, parse_config
 from dflash_ddp.data.batch import padding_id
@@ -40,6 +41,8 @@ RECIPES = {
     "defaults, three Polar Express steps": (["--muon_orthogonalisation", "polar_express_3"], None),
     "defaults, Newton-Schulz in bf16": ([], torch.bfloat16),  # torch's own precision
     "DFlash2": (["--drafter", "dflash2"], None),  # the defaults otherwise
+    # the method benchmark's LiLiCorr: its correlator a quarter of the drafter's width, the target's top 64
+    "LiLiCorr": ([f"--{k}={v}" for k, v in LILICORR.items()], None),
     "D-PACE, AdamW": (["--optimizer", "adamw"], None),
     "paper": (["--optimizer", "adamw", "--position_weighting", "decay", "--learning_rate", "6e-4"], None),
 }
