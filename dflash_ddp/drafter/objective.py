@@ -244,7 +244,7 @@ class ScoredRows:
     correct: torch.Tensor  # [N] the LM head's argmax equals the label
     candidates: torch.Tensor  # [N, top_k] the LM head's best tokens, best first
     loss_sum: torch.Tensor  # differentiable
-    candidate_log_probs: torch.Tensor  # [N, top_k] differentiable, or [N, 0] where not asked for
+    candidate_log_probs: torch.Tensor | None = None  # [N, top_k] differentiable, where asked for (LiLiCorr)
 
 
 def scored_rows(
@@ -272,7 +272,16 @@ def scored_rows(
     loss_sum, correct, weights, candidates, candidate_log_probs = _FusedLMHeadLoss.apply(
         hidden, head_weight, labels, inputs.weights.flatten()[flat_idx], soft, scoring
     )
-    return ScoredRows(hidden, flat_idx, labels, weights, correct, candidates, loss_sum, candidate_log_probs)
+    return ScoredRows(
+        hidden,
+        flat_idx,
+        labels,
+        weights,
+        correct,
+        candidates,
+        loss_sum,
+        candidate_log_probs if log_probs else None,
+    )
 
 
 def loss_terms(inputs: BlockInputs, rows: ScoredRows, correct_rows: torch.Tensor, **family) -> LossTerms:
