@@ -99,10 +99,10 @@ def trainer_parts(
     for step, item in enumerate(schedule.batches(0, schedule.total_steps)):
         batch = data.batch(item.members, pad_id)
         with timer.part("target forward"):
-            features, _ = extractor(batch.input_ids, batch.attention_mask)
-        with timer.part("channel"):
+            features, soft = extractor(batch.input_ids, batch.attention_mask)
+        with timer.part("channel"):  # the features' round trip; soft targets (LiLiCorr's) are handed over
             features = channel_round_trip(batch, features, item.g, item.epoch)
-        result = trainer.step([(batch, features, item.epoch)])
+        result = trainer.step([(batch, features, item.epoch, soft)])
         tokens_seen += batch.num_tokens
         window.tokens += batch.num_tokens
         with timer.part("logging"):
