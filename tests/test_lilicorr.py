@@ -85,17 +85,24 @@ def test_the_sampled_walk_draws_each_slot_from_its_row_over_the_candidates_alone
         previous = int((ids[0, slot] == tokens[0, slot]).nonzero()[0])
 
 
+def lattice_case(**overrides):
+    """A drafter of a 20-token vocabulary bound to a target embedding, its output for 5 blocks of 4 over a
+    40-token context, and those blocks' inputs (seeded: the same case every call)."""
+    torch.manual_seed(0)
+    drafter = build_model(lilicorr_config(vocab_size=20, mask_token_id=19, **overrides))
+    drafter.bind_target(nn.Embedding(20, 32))
+    ids = torch.randint(0, 19, (1, 40), generator=torch.Generator().manual_seed(0))
+    inputs = build_block_inputs(ids, torch.ones_like(ids), [torch.tensor([8, 14, 20, 26, 30])], 4, 19)
+    out = drafter(torch.randn(1, 20, 32), torch.randn(1, 40, 64), inputs.position_ids).last_hidden_state
+    return drafter, out, inputs
+
+
 def test_the_correlators_loss_is_teacher_forced_and_trains_the_backbone_through_its_features():
     """The lattice terms add to the LM head's loss, their gradient reaches the correlator and, through the
     candidates' log-probabilities and the anchor's state, the backbone's fc; a 20-token vocabulary with 16
     candidates puts the true tokens among them."""
-    torch.manual_seed(0)
-    drafter = build_model(lilicorr_config(vocab_size=20, mask_token_id=19, lilicorr_candidate_topk=16))
-    drafter.bind_target(nn.Embedding(20, 32))
+    drafter, out, inputs = lattice_case(lilicorr_candidate_topk=16)
     head_weight = torch.randn(20, 32)
-    ids = torch.randint(0, 19, (1, 40), generator=torch.Generator().manual_seed(0))
-    inputs = build_block_inputs(ids, torch.ones_like(ids), [torch.tensor([8, 14, 20, 26, 30])], 4, 19)
-    out = drafter(torch.randn(1, 20, 32), torch.randn(1, 40, 64), inputs.position_ids).last_hidden_state
     terms = drafter.loss_terms(out, head_weight, inputs, LossSettings(lilicorr_penalty_weight=0.0))
     without = LossSettings(lilicorr_ce_weight=0.0, lilicorr_penalty_weight=0.0)
     assert (
@@ -112,12 +119,7 @@ def test_the_logged_recall_and_unary_accuracy_are_shares_of_the_lattices_slots()
     """Candidate recall (the true token among a slot's candidates) and the LM head's own accuracy count the
     same slots, those of every fully scored block: shares at most 1, recall at least the head's accuracy (its
     best token is the first candidate). 4 candidates of 20 tokens leave most true paths broken early."""
-    torch.manual_seed(0)
-    drafter = build_model(lilicorr_config(vocab_size=20, mask_token_id=19))
-    drafter.bind_target(nn.Embedding(20, 32))
-    ids = torch.randint(0, 19, (1, 40), generator=torch.Generator().manual_seed(0))
-    inputs = build_block_inputs(ids, torch.ones_like(ids), [torch.tensor([8, 14, 20, 26, 30])], 4, 19)
-    out = drafter(torch.randn(1, 20, 32), torch.randn(1, 40, 64), inputs.position_ids).last_hidden_state
+    drafter, out, inputs = lattice_case()
     settings = LossSettings(lilicorr_penalty_weight=0.0)
     metrics = drafter.loss_terms(out, torch.randn(20, 32), inputs, settings).metrics()
     recall, unary = metrics["candidate_recall"], metrics["unary_accuracy"]
