@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,20 @@ def chat_data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "chat.jsonl"
     path.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(48)))
     return path
+
+
+# the held-out prompts and new tokens of `trained_default`'s evaluation (what an engine's tau is set against)
+DEFAULT_EVAL_PROMPTS, DEFAULT_EVAL_TOKENS = 8, 64
+
+
+@pytest.fixture(scope="session")
+def trained_default(tmp_path_factory) -> Path:
+    """The embedded default trained colocated for 60 of its 150 steps (`python -m dflash_ddp.train`), then
+    evaluated on DEFAULT_EVAL_PROMPTS held-out prompts x DEFAULT_EVAL_TOKENS: the run's directory with its
+    eval.json. Trained once for the tests that read it (about a minute on 2 cores)."""
+    out = tmp_path_factory.mktemp("trained_default") / "run"
+    cmd = [sys.executable, "-m", "dflash_ddp.train", "--output_dir", str(out), "--max_steps", "60"]
+    cmd += ["--eval_prompts", str(DEFAULT_EVAL_PROMPTS), "--eval_max_new_tokens", str(DEFAULT_EVAL_TOKENS)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=2400)  # only catches a hang
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out

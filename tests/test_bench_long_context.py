@@ -18,8 +18,9 @@ def bench(out_dir, timeout: int, *flags: str) -> str:
         str(out_dir),
         *flags,
     ]
+    # run from elsewhere than the checkout: the package finds its own assets
     return subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, timeout=timeout, check=True
+        [sys.executable, *command], capture_output=True, text=True, timeout=timeout, check=True, cwd=out_dir
     ).stdout
 
 

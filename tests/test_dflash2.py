@@ -169,8 +169,9 @@ def loss_inputs(config, labels_in_top_k=True):
 
 
 def reference_selector_loss(drafter, inputs, hidden, head):
-    """The selector's K-way CE with teacher-forced predecessors, written out row by row."""
-    selector, total, picked = drafter.candidate_selector, torch.zeros(()), []
+    """The selector's K-way CE with teacher-forced predecessors, written out row by row; whether each row's
+    pick is the label, and how many picks are not the LM head's best."""
+    selector, total, picked, reranked = drafter.candidate_selector, torch.zeros(()), [], 0
     labels = inputs.labels.flatten()
     weights = inputs.weights.flatten()
     rows = hidden.flatten(0, 1)
@@ -185,7 +186,8 @@ def reference_selector_loss(drafter, inputs, hidden, head):
             rank = candidates.tolist().index(int(labels[index]))
             total = total + weights[index] * F.cross_entropy(scores[None], torch.tensor([rank]))
         picked.append(found and int(candidates[scores.argmax()]) == int(labels[index]))
-    return total, picked
+        reranked += int(scores.argmax()) != 0
+    return total, picked, reranked
 
 
 def test_the_selector_loss_is_the_k_way_ce_with_the_previous_token_teacher_forced():
@@ -194,11 +196,26 @@ def test_the_selector_loss_is_the_k_way_ce_with_the_previous_token_teacher_force
     settings = LossSettings(weighting="decay", selector_weight=0.5, chunk_rows=4)
     terms = selector_terms(drafter, hidden, head, inputs, settings)
     unary = DFlashDraftModel.loss_terms(drafter, hidden, head, inputs, settings)
-    expected, picked = reference_selector_loss(drafter, inputs, hidden, head)
+    expected, picked, reranked = reference_selector_loss(drafter, inputs, hidden, head)
     torch.testing.assert_close(terms.selector_loss_sum, expected)
     torch.testing.assert_close(terms.loss_sum, unary.loss_sum + 0.5 * expected)
     assert terms.correct_per_pos.sum() == sum(picked)  # the accuracy is the selector's
     assert terms.candidate_hits > 0
+    assert terms.reranked == reranked
+
+
+def test_the_logged_rerank_share_counts_the_selectors_picks_other_than_the_lm_heads_best():
+    """0 while the selector drafts as the LM head (an untrained one: its successor codebook is zero); with
+    pairwise scores as large as the unary ones, the share of rows whose pick is not the head's best."""
+    drafter = DFlash2DraftModel(dflash2_config())
+    inputs, hidden, head = loss_inputs(drafter.config)
+    assert selector_terms(drafter, hidden, head, inputs, LossSettings()).metrics()["rerank_share"] == 0.0
+    randomised(drafter)
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.mul_(10.0)
+    metrics = selector_terms(drafter, hidden, head, inputs, LossSettings()).metrics()
+    _, _, reranked = reference_selector_loss(drafter, inputs, hidden, head)
+    assert reranked > 0 and metrics["rerank_share"] == pytest.approx(reranked / inputs.scored.numel())
 
 
 def test_a_label_outside_the_candidates_adds_no_selector_loss_and_counts_as_wrong():
@@ -410,7 +427,7 @@ def test_a_dflash2_run_trains_evaluates_exports_and_decodes_losslessly(
     records = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [10, 20] and all(r["lossless"] for r in records)
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"selector_loss", "unary_accuracy", "candidate_recall"} <= set(metrics)
+    assert {"selector_loss", "unary_accuracy", "candidate_recall", "rerank_share"} <= set(metrics)
 
     assert export_main([str(run), str(export)]) == 0
     config = json.loads((export / "config.json").read_text())

@@ -94,12 +94,13 @@ def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_pat
         assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{out.name} differs"
 
 
-# the default (D-PACE, Muon), the paper's recipe (decay, AdamW), soft targets, Spec-AUF and DFlash2
+SOFT_TARGETS = {"loss": "tv", "target_topk": 4, "ce_weight": 0.1}
+# each position weighting once, with Muon (the default) and AdamW: the paper's recipe (decay, AdamW), Spec-AUF
+# with soft targets, and DFlash2 with the default's D-PACE (the plain DFlash default is DFlash2 less its
+# selector and convolutions)
 OBJECTIVES = {
-    "dpace": {"position_weighting": "dpace"},
     "decay-adamw": {"position_weighting": "decay", "optimizer": "adamw"},
-    "dpace-tv": {"position_weighting": "dpace", "loss": "tv", "target_topk": 4, "ce_weight": 0.1},
-    "auf": {"position_weighting": "auf"},
+    "auf-tv": {"position_weighting": "auf", **SOFT_TARGETS},
     "dflash2": {"drafter": "dflash2", "selector_rank": 16, "selector_top_k": 8},
 }
 
@@ -152,7 +153,9 @@ def test_dflash2_trains_bit_identical_drafters_colocated_and_split(tiny_target, 
 def test_soft_targets_train_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):
     """With --loss tv --target_topk 4, the soft targets computed in the drafter's own process and those sent
     by a target rank over the channel train the same weights, bit for bit."""
-    reference, weights = colocated_and_split(tiny_target, chat_data, tmp_path, **OBJECTIVES["dpace-tv"])
+    reference, weights = colocated_and_split(
+        tiny_target, chat_data, tmp_path, position_weighting="dpace", **SOFT_TARGETS
+    )
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
     state = json.loads(next((tmp_path / "2+1" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
     assert state["config"]["loss"] == "tv" and state["config"]["target_topk"] == 4

@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,17 +54,12 @@ def test_no_argument_job_runs_as_7_plus_1(tmp_path):
     assert report["lossless"]
 
 
-def test_short_training_raises_real_tau_above_baselines(tmp_path):
+def test_short_training_raises_real_tau_above_baselines(trained_default):
     """60 colocated steps of the default (it trains 150): real speculative decoding accepts clearly more
     than an untrained drafter (tau 1.0) and than prompt lookup; measured 2.43 vs 1.00 vs 1.20 on 10 prompts x
-    96 tokens with the default's D-PACE and Muon at 8e-3 (2.90 after 100 steps); 6 x 64 here, for time."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dflash_ddp.train", "--output_dir", str(out), "--eval_prompts", "6"]
-    cmd += ["--eval_max_new_tokens", "64"]
-    cmd += ["--max_steps", "60"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=2400)  # only catches a hang
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((out / "eval.json").read_text())
+    96 tokens with the default's D-PACE and Muon at 8e-3 (2.90 after 100 steps); 2.42 vs 1.00 vs 1.18 on the
+    8 x 64 of the fixture."""
+    report = json.loads((trained_default / "eval.json").read_text())
     assert report["lossless"]
     trained, untrained = report["dflash"]["tau"], report["dflash_untrained"]["tau"]
     assert trained > untrained + 0.5, (trained, untrained)

@@ -18,6 +18,8 @@ from dflash_ddp.evaluation.engine import engine_evaluation
 from dflash_ddp.export import main as export_main
 from dflash_ddp.train import main as train_main
 
+from conftest import DEFAULT_EVAL_PROMPTS, DEFAULT_EVAL_TOKENS
+
 ASSETS = Path(__file__).parent.parent / "dflash_ddp" / "assets"
 TARGET, HELDOUT = ASSETS / "tiny_qwen3", ASSETS / "data" / "heldout_regenerated.jsonl"
 VLLM_PYTHON = os.environ.get("DFLASH_DDP_VLLM_PYTHON")
@@ -99,23 +101,16 @@ def test_a_server_that_cannot_start_is_one_line_with_its_reason(tmp_path, capsys
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")
-def test_vllm_serves_the_export_losslessly_with_the_projects_tau(tmp_path):
-    assert train_main(["--output_dir", str(tmp_path / "run"), "--max_steps", "30", "--eval_data", ""]) == 0
-    assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
-    common = ["--target_model", str(TARGET), "--drafter", str(tmp_path / "export"), "--data", str(HELDOUT)]
-    common += ["--num_prompts", "8", "--max_new_tokens", "64", "--device", "cpu"]
-    assert evaluate_main([*common, "--json", str(tmp_path / "project.json")]) == 0
-    engine = [
-        *common,
-        "--engine",
-        "vllm",
-        "--vllm_python",
-        VLLM_PYTHON,
-        "--json",
-        str(tmp_path / "vllm.json"),
-    ]
-    assert evaluate_main(engine) == 0
-    ours, theirs = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("project", "vllm"))
+def test_vllm_serves_the_export_losslessly_with_the_projects_tau(trained_default, tmp_path):
+    """The trained default's fp32 export served by vLLM on the held-out prompts the run's own evaluation
+    decoded (its eval.json: this project's decoding of the same checkpoint, the same tau as of the export)."""
+    assert export_main([str(trained_default), str(tmp_path / "export"), "--dtype", "float32"]) == 0
+    engine = ["--target_model", str(TARGET), "--drafter", str(tmp_path / "export"), "--data", str(HELDOUT)]
+    engine += ["--num_prompts", str(DEFAULT_EVAL_PROMPTS), "--max_new_tokens", str(DEFAULT_EVAL_TOKENS)]
+    engine += ["--device", "cpu", "--engine", "vllm", "--vllm_python", VLLM_PYTHON]
+    assert evaluate_main([*engine, "--json", str(tmp_path / "vllm.json")]) == 0
+    ours = json.loads((trained_default / "eval.json").read_text())["dflash"]
+    theirs = json.loads((tmp_path / "vllm.json").read_text())
     assert theirs["lossless"] is True and theirs["drafts"] > 0
     assert abs(theirs["tau"] / ours["tau"] - 1) < 0.02, (theirs["tau"], ours["tau"])
 

@@ -303,8 +303,22 @@ def one_line_error(cmd: list[str]) -> str:
     return lines[0]
 
 
-def test_a_damaged_weights_file_is_one_line_naming_it_wherever_it_is_read(tiny_target, chat_data, tmp_path):
+def one_line_error_of(cli_main, argv: list[str], capsys) -> str:
+    """As `one_line_error`, from the CLI's `main` called in this process (a process start saved)."""
+    capsys.readouterr()
+    code = cli_main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_a_damaged_weights_file_is_one_line_naming_it_wherever_it_is_read(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    """Cut short, or its header altered, a checkpoint's weights are named in one line by export (the real CLI
+    once, then its `main`), an export's by export and evaluate."""
     from dflash_ddp.checkpoint.manifest import write_manifest
+    from dflash_ddp.evaluate import main as evaluate
     from dflash_ddp.train import main as train
 
     from helpers import train_flags
@@ -314,29 +328,30 @@ def test_a_damaged_weights_file_is_one_line_naming_it_wherever_it_is_read(tiny_t
     ckpt = out / "checkpoints" / "step-00000002"
     weights = ckpt / "model.safetensors"
     intact = weights.read_bytes()
-    export = ["dflash_ddp.export", str(ckpt), str(tmp_path / "out")]
+    export = [str(ckpt), str(tmp_path / "out")]
 
     weights.write_bytes(intact[:3000])  # cut short after the save: the manifest no longer matches
-    assert f"{weights}: size or sha256 does not match the manifest" in one_line_error(export)
+    assert f"{weights}: size or sha256 does not match the manifest" in one_line_error(
+        ["dflash_ddp.export", *export]
+    )
     write_manifest(ckpt, 2)  # written damaged (the manifest vouches for it): the read itself names it
-    assert f"{weights}: not a readable safetensors file" in one_line_error(export)
+    assert f"{weights}: not a readable safetensors file" in one_line_error_of(main, export, capsys)
     altered = bytearray(intact)
     altered[8:40] = b"x" * 32  # the header's JSON
     weights.write_bytes(bytes(altered))
     write_manifest(ckpt, 2)
-    assert f"{weights}: not a readable safetensors file" in one_line_error(export)
+    assert f"{weights}: not a readable safetensors file" in one_line_error_of(main, export, capsys)
 
     weights.write_bytes(intact)
     write_manifest(ckpt, 2)
-    subprocess.run([sys.executable, "-m", *export], check=True, capture_output=True, timeout=600)
+    assert main(export) == 0
     exported = tmp_path / "out" / "model.safetensors"
     exported.write_bytes(exported.read_bytes()[:3000])  # an export has no manifest: the parse names it
-    assert f"{exported}: not a readable safetensors file" in one_line_error(
-        ["dflash_ddp.export", str(tmp_path / "out"), str(tmp_path / "again")]
-    )
-    evaluate = ["dflash_ddp.evaluate", "--target_model", str(tiny_target), "--drafter", str(tmp_path / "out")]
-    assert f"{exported}: not a readable safetensors file" in one_line_error(
-        [*evaluate, "--data", str(chat_data)]
+    again = [str(tmp_path / "out"), str(tmp_path / "again")]
+    assert f"{exported}: not a readable safetensors file" in one_line_error_of(main, again, capsys)
+    evaluate_argv = ["--target_model", str(tiny_target), "--drafter", str(tmp_path / "out")]
+    assert f"{exported}: not a readable safetensors file" in one_line_error_of(
+        evaluate, [*evaluate_argv, "--data", str(chat_data)], capsys
     )
 
 

@@ -289,7 +289,8 @@ def lattice_terms(
     counted = weights * forced
     lattice_sum = (per_slot * counted).sum()
     rows.loss_sum = rows.loss_sum + lattice_sum
-    walked = node.argmax(dim=-1) == truth
+    choice = node.argmax(dim=-1)
+    walked = choice == truth
     correct = rows.correct.clone()
     correct[slots[forced]] = walked[forced]
     correct[slots[~forced]] = False  # the walk cannot reach a true token after a slot that lacked one
@@ -301,4 +302,5 @@ def lattice_terms(
         selector_rows=found.new_tensor(slots.numel(), dtype=torch.float32),  # what recall and unary count
         candidate_hits=found.sum().float(),
         unary_correct=rows.correct[slots].sum().float(),
+        reranked=(choice != 0).sum().float(),
     )

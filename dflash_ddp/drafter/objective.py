@@ -198,6 +198,7 @@ class LossTerms:
     selector_rows: torch.Tensor  # scored positions the selector chose for
     candidate_hits: torch.Tensor  # of those, the ones whose label was among the candidates
     unary_correct: torch.Tensor  # of those, the ones whose LM-head argmax alone was right
+    reranked: torch.Tensor  # of those, the ones where the selector chose other than the LM head's best
     # DSpark's share (dspark.py); zeros for another family
     dspark_rows: torch.Tensor  # scored positions
     distill_sum: torch.Tensor  # their L1 distance to the target's distribution, summed, detached
@@ -207,7 +208,7 @@ class LossTerms:
     @classmethod
     def zeros(cls, block_size: int, device: torch.device) -> LossTerms:
         """The sums of nothing: where a step's totals start."""
-        shapes = ((), (), block_size, block_size, *([()] * 10))
+        shapes = ((), (), block_size, block_size, *([()] * 11))
         return cls(*(torch.zeros(n, device=device) for n in shapes))
 
     def metrics(self) -> dict[str, float]:
@@ -225,6 +226,8 @@ class LossTerms:
             metrics["selector_loss"] = float(self.selector_loss_sum / self.weight_sum.clamp(min=1e-12))
             metrics["unary_accuracy"] = float(self.unary_correct / rows)
             metrics["candidate_recall"] = float(self.candidate_hits / rows)
+            # teacher-forced: how often the selector overrules the LM head (0 while it drafts as the head)
+            metrics["rerank_share"] = float(self.reranked / rows)
         if self.dspark_rows > 0:  # accuracy and tau above are the Markov-biased logits'
             rows = self.dspark_rows
             metrics["distill_l1"] = float(self.distill_sum / rows)
@@ -312,6 +315,7 @@ _FAMILY_SUMS = (
     "selector_rows",
     "candidate_hits",
     "unary_correct",
+    "reranked",
     "dspark_rows",
     "distill_sum",
     "predicted_acceptance_sum",

@@ -97,12 +97,12 @@ def walk(
 
 
 def _chunk_loss(selector, hidden, head_weight, candidates, previous, target, weights, transform):
-    """One chunk of rows: the weighted K-way CE of the selector's scores and whether its pick is the label
-    (`transform`: the unary scores' multiplier and soft cap)."""
+    """One chunk of rows: the weighted K-way CE of the selector's scores and its pick's place among the
+    candidates (`transform`: the unary scores' multiplier and soft cap)."""
     candidate_logits = torch.einsum("nh,nkh->nk", hidden.to(head_weight.dtype), head_weight[candidates])
     scores = selector.scores(hidden, unary_scores(candidate_logits, *transform), candidates, previous)
     ce = F.cross_entropy(scores, target, reduction="none")
-    return (ce * weights).sum(), scores.argmax(dim=-1) == target
+    return (ce * weights).sum(), scores.argmax(dim=-1)
 
 
 def selector_terms(
@@ -124,7 +124,7 @@ def selector_terms(
     target = hits.float().argmax(dim=-1)  # the label's rank among the candidates (0 where not found)
     weights = rows.weights * found
     selector_sum = rows.hidden.new_zeros((), dtype=torch.float32)
-    picked = torch.zeros_like(found)
+    picked = torch.zeros_like(target)  # the selector's choice: a place among the candidates
     step = settings.chunk_rows
     for start in range(0, rows.hidden.shape[0], step):
         part = slice(start, start + step)
@@ -149,9 +149,10 @@ def selector_terms(
     return loss_terms(
         inputs,
         rows,
-        picked & found,
+        (picked == target) & found,
         selector_loss_sum=selector_sum.detach(),
         selector_rows=count,
         candidate_hits=found.sum().float(),
         unary_correct=rows.correct.sum().float(),
+        reranked=(picked != 0).sum().float(),
     )

@@ -31,10 +31,11 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_ddp.config import ASSETS
 from dflash_ddp.tools.make_tiny_target import save_target, write_jsonl
 from dflash_ddp.tools.tiny_corpus import log
 
-SOURCE = Path("dflash_ddp/assets")
+SOURCE = ASSETS  # the package's own: the tool runs from any directory
 LAST_TURN_ROOM = 400  # tokens kept free for a held-out conversation's last turn (a turn is about 160)
 
 

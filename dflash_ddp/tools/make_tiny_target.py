@@ -1,8 +1,8 @@
 """Build the embedded default target model and data shipped in ``dflash_ddp/assets``.
 
-Run from the repository root::
+Run from anywhere (the default output is the package's own assets)::
 
-    python -m dflash_ddp.tools.make_tiny_target [--out_dir dflash_ddp/assets]
+    python -m dflash_ddp.tools.make_tiny_target [--out_dir DIR]
 
 Everything is built offline and deterministically (seeded RNGs, sorted iteration):
 
@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_ddp.config import ASSETS
 from dflash_ddp.tools.tiny_corpus import (
     CORPORA,
     build_conversations,
@@ -381,7 +382,7 @@ def regenerate(model, tok, rows: list[dict], args) -> tuple[list[dict], dict]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """CLI for the main knobs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out_dir", default="dflash_ddp/assets")
+    p.add_argument("--out_dir", default=str(ASSETS), help="default: the package's embedded assets")
     p.add_argument(
         "--corpus",
         choices=list(CORPORA),
