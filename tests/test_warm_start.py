@@ -215,7 +215,16 @@ def test_a_hub_name_is_read_from_the_hub_cache_offline(source, tmp_path, monkeyp
     assert "--init_from org/missing" in message and "HF_HUB_OFFLINE=1" in message
 
 
-def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(source, tmp_path):
+def plan_in_process(args: list[str], capsys) -> str:
+    """What `--plan` prints, from the CLI's `main` in this process (a process start saved)."""
+    from dflash_ddp.train import main
+
+    capsys.readouterr()
+    assert main([*SHORT, *args, "--plan"]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(source, tmp_path, capsys):
     """1 target + 1 drafter rank through torchrun: the drafter rank starts from the export (its first loss far
     below a start from random weights), and the checkpoint, the export's stamp and its model card name the
     source and its digest; DSpark grown from it says what is new, and back to DFlash what is dropped."""
@@ -234,21 +243,17 @@ def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(source, t
     assert json.loads((out / "config.json").read_text())["dflash_ddp"]["init_from"]["sha256"] == digest
     assert f"started from `{source}`" in (out / "README.md").read_text()
     # growing and trimming families, as --plan shows them (the same lines start a training run)
-    grown = train(
-        ["--init_from", str(source), "--drafter", "dspark", "--target_topk", "16", "--plan"], tmp_path / "p"
+    grown = plan_in_process(
+        ["--init_from", str(source), "--drafter", "dspark", "--target_topk", "16"], capsys
     )
-    assert "new, at a start that drafts as the source: markov_head.markov_w1.weight" in grown.stdout
+    assert "new, at a start that drafts as the source: markov_head.markov_w1.weight" in grown
     cfg, setup = run_setup(
         ["--init_from", str(source), "--drafter", "dspark", "--target_topk", "16"], tmp_path / "d"
     )
     save_drafter(build_trainer(cfg, setup, torch.device("cpu"), 6).drafter, tmp_path / "dspark")  # no stamp
-    trimmed = train(["--init_from", str(tmp_path / "dspark"), "--plan"], tmp_path / "p")
-    assert (
-        "(serving layout, dspark, 2 layers)" in trimmed.stdout and "checked by shape only" in trimmed.stdout
-    )
-    dropped = next(
-        line for line in trimmed.stdout.splitlines() if "dropped (the run's drafter has no place" in line
-    )
+    trimmed = plan_in_process(["--init_from", str(tmp_path / "dspark")], capsys)
+    assert "(serving layout, dspark, 2 layers)" in trimmed and "checked by shape only" in trimmed
+    dropped = next(line for line in trimmed.splitlines() if "dropped (the run's drafter has no place" in line)
     assert "markov_head.markov_w1.weight" in dropped and "confidence_head.proj.weight" in dropped
 
 
@@ -260,6 +265,19 @@ def refusal_of_the_cli(args: list[str], out: Path, nproc: int = 0, env: dict | N
     stderr = "".join(p.read_text() for p in sorted(logs.rglob("stderr.log"))) if nproc else done.stderr
     assert done.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
     assert not out.exists()
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error"), stderr[-3000:]
+    return lines[0]
+
+
+def refusal_in_process(args: list[str], out: Path, capsys) -> str:
+    """As `refusal_of_the_cli`, from the CLI's `main` in this process (a process start saved)."""
+    from dflash_ddp.train import main
+
+    capsys.readouterr()
+    code = main([*SHORT, "--output_dir", str(out), *args])
+    stderr = capsys.readouterr().err
+    assert code != 0 and not out.exists(), stderr[-3000:]
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error"), stderr[-3000:]
     return lines[0]
@@ -337,13 +355,18 @@ def damaged_copy(kind: str, source: Path, root: Path) -> tuple[str, Path, dict]:
     ],
 )
 def test_a_damaged_source_is_one_line_naming_the_file_and_what_to_do(
-    source, tmp_path, kind, file, damage, expected, nproc
+    source, tmp_path, capsys, kind, file, damage, expected, nproc
 ):
     """Every file --init_from reads goes through the checkpoints' verified read: a damaged one ends the run
-    before any target weights load, on every rank, with one line naming it and how to replace it."""
+    before any target weights load, on every rank, with one line naming it and how to replace it. The real
+    CLI where it runs under torchrun or reads the hub cache (whose place is read once, at import), its `main`
+    in this process otherwise."""
     init_from, directory, env = damaged_copy(kind, source, tmp_path)
     damage(directory / file)
-    line = refusal_of_the_cli(["--init_from", init_from], tmp_path / "out", nproc, env)
+    args, out = ["--init_from", init_from], tmp_path / "out"
+    line = (
+        refusal_of_the_cli(args, out, nproc, env) if nproc or env else refusal_in_process(args, out, capsys)
+    )
     assert (
         line.startswith("error (rank 0): " if nproc else "error: ") and f"--init_from {init_from}: " in line
     )
