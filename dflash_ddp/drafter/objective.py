@@ -8,7 +8,7 @@ the block inputs (blocks.py) or, for D-PACE and AUF, from the rows' own CE and a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -208,7 +208,8 @@ class LossTerms:
     @classmethod
     def zeros(cls, block_size: int, device: torch.device) -> LossTerms:
         """The sums of nothing: where a step's totals start."""
-        shapes = ((), (), block_size, block_size, *([()] * 11))
+        per_position = (block_size, block_size)  # correct_per_pos, count_per_pos; every other field a scalar
+        shapes = ((), (), *per_position, *([()] * (len(fields(cls)) - 4)))
         return cls(*(torch.zeros(n, device=device) for n in shapes))
 
     def metrics(self) -> dict[str, float]:
