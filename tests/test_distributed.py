@@ -59,7 +59,7 @@ def test_topology_roles_and_invalid_splits():
 
 
 def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_path):
-    """Colocated, 1+1, 2+1 and 3+1 give the same losses and the same final weights, bit for bit, with the
+    """Colocated, 1+1 and 3+1 give the same losses and the same final weights, bit for bit, with the
     drafter's batches processed in chunks (some sequences split across two). The 1+1 job resumes from the
     step-0 checkpoint of a --max_steps 0 job, which streamed nothing and exited 0."""
     from dflash_ddp.train import main
@@ -82,7 +82,7 @@ def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_pat
     )
     assert state["global_step"] == state["batches_consumed"] == state["tokens_seen"] == 0
     assert state["topology"]["target_ranks"] == 1 and state["config"]["max_steps"] == 0
-    for world in (2, 3, 4):
+    for world in (2, 4):
         out = tmp_path / f"{world - 1}+1"
         result = torchrun(world, train_args(tiny_target, chat_data, out, **chunked))
         assert result.returncode == 0, result.stderr[-3000:]

@@ -169,6 +169,10 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = DynamicConvolution(config)
         self.mlp_conv = DynamicConvolution(config)
 
+    def compile_regions(self, backend: str) -> None:
+        """The projections before attention only: the convolutions around attention and the MLP run eagerly."""
+        self.self_attn.compile_projections(backend)
+
     def forward(self, hidden, context, cos, sin, mask, cache=None):
         normed, deltas = self.attention_conv.prepare(self.input_layernorm(hidden))
         attended = self.self_attn(normed, _NORMED_ALREADY, context, cos, sin, mask, cache)

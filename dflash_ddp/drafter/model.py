@@ -183,6 +183,10 @@ class DFlashAttention(nn.Module):
     def forward(self, x, norm, context, cos, sin, mask, cache=None):
         """Attention output (after o_proj) of the block whose pre-norm states are x; `norm` is the layer's
         input norm."""
+        return self.o_proj(self.attended_heads(x, norm, context, cos, sin, mask, cache).flatten(2))
+
+    def attended_heads(self, x, norm, context, cos, sin, mask, cache=None):
+        """Attention's output per head [B, Q, heads, D], before o_proj (a transposed view of the kernel's)."""
         training = torch.is_grad_enabled() and cache is None
         if self.recompute and training:
             # Training keeps x only: the norm, projections, q/k norms and rope (cheap next to attention) are
@@ -194,8 +198,7 @@ class DFlashAttention(nn.Module):
             q, k, v = self._qkv(x, context, cos, sin, norm)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out = attend(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        return attend(q, k, v, mask).transpose(1, 2)
 
 
 def _dynamic_lengths(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -276,21 +279,11 @@ class DFlashMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.recompute = True  # in backward, in pieces of MLP_ROWS (see `DFlashDraftModel.set_recompute`)
-        self._compiled_residual = None  # `compile_residual`
-
-    def compile_residual(self, backend: str) -> None:
-        """Compile the kept-activations MLP half (`DFlashDraftModel.compile_regions`)."""
-        self._compiled_residual = torch.compile(self._residual, backend=backend, fullgraph=True)
-
-    def _residual(self, h: torch.Tensor, *, norm: RMSNorm) -> torch.Tensor:
-        return h + self.transform(norm(h))
 
     def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The MLP half of a layer: h + mlp(norm(h)), in the autocast dtype when autocast is on."""
         if not self.recompute:  # plain autograd keeps n, gate, up and their product: no second pass
-            if self._compiled_residual is not None and torch.is_grad_enabled():
-                return self._compiled_residual(*_dynamic_lengths(h), norm=norm)
-            return self._residual(h, norm=norm)
+            return h + self.transform(norm(h))
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         with torch.autocast(device, enabled=False):
@@ -311,8 +304,22 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._compiled_after_attention = None  # `compile_regions`
+
+    def compile_regions(self, backend: str) -> None:
+        """Compile the chains around attention (`DFlashDraftModel.compile_regions`): the norm, projections,
+        q/k norms and rope before it; o_proj, the residual, the norm, the MLP and its residual after it."""
+        self.self_attn.compile_projections(backend)
+        self._compiled_after_attention = torch.compile(self._after_attention, backend=backend, fullgraph=True)
+
+    def _after_attention(self, hidden: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn.o_proj(heads.flatten(2))
+        return self.mlp(hidden, self.post_attention_layernorm)
 
     def forward(self, hidden, context, cos, sin, mask, cache=None):
+        if self._compiled_after_attention is not None and cache is None and torch.is_grad_enabled():
+            heads = self.self_attn.attended_heads(hidden, self.input_layernorm, context, cos, sin, mask)
+            return self._compiled_after_attention(*_dynamic_lengths(hidden, heads))
         hidden = hidden + self.self_attn(hidden, self.input_layernorm, context, cos, sin, mask, cache)
         return self.mlp(hidden, self.post_attention_layernorm)
 
@@ -359,12 +366,12 @@ class DFlashDraftModel(PreTrainedModel):
 
     def compile_regions(self, backend: str = "inductor") -> None:
         """Compile each layer's elementwise chains (before attention: the norm, projections, q/k norms and
-        rope; after it: the norm, MLP and residuals) into fused kernels with torch.compile; attention keeps its
-        own kernel. Training only: decoding with a cache runs eagerly. For layers that keep their activations
-        (`set_recompute(False)`): the recomputing pieces loop in Python, which a compiled graph would unroll."""
+        rope; after it: o_proj, the residuals, the norm and the MLP) into fused kernels with torch.compile;
+        attention keeps its own kernel. Training only: decoding with a cache runs eagerly. For layers that keep
+        their activations (`set_recompute(False)`): the recomputing pieces loop in Python, which a compiled
+        graph would unroll."""
         for layer in self.layers:
-            layer.self_attn.compile_projections(backend)
-            layer.mlp.compile_residual(backend)
+            layer.compile_regions(backend)
 
     def forward(
         self,
