@@ -237,18 +237,26 @@ def test_keeping_every_activation_gives_the_recomputing_outputs_and_gradients(fa
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_compiled_regions_train_as_eager_and_compile_once_for_every_chunk_shape():
+# graphs compiled per family: before attention and after it, two each (the first layer's input needs no
+# gradient); DFlash2 compiles its projections only (its convolutions wrap attention and the MLP), and its
+# first layer's input to them is normed and convolved, so it needs a gradient already
+COMPILED_GRAPHS = {"dflash": (4, 2), "dflash2": (1, 0), "dspark": (4, 2)}
+
+
+@pytest.mark.parametrize("family", sorted(COMPILED_GRAPHS))
+def test_compiled_regions_train_as_eager_and_compile_once_for_every_chunk_shape(family):
     """On CUDA a drafter that keeps its activations runs its layers' elementwise chains compiled (here under
     aot_eager, the same graphs without code generation): the same outputs and gradients as eagerly, and one
-    graph per region whatever the chunk's draft positions and context (two each: before attention and after
-    it, where o_proj, the residuals and the MLP run in one graph, the first layer's input needs no gradient)."""
+    graph per region whatever the chunk's draft positions and context (DFlash's after attention holds o_proj,
+    the residuals and the MLP)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    graphs, with_o_proj = COMPILED_GRAPHS[family]
     contexts = (SEQ, 40, 31, 52)
-    eager = family_drafter("dflash")
+    eager = family_drafter(family)
     eager.set_recompute(False)
     reference = outputs_and_gradients(eager, contexts)
-    compiled = family_drafter("dflash")
+    compiled = family_drafter(family)
     compiled.set_recompute(False)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -257,12 +265,11 @@ def test_compiled_regions_train_as_eager_and_compile_once_for_every_chunk_shape(
     torch.testing.assert_close(outs, reference[0], rtol=0, atol=1e-6)
     for name, grad in reference[1].items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    assert counter.frame_count == 4, counter.frame_count
-    # the projection out of attention runs inside a compiled graph, with the residual after it
-    assert sum("o_proj" in graph.code for graph in counter.graphs) == 2
+    assert counter.frame_count == graphs, counter.frame_count
+    assert sum("o_proj" in graph.code for graph in counter.graphs) == with_o_proj
     with torch.no_grad():  # decoding runs eagerly: nothing more compiles
         compiled.eval()(torch.randn(1, BS, 32), torch.randn(1, 8, 64), torch.arange(8 + BS)[None])
-    assert counter.frame_count == 4
+    assert counter.frame_count == graphs
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2"])
