@@ -253,3 +253,56 @@ def test_dpace_normalises_by_the_blocks_with_a_label():
     hidden = torch.randn(1, 5 * 4, vocab)
     terms = block_loss_terms(hidden, torch.eye(vocab), dpace, dpace_settings)
     assert float(terms.weight_sum) == 3.0 and torch.isfinite(terms.loss_sum)
+
+
+# (LossSettings fields, best tokens, candidates' log-probabilities): the default's D-PACE with a target's
+# logit scale and soft cap; total variation against soft targets with the hard label's CE and the best tokens
+# (DFlash2's selector reads them); LiLiCorr's candidates with their log-probabilities
+COMPILED_CASES = {
+    "dpace-scale-cap": ({"weighting": "dpace", "logit_scale": 0.25, "logit_softcap": 5.0}, 0, False),
+    "tv-best-tokens": ({"loss": "tv", "ce_weight": 0.1, "soft_targets": True}, 4, False),
+    "candidates-log-probs": ({}, 4, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPILED_CASES))
+def test_the_compiled_loss_equals_eager_with_one_graph_for_every_piece(case):
+    """On CUDA each piece of the loss runs compiled (`LossSettings.compile_backend`; here aot_eager, the same
+    graph without code generation): the loss, flags, weights, best tokens, log-probabilities and gradient
+    equal eager's, with one graph for pieces of 8 and of 5 rows, and one more without the gradient."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dflash_ddp.drafter.blocks import SoftTargets
+
+    fields, top_k, log_probs = COMPILED_CASES[case]
+    torch.manual_seed(0)
+    ids = torch.randint(0, 49, (1, 60))
+    soft = SoftTargets(
+        torch.randint(0, 50, (1, 60, 4)).int(), torch.softmax(torch.randn(1, 60, 4), -1).bfloat16()
+    )
+    anchors = [torch.tensor([3, 9, 15, 21, 30, 41, 50])]  # 7 blocks x 3 scored positions: pieces 8, 8, 5
+    out, head = torch.randn(1, 28, 16), torch.randn(50, 16)
+    pull = torch.randn(21, top_k)
+
+    def score(backend):
+        settings = LossSettings(chunk_rows=8, compile_backend=backend, **fields)
+        inputs = build_block_inputs(ids, torch.ones_like(ids), anchors, 4, 49, settings, soft=soft)
+        hidden = out.clone().requires_grad_()
+        rows = scored_rows(hidden, head, inputs, settings, top_k=top_k, log_probs=log_probs)
+        pulled = rows.loss_sum + (pull * rows.candidate_log_probs).sum() if log_probs else rows.loss_sum
+        pulled.backward()
+        return rows, hidden.grad
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    (eager, eager_grad), (compiled, compiled_grad) = score(None), score(counter)
+    assert counter.frame_count == 1, counter.frame_count
+    for name in ("loss_sum", "correct", "weights", "candidates", "candidate_log_probs"):
+        torch.testing.assert_close(getattr(compiled, name), getattr(eager, name), rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=0, atol=0)
+    with torch.no_grad():  # evaluation's scoring: one more graph, the same loss
+        settings = LossSettings(chunk_rows=8, compile_backend=counter, **fields)
+        inputs = build_block_inputs(ids, torch.ones_like(ids), anchors, 4, 49, settings, soft=soft)
+        again = scored_rows(out, head, inputs, settings, top_k=top_k, log_probs=log_probs)
+    assert counter.frame_count == 2
+    torch.testing.assert_close(again.loss_sum, eager.loss_sum, rtol=0, atol=0)

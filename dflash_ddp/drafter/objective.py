@@ -8,7 +8,9 @@ the block inputs (blocks.py) or, for D-PACE and AUF, from the rows' own CE and a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,17 +83,27 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             hidden.shape[0], top_k if log_probs else 0, dtype=torch.float32
         )
         expected_rows = grad_rows.new_empty(hidden.shape) if with_grad and log_probs else None
+        score = _row_scorer(settings.compile_backend)
         nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            soft_rows = (_rows(soft_ids, rows), _rows(soft_probs, rows))
-            out = (correct[rows], candidates[rows], _rows(grad_rows, rows))
-            lattice = (candidate_log_probs[rows], _rows(expected_rows, rows)) if log_probs else None
-            nll, loss_rows = _score_rows(
-                hidden[rows], head_weight, labels[rows], soft_rows, settings, (out, lattice)
+            scored = score(
+                *_dynamic_rows(hidden[rows], labels[rows], _rows(soft_ids, rows), _rows(soft_probs, rows)),
+                head_weight,
+                (settings, top_k, with_grad, log_probs),
             )
-            nlls.append(nll)
-            row_loss.append(loss_rows)
+            nlls.append(scored.nll)
+            row_loss.append(scored.loss)
+            correct[rows] = scored.correct
+            if top_k:
+                candidates[rows] = scored.candidates
+            if with_grad:
+                grad_rows[rows] = scored.grad
+            if log_probs:
+                candidate_log_probs[rows] = scored.log_probs
+                if with_grad:
+                    expected_rows[rows] = scored.expected
+            del scored  # the chunk's temporaries go before the next chunk's exist
         if reweight is not None:  # weights from the rows' own label CE and argmax: constants for backward
             weights = reweight(torch.cat(nlls), correct)
         loss_sum = hidden.new_zeros((), dtype=torch.float32)
@@ -113,47 +125,80 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         return grad.to(ctx.dtype), *([None] * 5)
 
 
-def _score_rows(hidden, head_weight, labels, soft, settings, out):
-    """One chunk of rows through the LM head: (label CE, row loss); writes into `out` = ((argmax-correct
-    flags, best tokens, d(row loss)/d(hidden) or None: no gradient), None or, for the candidates'
-    log-probabilities, (their log-probabilities, the expected head rows or None)). A function of its own so
-    that the chunk's [rows, V] temporaries are gone before the next chunk's exist; the logits are overwritten
-    once nothing else reads them."""
+class _ChunkScores(NamedTuple):
+    """One chunk's rows scored through the LM head (`_score_rows`)."""
+
+    nll: torch.Tensor  # [R] the hard label's CE
+    loss: torch.Tensor  # [R] the row loss (the CE, or the loss against the soft targets)
+    correct: torch.Tensor  # [R] the argmax equals the label
+    candidates: torch.Tensor | None  # [R, top_k] the best tokens, best first
+    grad: (
+        torch.Tensor | None
+    )  # [R, H] d(row loss)/d(hidden), in the head's dtype, where the gradient is taken
+    log_probs: torch.Tensor | None  # [R, top_k] the candidates' raw log-softmax (LiLiCorr)
+    expected: torch.Tensor | None  # [R, H] softmax @ W (LiLiCorr, with the gradient)
+
+
+def _score_rows(hidden, labels, soft_ids, soft_probs, head_weight, scoring) -> _ChunkScores:
+    """One chunk of rows through the LM head; `scoring` = (the LossSettings, how many best tokens, whether
+    to take the gradient, whether the candidates' log-probabilities are wanted). A function of its own so
+    that the chunk's [rows, V] temporaries are gone before the next chunk's exist; the logits are finished and
+    then overwritten in place once nothing else reads them. On CUDA it runs compiled
+    (`LossSettings.compile_backend`): the passes over the logits fuse into a few kernels."""
+    settings, top_k, with_grad, log_probs = scoring
     scale, cap = settings.logit_scale, settings.logit_softcap
-    (correct, candidates, grad_out), lattice = out
     h = hidden.to(head_weight.dtype)
     logits = (h @ head_weight.T).float()  # as head_logits, finished in place: no [rows, V] temporaries
-    if lattice is not None:  # before the logits are finished: the engines' candidates read the raw ones
-        _candidate_log_probs(logits, head_weight, candidates, lattice)
+    candidates = lattice = expected = None
+    if log_probs:  # before the logits are finished: the engines' candidates read the raw ones
+        candidates, lattice, expected = _candidate_log_probs(logits, head_weight, top_k, with_grad)
     if scale != 1.0:
         logits.mul_(scale)
     if cap:
         logits.div_(cap).tanh_().mul_(cap)
-    nll, loss_rows = row_losses(logits, labels, *soft, settings.loss, settings.ce_weight)
-    torch.eq(logits.argmax(dim=-1), labels, out=correct)
-    if candidates.shape[1] and lattice is None:
-        candidates.copy_(best_first(logits, candidates.shape[1])[1])
-    if grad_out is not None:
-        grad = logit_gradients(logits, labels, *soft, settings.loss, settings.ce_weight)
+    nll, loss_rows = row_losses(logits, labels, soft_ids, soft_probs, settings.loss, settings.ce_weight)
+    correct = logits.argmax(dim=-1) == labels
+    if top_k and not log_probs:
+        candidates = best_first(logits, top_k)[1]
+    grad_rows = None
+    if with_grad:
+        grad = logit_gradients(logits, labels, soft_ids, soft_probs, settings.loss, settings.ce_weight)
         if cap:  # d(cap * tanh(z / cap)) / dz = 1 - tanh(z / cap)^2, computed in the logits' place
             grad *= logits.div_(cap).square_().neg_().add_(1.0)
         del logits
         if scale != 1.0:
             grad *= scale
-        torch.mm(grad.to(h.dtype), head_weight, out=grad_out)
-    return nll, loss_rows
+        grad_rows = grad.to(h.dtype) @ head_weight
+    return _ChunkScores(nll, loss_rows, correct, candidates, grad_rows, lattice, expected)
 
 
-def _candidate_log_probs(logits, head_weight, candidates, lattice) -> None:
-    """The chunk's best tokens by its raw `logits` into `candidates`, their log-softmax and, where the
-    gradient is wanted, each row's expected head row softmax @ W into `lattice`."""
-    log_probs, expected = lattice
+def _candidate_log_probs(logits, head_weight, top_k: int, with_grad: bool):
+    """The chunk's `top_k` best tokens by its raw `logits`, their log-softmax and, with the gradient, each
+    row's expected head row softmax @ W (else None)."""
     log_partition = logits.logsumexp(dim=-1, keepdim=True)
-    values, ids = best_first(logits, candidates.shape[1])
-    candidates.copy_(ids)
-    torch.sub(values, log_partition, out=log_probs)
-    if expected is not None:
-        torch.mm(logits.sub(log_partition).exp_().to(head_weight.dtype), head_weight, out=expected)
+    values, ids = best_first(logits, top_k)
+    expected = None
+    if with_grad:
+        expected = logits.sub(log_partition).exp_().to(head_weight.dtype) @ head_weight
+    return ids, values - log_partition, expected
+
+
+@functools.cache
+def _row_scorer(backend: str | None):
+    """`_score_rows`, compiled with torch.compile's `backend` (one graph for every chunk's rows), or as it is
+    for None."""
+    if backend is None:
+        return _score_rows
+    return torch.compile(_score_rows, backend=backend, fullgraph=True)
+
+
+def _dynamic_rows(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """`tensors` with their rows marked dynamic before a compiled scorer: the last chunk is shorter, and
+    each new count would otherwise compile another graph."""
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return tensors
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:

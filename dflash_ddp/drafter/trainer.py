@@ -82,8 +82,11 @@ class DrafterTrainer:
         drafter.bind_target(head.embed_tokens)
         # the target's logits are the head's, scaled and soft-capped where the target does (Falcon-H1, Gemma)
         conventions = {"logit_scale": head.logit_scale, "logit_softcap": head.logit_softcapping}
-        self.settings = replace(settings, loss=replace(settings.loss, **conventions))
         self.device = next(drafter.parameters()).device
+        # on CUDA each piece of the LM-head loss runs compiled: its passes over [rows, vocabulary] fuse
+        compile_backend = "inductor" if self.device.type == "cuda" else None
+        loss = replace(settings.loss, **conventions, compile_backend=compile_backend)
+        self.settings = replace(settings, loss=loss)
         # Reading a device value stalls a GPU's queue: on CUDA the finite-loss check and the metrics wait
         # for a logging step (on the CPU a read costs nothing, so the check happens before the update).
         # Only fused AdamW can skip a non-finite update on the device: with Muon the check stays eager.

@@ -43,6 +43,9 @@ class LossSettings:
     lilicorr_penalty_weight: float = 0.25
     logit_scale: float = 1.0  # the target's multiplier of its logits (Falcon-H1's lm_head_multiplier)
     logit_softcap: float | None = None  # the target's final soft-capping of its logits (Gemma), else None
+    # torch.compile's backend for the loss's per-chunk work (on CUDA "inductor": the passes over each chunk's
+    # [rows, vocabulary] logits fuse into a few kernels); None: eager (the CPU)
+    compile_backend: str | None = None
 
     @property
     def reweighted(self) -> bool:
