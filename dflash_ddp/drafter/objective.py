@@ -84,14 +84,20 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         )
         expected_rows = grad_rows.new_empty(hidden.shape) if with_grad and log_probs else None
         score = _row_scorer(settings.compile_backend)
+        how = _RowScoring(
+            settings.logit_scale,
+            settings.logit_softcap,
+            settings.loss,
+            settings.ce_weight,
+            top_k,
+            with_grad,
+            log_probs,
+        )
         nlls, row_loss = [], []
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            scored = score(
-                *_dynamic_rows(hidden[rows], labels[rows], _rows(soft_ids, rows), _rows(soft_probs, rows)),
-                head_weight,
-                (settings, top_k, with_grad, log_probs),
-            )
+            soft_rows = (_rows(soft_ids, rows), _rows(soft_probs, rows))
+            scored = score(hidden[rows], labels[rows], *soft_rows, head_weight, how)
             nlls.append(scored.nll)
             row_loss.append(scored.loss)
             correct[rows] = scored.correct
@@ -125,6 +131,19 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         return grad.to(ctx.dtype), *([None] * 5)
 
 
+class _RowScoring(NamedTuple):
+    """How `_score_rows` scores a chunk: constants of the run and the call (a compiled scorer's graph is
+    specialised on them)."""
+
+    scale: float  # the target's logit scale
+    cap: float | None  # the target's soft cap of its logits
+    loss: str  # ce | kl | tv
+    ce_weight: float  # the hard label's CE mixed into kl or tv
+    top_k: int  # best tokens to return
+    with_grad: bool  # take d(row loss)/d(hidden)
+    log_probs: bool  # the candidates by raw logits with their log-softmax (LiLiCorr)
+
+
 class _ChunkScores(NamedTuple):
     """One chunk's rows scored through the LM head (`_score_rows`)."""
 
@@ -132,21 +151,17 @@ class _ChunkScores(NamedTuple):
     loss: torch.Tensor  # [R] the row loss (the CE, or the loss against the soft targets)
     correct: torch.Tensor  # [R] the argmax equals the label
     candidates: torch.Tensor | None  # [R, top_k] the best tokens, best first
-    grad: (
-        torch.Tensor | None
-    )  # [R, H] d(row loss)/d(hidden), in the head's dtype, where the gradient is taken
+    grad: torch.Tensor | None  # [R, H] d(row loss)/d(hidden) in the head's dtype
     log_probs: torch.Tensor | None  # [R, top_k] the candidates' raw log-softmax (LiLiCorr)
     expected: torch.Tensor | None  # [R, H] softmax @ W (LiLiCorr, with the gradient)
 
 
-def _score_rows(hidden, labels, soft_ids, soft_probs, head_weight, scoring) -> _ChunkScores:
-    """One chunk of rows through the LM head; `scoring` = (the LossSettings, how many best tokens, whether
-    to take the gradient, whether the candidates' log-probabilities are wanted). A function of its own so
-    that the chunk's [rows, V] temporaries are gone before the next chunk's exist; the logits are finished and
-    then overwritten in place once nothing else reads them. On CUDA it runs compiled
-    (`LossSettings.compile_backend`): the passes over the logits fuse into a few kernels."""
-    settings, top_k, with_grad, log_probs = scoring
-    scale, cap = settings.logit_scale, settings.logit_softcap
+def _score_rows(hidden, labels, soft_ids, soft_probs, head_weight, how: _RowScoring) -> _ChunkScores:
+    """One chunk of rows through the LM head, as `how` says. A function of its own so that the chunk's
+    [rows, V] temporaries are gone before the next chunk's exist; the logits are finished and then overwritten
+    in place once nothing else reads them. On CUDA it runs compiled (`LossSettings.compile_backend`): the
+    passes over the logits fuse into a few kernels."""
+    scale, cap, loss, ce_weight, top_k, with_grad, log_probs = how
     h = hidden.to(head_weight.dtype)
     logits = (h @ head_weight.T).float()  # as head_logits, finished in place: no [rows, V] temporaries
     candidates = lattice = expected = None
@@ -156,13 +171,13 @@ def _score_rows(hidden, labels, soft_ids, soft_probs, head_weight, scoring) -> _
         logits.mul_(scale)
     if cap:
         logits.div_(cap).tanh_().mul_(cap)
-    nll, loss_rows = row_losses(logits, labels, soft_ids, soft_probs, settings.loss, settings.ce_weight)
+    nll, loss_rows = row_losses(logits, labels, soft_ids, soft_probs, loss, ce_weight)
     correct = logits.argmax(dim=-1) == labels
     if top_k and not log_probs:
         candidates = best_first(logits, top_k)[1]
     grad_rows = None
     if with_grad:
-        grad = logit_gradients(logits, labels, soft_ids, soft_probs, settings.loss, settings.ce_weight)
+        grad = logit_gradients(logits, labels, soft_ids, soft_probs, loss, ce_weight)
         if cap:  # d(cap * tanh(z / cap)) / dz = 1 - tanh(z / cap)^2, computed in the logits' place
             grad *= logits.div_(cap).square_().neg_().add_(1.0)
         del logits
@@ -185,20 +200,19 @@ def _candidate_log_probs(logits, head_weight, top_k: int, with_grad: bool):
 
 @functools.cache
 def _row_scorer(backend: str | None):
-    """`_score_rows`, compiled with torch.compile's `backend` (one graph for every chunk's rows), or as it is
-    for None."""
+    """`_score_rows` as it is (None), or compiled with torch.compile's `backend`: one graph for every chunk,
+    its rows marked dynamic (the last chunk is shorter, and each new count would compile another graph)."""
     if backend is None:
         return _score_rows
-    return torch.compile(_score_rows, backend=backend, fullgraph=True)
+    compiled = torch.compile(_score_rows, backend=backend, fullgraph=True)
 
+    def score(hidden, labels, soft_ids, soft_probs, head_weight, how):
+        for t in (hidden, labels, soft_ids, soft_probs):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(hidden, labels, soft_ids, soft_probs, head_weight, how)
 
-def _dynamic_rows(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """`tensors` with their rows marked dynamic before a compiled scorer: the last chunk is shorter, and
-    each new count would otherwise compile another graph."""
-    for t in tensors:
-        if t is not None:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-    return tensors
+    return score
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
