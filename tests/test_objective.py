@@ -46,18 +46,21 @@ def test_fused_loss_equals_autograd_through_full_logits(chunk_rows, scale, softc
     assert not fused.grad[weights == 0].any()
 
 
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+
 @pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+    ("device", "backend"),
+    [("cpu", None), pytest.param("cuda", None, marks=ON_GPU), pytest.param("cuda", "inductor", marks=ON_GPU)],
 )
-def test_fused_loss_in_bf16_is_within_bf16_rounding_of_fp64_autograd(device):
-    """As the trainer runs on CUDA: bf16 rows and head, fp32 logits. The gradient, kept in bf16 and scaled in
-    backward, is as close to autograd's in fp64 as bf16 allows (measured on the CPU: 0.3% in norm, as the
-    unfused loss's)."""
+def test_fused_loss_in_bf16_is_within_bf16_rounding_of_fp64_autograd(device, backend):
+    """As the trainer runs on CUDA: bf16 rows and head, fp32 logits, each piece compiled there. The
+    gradient, kept in bf16 and scaled in backward, is as close to autograd's in fp64 as bf16 allows (measured
+    on the CPU: 0.3% in norm, as the unfused loss's)."""
     torch.manual_seed(0)
     hidden, head = torch.randn(300, 256, device=device), torch.randn(1024, 256, device=device) * 0.05
     labels, weights = torch.randint(0, 1024, (300,), device=device), torch.rand(300, device=device)
-    settings = LossSettings(chunk_rows=128, logit_softcap=30.0)
+    settings = LossSettings(chunk_rows=128, logit_softcap=30.0, compile_backend=backend)
     fused = hidden.bfloat16().requires_grad_()
     loss, _ = chunked_weighted_ce(fused, head.bfloat16(), labels, weights, settings)
     (loss / 37.0).backward()
@@ -124,7 +127,7 @@ def test_the_candidates_log_probs_and_their_gradient_come_from_the_same_pass(sca
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+    ["cpu", pytest.param("cuda", marks=ON_GPU)],
 )
 def test_the_candidates_log_probs_in_bf16_are_within_bf16_rounding_of_fp64_autograd(device):
     """As LiLiCorr trains on CUDA: bf16 rows and head. The log-probabilities and the gradient of loss +
