@@ -131,3 +131,28 @@ def test_eager_checks_stop_before_the_update():
     with pytest.raises(FloatingPointError, match="at step 1"):
         trainer.step(poisoned)
     assert all(torch.equal(v, before[k]) for k, v in trainer.drafter.state_dict().items())
+
+
+def test_the_warm_up_compiles_every_graph_the_steps_run(monkeypatch):
+    """On CUDA a drafter that keeps its activations runs its layers' regions and its loss's pieces compiled,
+    the layers reading the step's matrices cast once (`_step_weights`). The warm-up, which runs before the
+    channel opens, compiles what the steps then run, with those cast matrices: the first steps compile
+    nothing more (here on the CPU under aot_eager, the cast stood in by an fp32 copy)."""
+    from dataclasses import replace
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    trainer = small_trainer(lazy_checks=False)
+    trainer.drafter.set_recompute(False)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    trainer.drafter.compile_regions(counter)
+    trainer.settings = replace(trainer.settings, loss=replace(trainer.settings.loss, compile_backend=counter))
+    matrices = [(n, p) for n, p in trainer.drafter.named_parameters() if p.ndim == 2]
+    monkeypatch.setattr(trainer, "_step_weights", lambda: {n: p.clone() for n, p in matrices})
+    trainer.warm_up()
+    warmed = counter.frame_count
+    assert warmed == 5  # two regions (each twice: the first layer's input needs no gradient) and the loss
+    for seed in range(2):
+        trainer.step(random_batch(seed))
+    assert counter.frame_count == warmed

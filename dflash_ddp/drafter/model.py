@@ -317,7 +317,8 @@ class DFlashDecoderLayer(nn.Module):
         return self.mlp(hidden, self.post_attention_layernorm)
 
     def forward(self, hidden, context, cos, sin, mask, cache=None):
-        if self._compiled_after_attention is not None and cache is None and torch.is_grad_enabled():
+        compiled = self._compiled_after_attention is not None and not self.mlp.recompute
+        if compiled and cache is None and torch.is_grad_enabled():
             heads = self.self_attn.attended_heads(hidden, self.input_layernorm, context, cos, sin, mask)
             return self._compiled_after_attention(*_dynamic_lengths(hidden, heads))
         hidden = hidden + self.self_attn(hidden, self.input_layernorm, context, cos, sin, mask, cache)

@@ -200,8 +200,9 @@ def _candidate_log_probs(logits, head_weight, top_k: int, with_grad: bool):
 
 @functools.cache
 def _row_scorer(backend: str | None):
-    """`_score_rows` as it is (None), or compiled with torch.compile's `backend`: one graph for every chunk,
-    its rows marked dynamic (the last chunk is shorter, and each new count would compile another graph)."""
+    """`_score_rows` as it is (None), or compiled with torch.compile's `backend`: one graph for every chunk
+    of two rows or more, its rows marked dynamic (the last chunk is shorter, and each new count would compile
+    another graph; a last chunk of one row compiles one more)."""
     if backend is None:
         return _score_rows
     compiled = torch.compile(_score_rows, backend=backend, fullgraph=True)

@@ -238,11 +238,13 @@ class DrafterTrainer:
     def warm_up(self) -> None:
         """Forward and backward on made-up batches of two sequences and of one, then drop the gradients.
 
-        On CUDA this compiles the flex kernel (both of its graphs) and grows the allocator before the
-        hidden-state channel opens, so no target's send waits on the drafter's first, slowest step. Nothing
-        a training step reads changes: no optimizer step, no generator drawn from."""
+        On CUDA this compiles the flex kernel (both of its graphs), the layers' regions (with the cast weights
+        a step passes them) and the loss's pieces, and grows the allocator before the hidden-state channel
+        opens, so no target's send waits on the drafter's first, slowest step. Nothing a training step reads
+        changes: no optimizer step, no generator drawn from."""
         config, length = self.drafter.config, 2 * 128
         width = len(config.target_layer_ids) * config.hidden_size
+        weights = self._step_weights()  # as a step runs: compiled regions trace the weights it passes
         for rows in (2, 1):
             ids = torch.arange(rows * length).view(rows, length) % config.vocab_size
             batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids), torch.arange(rows))
@@ -255,7 +257,8 @@ class DrafterTrainer:
                     torch.full((rows, length, 2), 0.5, dtype=torch.bfloat16),
                 )
             for chunk in self._chunks(batch, features, epoch=0, soft=soft):
-                self._forward_backward(chunk, weight_sum)
+                self._forward_backward(chunk, weight_sum, weights)
+        del weights
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, micro_batches: list[tuple]) -> StepResult:
