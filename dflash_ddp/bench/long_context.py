@@ -64,11 +64,11 @@ VARIANTS = {
 LENGTHS = (2048, 8192, 16384)
 FULL = {"steps": 60, "prompts": 16, "new_tokens": 48, "lengths": LENGTHS, "length_steps": 3, "target": []}
 QUICK = {
-    "steps": 2,
+    "steps": 1,
     "prompts": 2,
     "new_tokens": 8,
     "lengths": (1024,),
-    "length_steps": 2,
+    "length_steps": 1,
     "target": ["--max_len", "1024", "--train_conversations", "4", "--heldout_conversations", "2",
                "--train_steps", "2", "--warmup_steps", "1"],
 }  # fmt: skip
