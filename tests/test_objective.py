@@ -286,26 +286,27 @@ def test_the_compiled_loss_equals_eager_with_one_graph_for_every_piece(case):
     anchors = [torch.tensor([3, 9, 15, 21, 30, 41, 50])]  # 7 blocks x 3 scored positions: pieces 8, 8, 5
     out, head = torch.randn(1, 28, 16), torch.randn(50, 16)
     pull = torch.randn(21, top_k)
+    inputs = build_block_inputs(ids, torch.ones_like(ids), anchors, 4, 49, LossSettings(**fields), soft=soft)
 
-    def score(backend):
+    def score(backend, hidden):
         settings = LossSettings(chunk_rows=8, compile_backend=backend, **fields)
-        inputs = build_block_inputs(ids, torch.ones_like(ids), anchors, 4, 49, settings, soft=soft)
+        return scored_rows(hidden, head, inputs, settings, top_k=top_k, log_probs=log_probs)
+
+    def score_and_grad(backend):
         hidden = out.clone().requires_grad_()
-        rows = scored_rows(hidden, head, inputs, settings, top_k=top_k, log_probs=log_probs)
+        rows = score(backend, hidden)
         pulled = rows.loss_sum + (pull * rows.candidate_log_probs).sum() if log_probs else rows.loss_sum
         pulled.backward()
         return rows, hidden.grad
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    (eager, eager_grad), (compiled, compiled_grad) = score(None), score(counter)
+    (eager, eager_grad), (compiled, compiled_grad) = score_and_grad(None), score_and_grad(counter)
     assert counter.frame_count == 1, counter.frame_count
     for name in ("loss_sum", "correct", "weights", "candidates", "candidate_log_probs"):
         torch.testing.assert_close(getattr(compiled, name), getattr(eager, name), rtol=0, atol=0, msg=name)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=0, atol=0)
     with torch.no_grad():  # evaluation's scoring: one more graph, the same loss
-        settings = LossSettings(chunk_rows=8, compile_backend=counter, **fields)
-        inputs = build_block_inputs(ids, torch.ones_like(ids), anchors, 4, 49, settings, soft=soft)
-        again = scored_rows(out, head, inputs, settings, top_k=top_k, log_probs=log_probs)
+        again = score(counter, out)
     assert counter.frame_count == 2
     torch.testing.assert_close(again.loss_sum, eager.loss_sum, rtol=0, atol=0)
