@@ -458,7 +458,11 @@ class TrainConfig:
         True, "memory and compute", "refuse at start a run whose predicted peak memory exceeds the machine's"
     )
     loss_chunk_size: int = setting(
-        1024, "memory and compute", "rows of the LM-head loss computed at once", minimum=1
+        0,
+        "memory and compute",
+        "rows of the LM-head loss computed at once; 0: the plan's choice (on CUDA a drafter chunk's rows in one "
+        "piece where that fits, else 1024; on the CPU 1024)",
+        minimum=0,
     )
     # checkpoints
     output_dir: str = setting(

@@ -116,8 +116,8 @@ def check_init_from(cfg) -> None:
 
 
 def check_together(cfg) -> None:
-    """Settings that only make sense with others: the decay's gamma, --calibrate, the channel's backend, the
-    taps, and --eval_steps."""
+    """Settings that only make sense with others: the decay's gamma, --calibrate, --plan_gpu_memory, the
+    channel's backend, the taps, and --eval_steps."""
     for name in ("loss_gamma", "loss_gamma_start"):
         if getattr(cfg, name) is not None and cfg.position_weighting != "decay":
             raise ValueError(
@@ -126,6 +126,11 @@ def check_together(cfg) -> None:
             )
     if cfg.calibrate and not cfg.plan:
         raise ValueError("--calibrate measures the split for --plan: pass --plan --calibrate")
+    if cfg.plan_gpu_memory and not cfg.plan:
+        raise ValueError(
+            f"--plan_gpu_memory {cfg.plan_gpu_memory} plans a run on other GPUs and a run judges its fit on its "
+            "own devices: pass --plan with it, or drop it"
+        )
     if cfg.channel_backend == "nccl" and cfg.device == "cpu":
         raise ValueError("--channel_backend nccl needs GPUs: use --device cuda, or --channel_backend gloo")
     if cfg.target_layer_ids is not None and len(cfg.target_layer_ids) == 0:

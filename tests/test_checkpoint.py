@@ -566,7 +566,11 @@ def test_the_checkpoint_records_how_the_drafter_ran(finished_run):
     """The plan's execution (on a CPU with room: nothing recomputed) is in trainer_state.json; a resume may
     run another (it changes no result beyond rounding), so it is recorded, not compared."""
     saved = load_trainer_state(_newest(finished_run))
-    assert saved["execution"] == {"recompute": "none", "gradient_checkpointing": False}
+    assert saved["execution"] == {
+        "recompute": "none",
+        "gradient_checkpointing": False,
+        "loss_chunk_size": 1024,
+    }
     current = json.loads(json.dumps(saved))
-    current["execution"] = {"recompute": "qkv_mlp", "gradient_checkpointing": True}
+    current["execution"] = {"recompute": "qkv_mlp", "gradient_checkpointing": True, "loss_chunk_size": 8192}
     assert check_same_run(saved, current, [], _newest(finished_run)) == []

@@ -22,6 +22,7 @@ from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.drafter.config import DFlashDraftConfig, default_target_layer_ids, drafter_config_for
 from dflash_ddp.drafter.memory import DrafterLoad, drafter_memory
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
+from dflash_ddp.drafter.weighting import LOSS_PIECE_ROWS
 from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target
@@ -79,7 +80,7 @@ def run_point(point: dict) -> dict:
         chunk_tokens=positions,
         tokens_per_batch=tokens,
         max_seq_len=point["seq_len"],
-        loss_chunk_size=1024,
+        loss_chunk_size=LOSS_PIECE_ROWS,  # StepSettings' default loss, in pieces
         attention=point["attention"],
         dtype_bytes=4,
         received_batches=0,

@@ -218,7 +218,7 @@ def build_trainer(cfg: TrainConfig, c: DFlashDraftConfig, execution: Execution, 
     del embed, head
     drafter = build_drafter(c, cfg.seed, device)
     configure_execution(drafter, execution, device)
-    settings = step_settings(cfg, resolve_attention(cfg.attention, device))
+    settings = step_settings(cfg, resolve_attention(cfg.attention, device), execution.loss_rows)
     return DrafterTrainer(drafter, shared, settings, optimizer_settings(cfg, 1000))
 
 
@@ -350,6 +350,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the drafter's execution (as --recompute of a run; auto: the plan's choice for this device)",
     )
     group.add_argument(
+        "--loss_chunk_size",
+        type=int,
+        default=0,
+        help="rows of a loss piece (as a run's; 0: the plan's choice, on CUDA a chunk's rows in one piece)",
+    )
+    group.add_argument(
         "--peak_tflops", type=float, default=None, help="dense bf16 peak of the device (default: the table)"
     )
     group.add_argument(
@@ -389,6 +395,7 @@ def run(args: argparse.Namespace) -> dict:
         max_seq_len=scale.max_seq_len,
         tokens_per_batch=scale.tokens_per_batch,
         recompute=args.recompute,
+        loss_chunk_size=args.loss_chunk_size,
     )
     # what --plan predicts for a drafter rank and a target rank of the recipe's 7 + 1 launch
     memory = plan_memory(cfg, info, c, Topology(WORLD, WORLD - 1, 1), device)

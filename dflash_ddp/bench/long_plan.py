@@ -85,6 +85,9 @@ def bench_long_plan() -> list[str]:
                 f"{m.target.total / GIB:.1f} GiB ({m.target.describe()}) | {p.message_bytes / GIB:.2f} GiB | "
                 f"{'yes' if m.fit.fits else 'no'} |"
             )
-        lines.append(f"{family}: longest that fits: {longest_fitting(rows)} tokens")
+        lines.append(
+            f"{family}: longest that fits: {longest_fitting(rows)} tokens; the drafter's execution at "
+            f"{rows[0].length}: {rows[0].memory.execution.describe()}"
+        )
     print("\n".join(lines))
     return lines

@@ -21,8 +21,10 @@ matmuls and softmax pieces per anchor chunk) where CUDA runs flex (a few compile
 adamw` counts foreach AdamW where CUDA runs the fused kernel; CUDA's autocast casts more functions to fp32
 than the CPU's (exp, log, sum, softmax: none sees a bf16 input in the step today); and the blocks (anchors,
 block ids, masks), which a GPU builds on the host and copies over, are counted apart and left out of the
-launching figure. The loops over row pieces (MLP_ROWS, the norms' backward pieces, --loss_chunk_size) run
-once at this size and many times at the recipe's: the figure counts the kernels per piece, not the pieces.
+launching figure. The loops over row pieces (the recomputing execution's MLP_ROWS and norms' backward
+pieces; the loss's --loss_chunk_size where the plan chooses pieces) run once at this size and many times at
+the recipe's: the figure counts the kernels per piece, not the pieces. With nothing recomputed and the loss in
+one piece a chunk, as CUDA's plan chooses where they fit, no such loop runs at the recipe's size either.
 """
 
 from __future__ import annotations
@@ -187,8 +189,10 @@ def count_step_ops(overrides: dict | None = None, build: Builder | None = None, 
 
 
 def _default_build(cfg: TrainConfig, c: DFlashDraftConfig, device: torch.device) -> DrafterTrainer:
-    # the execution a GPU's plan picks at the recipe's shapes unless told otherwise: nothing recomputed
-    execution = Execution(cfg.recompute == "qkv_mlp", bool(cfg.gradient_checkpointing))
+    # the execution a GPU's plan picks at the recipe's shapes unless told otherwise: nothing recomputed, a
+    # chunk's loss in one piece
+    loss_rows = cfg.loss_chunk_size or cfg.drafter_chunk_tokens
+    execution = Execution(cfg.recompute == "qkv_mlp", bool(cfg.gradient_checkpointing), loss_rows)
     return build_trainer(cfg, c, execution, device)
 
 

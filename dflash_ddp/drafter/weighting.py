@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 POSITION_WEIGHTINGS = ("decay", "dpace", "auf")
+# rows of an LM-head loss piece where memory or the CPU asks for pieces (--loss_chunk_size 0 elsewhere: plan.py)
+LOSS_PIECE_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class LossSettings:
     dpace_smoothing: float = 0.5  # D-PACE's a
     loss: str = "ce"  # ce | kl | tv (see distillation.py); kl and tv read the target's soft targets
     ce_weight: float = 0.0  # the hard label's CE mixed into kl or tv
-    chunk_rows: int = 1024  # rows of the LM-head loss computed at once
+    chunk_rows: int = LOSS_PIECE_ROWS  # rows of the LM-head loss computed at once
     selector_weight: float = 1.0  # the candidate selector's loss beside the LM head's (DFlash2, selector.py)
     # DSpark's terms (dspark.py): CE of the Markov-biased logits, their L1 distance to the target's
     # distribution, and the confidence head's BCE (the reference's 0.1 / 0.9 / 1.0)

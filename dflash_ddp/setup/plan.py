@@ -16,6 +16,7 @@ from dflash_ddp.drafter.config import DFlashDraftConfig, resolve_attention
 from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.memory import DrafterLoad, drafter_memory
 from dflash_ddp.drafter.optimizer import optimizer_state_bytes
+from dflash_ddp.drafter.weighting import LOSS_PIECE_ROWS
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
 from dflash_ddp.target_model.info import TargetInfo, layers_run, truncated_parameter_count
@@ -26,6 +27,12 @@ def run_device(cfg: TrainConfig) -> torch.device:
     """The device this rank will train on (before any process group exists); as `init_distributed` picks it,
     so a channel through host memory lets ranks share a GPU here too."""
     return select_device(cfg.device, env_world()[2], share_gpus=cfg.channel_backend == "gloo")
+
+
+def planned_device(cfg: TrainConfig) -> torch.device:
+    """The device the plan sizes the run for: this rank's, or with --plan_gpu_memory another machine's GPU
+    (bf16, flex attention and CUDA's loss pieces; nothing runs on it)."""
+    return torch.device("cuda") if cfg.plan_gpu_memory else run_device(cfg)
 
 
 def drafter_sizes(config: DFlashDraftConfig, optimizer: str) -> tuple[int, int]:
@@ -49,17 +56,20 @@ def node_roles(topology: Topology) -> list[str]:
 @dataclass(frozen=True)
 class Execution:
     """How the drafter trades memory for compute: whether its layers recompute q/k/v and the MLP in backward
-    (--recompute qkv_mlp) and whether each whole layer is recomputed (--gradient_checkpointing), and why."""
+    (--recompute qkv_mlp), whether each whole layer is recomputed (--gradient_checkpointing) and how many
+    rows the LM-head loss scores at once (--loss_chunk_size), and why."""
 
     recompute: bool
     checkpointing: bool
+    loss_rows: int = LOSS_PIECE_ROWS
     reason: str = ""
 
     def describe(self) -> str:
-        """'recompute none, gradient checkpointing off: <why>'."""
+        """'recompute none, gradient checkpointing off, loss pieces of 1024 rows: <why>'."""
         kind = "qkv_mlp" if self.recompute else "none"
-        return f"recompute {kind}, gradient checkpointing {'on' if self.checkpointing else 'off'}" + (
-            f": {self.reason}" if self.reason else ""
+        return (
+            f"recompute {kind}, gradient checkpointing {'on' if self.checkpointing else 'off'}, "
+            f"loss pieces of {self.loss_rows} rows" + (f": {self.reason}" if self.reason else "")
         )
 
     def record(self) -> dict:
@@ -67,16 +77,26 @@ class Execution:
         return {
             "recompute": "qkv_mlp" if self.recompute else "none",
             "gradient_checkpointing": self.checkpointing,
+            "loss_chunk_size": self.loss_rows,
         }
 
 
-def executions(cfg: TrainConfig) -> list[Execution]:
-    """The executions the settings allow, fastest first: keeping every activation runs each matmul once and
-    launches the fewest kernels; recomputing q/k/v and the MLP costs about a quarter more of the layers'
-    FLOPs; recomputing whole layers a third more."""
+def executions(cfg: TrainConfig, device: torch.device, positions: int) -> list[Execution]:
+    """The executions the settings allow on `device` for chunks of `positions` draft positions, fastest
+    first: keeping every activation runs each matmul once and launches the fewest kernels; recomputing q/k/v
+    and the MLP costs about a quarter more of the layers' FLOPs; recomputing whole layers a third more. Within
+    each, on CUDA, the loss scores a chunk's rows in one piece (one compiled call and the head's two products,
+    no loop over pieces) before pieces of LOSS_PIECE_ROWS; on the CPU pieces of LOSS_PIECE_ROWS (measured
+    there, the loss alone took 1-2% longer in one piece)."""
     recomputes = {"none": [False], "qkv_mlp": [True], "auto": [False, True]}[cfg.recompute]
     checkpoints = [False, True] if cfg.gradient_checkpointing is None else [cfg.gradient_checkpointing]
-    return [Execution(r, c) for c in checkpoints for r in recomputes]
+    if cfg.loss_chunk_size:
+        loss_pieces = [cfg.loss_chunk_size]
+    elif device.type == "cuda" and positions > LOSS_PIECE_ROWS:
+        loss_pieces = [positions, LOSS_PIECE_ROWS]
+    else:
+        loss_pieces = [LOSS_PIECE_ROWS]
+    return [Execution(r, c, rows) for c in checkpoints for r in recomputes for rows in loss_pieces]
 
 
 @dataclass
@@ -122,7 +142,7 @@ def plan_memory(
             chunk_tokens=positions,
             tokens_per_batch=batch_tokens,
             max_seq_len=cfg.max_seq_len,
-            loss_chunk_size=cfg.loss_chunk_size,
+            loss_chunk_size=execution.loss_rows,
             attention=resolve_attention(cfg.attention, device),
             dtype_bytes=dtype_bytes,
             # split: up to --max_inflight batches arrive while one trains
@@ -154,7 +174,7 @@ def plan_memory(
         else 0
     )
     execution, plan, fit = choose_execution(
-        executions(cfg), drafter, lambda p: check_fit(p, target, roles, device, gpu_bytes)
+        executions(cfg, device, positions), drafter, lambda p: check_fit(p, target, roles, device, gpu_bytes)
     )
     return RunMemory(plan, target, fit, execution, params, whole * dtype_bytes)
 
@@ -169,7 +189,7 @@ def choose_execution(candidates: list[Execution], plan_of, fit_of) -> tuple[Exec
     chosen = fitting[0] if fitting else min(range(len(fits)), key=lambda i: (fits[i].needed, i))
     fit = fits[chosen]
     if len(candidates) == 1:
-        reason = "as set (--recompute, --gradient_checkpointing)"
+        reason = "the one the settings allow here (--recompute, --gradient_checkpointing, --loss_chunk_size)"
     elif not fitting:
         reason = f"none fits {fit.where}"
     elif chosen:

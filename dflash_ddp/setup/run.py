@@ -34,6 +34,7 @@ from dflash_ddp.setup.plan import (
     context_length_plans,
     longest_fitting,
     plan_memory,
+    planned_device,
     run_device,
 )
 from dflash_ddp.setup.warm_start import (
@@ -116,7 +117,7 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         info = dataclasses.replace(info, path=view)
     if warm and (not cfg.plan or cfg.calibrate or source.repo_id is None):  # the target's files are here
         check_source_target(cfg, warm, info.path, source.commit)
-    memory = plan_memory(cfg, info, drafter_config, topology, device, plan_gpu_bytes(cfg))
+    memory = plan_memory(cfg, info, drafter_config, topology, planned_device(cfg), plan_gpu_bytes(cfg))
     return RunSetup(source, info, tokenizer, drafter_config, memory, warm)
 
 
@@ -251,7 +252,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     """Topology, sizes and predicted memory per rank; loads no weights."""
     c, info, memory = setup.drafter_config, setup.info, setup.memory
     drafter, target, fit = memory.drafter, memory.target, memory.fit
-    width_bytes = len(c.target_layer_ids) * info.hidden_size * compute_dtype(run_device(cfg)).itemsize
+    width_bytes = len(c.target_layer_ids) * info.hidden_size * compute_dtype(planned_device(cfg)).itemsize
     soft_bytes = 6 * cfg.target_topk
     extra_layers = info.num_layers - max(c.target_layer_ids) - 1
     soft_cost = (
@@ -297,8 +298,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "drafter_execution": memory.execution.describe(),
         "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
     }
-    device = run_device(cfg)
-    contexts = context_length_plans(cfg, info, c, topology, device, plan_gpu_bytes(cfg))
+    contexts = context_length_plans(cfg, info, c, topology, planned_device(cfg), plan_gpu_bytes(cfg))
     for p in contexts:
         plan[f"context_{p.length // 1024}K"] = (
             f"drafter rank {p.memory.drafter.total / GIB:.1f} GiB, target rank {p.memory.target.total / GIB:.1f} "

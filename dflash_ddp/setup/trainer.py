@@ -27,7 +27,7 @@ def build_trainer(
     if setup.warm_start:  # --init_from (a resumed run's checkpoint then replaces these weights)
         load_warm_start(drafter, setup.warm_start)
     configure_execution(drafter, setup.memory.execution, device)
-    settings = step_settings(cfg, resolve_attention(cfg.attention, device))
+    settings = step_settings(cfg, resolve_attention(cfg.attention, device), setup.memory.execution.loss_rows)
     return DrafterTrainer(drafter, head, settings, optimizer_settings(cfg, total_steps), group)
 
 
@@ -40,15 +40,16 @@ def configure_execution(drafter: DFlashDraftModel, execution: Execution, device:
         drafter.compile_regions()
 
 
-def step_settings(cfg: TrainConfig, attention: str) -> StepSettings:
-    """What a drafter step reads of the run's config (`attention`: the resolved kernel)."""
+def step_settings(cfg: TrainConfig, attention: str, loss_rows: int) -> StepSettings:
+    """What a drafter step reads of the run's config (`attention`: the resolved kernel; `loss_rows`: the
+    execution's rows of a loss piece)."""
     loss = LossSettings(
         weighting=cfg.position_weighting,
         gamma=cfg.loss_gamma,
         dpace_smoothing=cfg.dpace_smoothing,
         loss=cfg.loss,
         ce_weight=cfg.ce_weight,
-        chunk_rows=cfg.loss_chunk_size,
+        chunk_rows=loss_rows,
         selector_weight=cfg.selector_loss_alpha,
         soft_targets=cfg.target_topk > 0,
         dspark_ce_alpha=cfg.dspark_ce_alpha,
