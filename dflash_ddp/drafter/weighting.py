@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 POSITION_WEIGHTINGS = ("decay", "dpace", "auf")
-# rows of an LM-head loss piece where memory or the CPU asks for pieces (--loss_chunk_size 0 elsewhere: plan.py)
+# rows of an LM-head loss piece where the loss runs in pieces: on the CPU, or where memory requires (plan.py)
 LOSS_PIECE_ROWS = 1024
 
 

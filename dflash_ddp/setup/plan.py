@@ -61,7 +61,7 @@ class Execution:
 
     recompute: bool
     checkpointing: bool
-    loss_rows: int = LOSS_PIECE_ROWS
+    loss_rows: int
     reason: str = ""
 
     def describe(self) -> str:
