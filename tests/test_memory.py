@@ -212,7 +212,7 @@ def test_the_plan_predicts_a_long_context_run_within_a_third(tiny_target, tmp_pa
     assert 1 / 1.3 <= predicted / measured <= 1.3, (predicted, measured)
 
 
-def test_the_plan_keeps_every_activation_where_it_fits_and_recomputes_where_it_does_not(tmp_path):
+def test_the_plan_keeps_every_activation_where_it_fits_and_recomputes_where_it_does_not(tmp_path, capsys):
     """--plan for GPUs of three sizes (the embedded target, 512 anchors x 16 over 4096 tokens, sized as CUDA
     runs it: bf16): on the largest nothing is recomputed and the loss scores a chunk's rows in one piece; on a
     smaller one the loss goes in pieces first; on one too small for that the drafter recomputes q/k/v and the
@@ -220,9 +220,11 @@ def test_the_plan_keeps_every_activation_where_it_fits_and_recomputes_where_it_d
     is kept."""
     flags = ["--block_size", "16", "--num_anchors", "512", "--tokens_per_batch", "4096"]
     flags += ["--output_dir", str(tmp_path / "run"), "--plan"]
-    execution = lambda *more: next(  # noqa: E731
-        line for line in cli(*flags, *more).splitlines() if "drafter_execution" in line
-    )
+
+    def execution(*more: str) -> str:
+        assert main([*flags, *more]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if "drafter_execution" in line)
+
     large = execution("--plan_gpu_memory", "8")
     assert (
         "recompute none, gradient checkpointing off, loss pieces of 8192 rows: the fastest, and it fits"
