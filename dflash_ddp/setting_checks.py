@@ -131,6 +131,11 @@ def check_together(cfg) -> None:
             f"--plan_gpu_memory {cfg.plan_gpu_memory} plans a run on other GPUs and a run judges its fit on its "
             "own devices: pass --plan with it, or drop it"
         )
+    if cfg.plan_gpu_memory and cfg.calibrate:
+        raise ValueError(
+            f"--calibrate times the ranks on this machine's devices and --plan_gpu_memory {cfg.plan_gpu_memory} "
+            "plans for other GPUs: calibrate on the machine that will train, or drop --calibrate"
+        )
     if cfg.channel_backend == "nccl" and cfg.device == "cpu":
         raise ValueError("--channel_backend nccl needs GPUs: use --device cuda, or --channel_backend gloo")
     if cfg.target_layer_ids is not None and len(cfg.target_layer_ids) == 0:

@@ -48,6 +48,10 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--channel_backend", "mpi"], "--channel_backend mpi: choose auto"),
         (["--channel_backend", "nccl", "--device", "cpu"], "--channel_backend nccl needs GPUs"),
         (["--plan_gpu_memory", "141"], "--plan_gpu_memory 141.0 plans a run on other GPUs .* pass --plan"),
+        (
+            ["--plan", "--calibrate", "--plan_gpu_memory", "141"],
+            "--calibrate times the ranks on this machine's devices .* drop --calibrate",
+        ),
         (["--loss_chunk_size", "-1"], "--loss_chunk_size -1: must be at least 0"),
         (["--overlength", "cut"], "--overlength cut: choose truncate or drop"),
         (

@@ -370,6 +370,10 @@ def run(args: argparse.Namespace) -> dict:
     """Measure, print and write OUT/gpu_shapes.json; returns the figures."""
     device = select_device(args.device, 0)
     scale = SCALES[args.scale]
+    if args.loss_chunk_size < 0:
+        raise SystemExit(
+            f"--loss_chunk_size {args.loss_chunk_size}: rows of a loss piece, or 0 for the plan's"
+        )
     if args.scale != "tiny" and device.type != "cuda":
         raise SystemExit(f"--scale {args.scale} needs a GPU (about 60 GB); pass --scale tiny on a CPU")
     out = Path(args.out)

@@ -117,8 +117,9 @@ class DFlashDraftConfig(PretrainedConfig):
         """Parameters of the family's lookup tables (kept on AdamW), shown apart in the memory plan."""
         return 0
 
-    def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
-        """Bytes the family's loss holds beside DFlash's for `rows` rows at once."""
+    def extra_loss_bytes(self, rows: int, positions: int, dtype_bytes: int) -> int:
+        """Bytes the family's loss holds beside DFlash's, for a loss piece of `rows` rows of a chunk of
+        `positions` draft positions (what a family's loss does for the whole chunk at once)."""
         return 0
 
 

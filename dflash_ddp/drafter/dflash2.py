@@ -82,7 +82,7 @@ class DFlash2DraftConfig(DFlashDraftConfig):
         """The selector's two codebooks, [V, rank] each."""
         return 2 * self.vocab_size * self.selector_rank
 
-    def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
+    def extra_loss_bytes(self, rows: int, positions: int, dtype_bytes: int) -> int:
         """The selector's loss per chunk of rows: the gathered LM-head rows of the candidates [rows, K, H],
         in forward and again in backward, and each codebook's dense fp32 gradient [V, rank]."""
         gathered = 2 * rows * self.selector_top_k * self.hidden_size * dtype_bytes

@@ -85,7 +85,7 @@ class DSparkDraftConfig(DFlashDraftConfig):
         """The Markov head's two [V, rank] tables."""
         return 2 * self.vocab_size * self.markov_rank
 
-    def extra_loss_bytes(self, rows: int, dtype_bytes: int) -> int:
+    def extra_loss_bytes(self, rows: int, positions: int, dtype_bytes: int) -> int:
         """The biased logits and their softmax per chunk of rows (fp32), beside the LM head's own."""
         return 2 * rows * self.vocab_size * 4
 

@@ -116,7 +116,7 @@ def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
     # forward to its backward; DSpark's checkpointed loss adds it up over its chunks' backward)
     loss_rows = min(loss_chunk_size, positions)
     loss_ws = 2 * loss_rows * c.vocab_size * 4 + positions * c.hidden_size * dtype_bytes
-    loss_ws += c.extra_loss_bytes(loss_rows, dtype_bytes)
+    loss_ws += c.extra_loss_bytes(loss_rows, positions, dtype_bytes)
     if load.attention == "dense":  # the reference path: a [Q, S + Q] mask and its complement, SDPA's blocks
         # 10 bytes per mask entry on the CPU (measured, torch 2.13); on CUDA the math kernel keeps the
         # scores and their softmax per head

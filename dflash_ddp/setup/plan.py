@@ -31,7 +31,7 @@ def run_device(cfg: TrainConfig) -> torch.device:
 
 def planned_device(cfg: TrainConfig) -> torch.device:
     """The device the plan sizes the run for: this rank's, or with --plan_gpu_memory another machine's GPU
-    (bf16, flex attention and CUDA's loss pieces; nothing runs on it)."""
+    (bf16, flex attention under --attention auto, CUDA's loss pieces; nothing runs on it)."""
     return torch.device("cuda") if cfg.plan_gpu_memory else run_device(cfg)
 
 
