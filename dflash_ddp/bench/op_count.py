@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig, default_target_layer_ids, drafter_config_for
 from dflash_ddp.drafter.trainer import DrafterTrainer
-from dflash_ddp.setup.plan import Execution
+from dflash_ddp.setup.plan import executions
 from dflash_ddp.target_model.info import target_info_from_config
 
 from .gpu_shapes import SCALES, build_trainer, qwen3_config, random_batch
@@ -189,10 +189,8 @@ def count_step_ops(overrides: dict | None = None, build: Builder | None = None, 
 
 
 def _default_build(cfg: TrainConfig, c: DFlashDraftConfig, device: torch.device) -> DrafterTrainer:
-    # the execution a GPU's plan picks at the recipe's shapes unless told otherwise: nothing recomputed, a
-    # chunk's loss in one piece
-    loss_rows = cfg.loss_chunk_size or cfg.drafter_chunk_tokens
-    execution = Execution(cfg.recompute == "qkv_mlp", bool(cfg.gradient_checkpointing), loss_rows)
+    # the execution a GPU's plan picks where it has room: the fastest the settings allow there
+    execution = executions(cfg, torch.device("cuda"), cfg.drafter_chunk_tokens)[0]
     return build_trainer(cfg, c, execution, device)
 
 
