@@ -1,6 +1,9 @@
 """The target side: which hidden states are tapped, what is loaded, and bad target directories."""
 
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +20,7 @@ from dflash_ddp.target_model.features import (
 )
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, layer_mlp_widths
+from dflash_ddp.target_model.memory import TargetLoad, target_memory
 
 
 @pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])
@@ -161,6 +165,57 @@ def test_a_prefill_in_pieces_equals_one_pass(tiny_target, topk):
     if topk:
         assert torch.equal(soft_a.ids, soft_b.ids)
         torch.testing.assert_close(soft_b.probs.float(), soft_a.probs.float(), rtol=0, atol=1e-2)
+
+
+# Runs in a fresh process, so that the peak is this forward's (VmHWM reset after a warm-up forward)
+MEASURE_FORWARD = """
+import sys, torch
+from pathlib import Path
+from dflash_ddp.parallel.machine import peak_resident_bytes
+from dflash_ddp.target_model.features import TargetFeatureExtractor
+from dflash_ddp.target_model.info import inspect_target
+torch.set_num_threads(1)
+rows, length, piece = map(int, sys.argv[2:])
+extractor = TargetFeatureExtractor(inspect_target(Path(sys.argv[1])), [1, 2, 3], torch.device("cpu"),
+                                   torch.float32, prefill_tokens=piece)
+ids, mask = torch.randint(4, 290, (rows, length)), torch.ones(rows, length, dtype=torch.long)
+mask[1:, -10:] = 0  # rows after the first end early: padding
+extractor(ids[:, :256], mask[:, :256])
+resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+base = resident()
+Path("/proc/self/clear_refs").write_text("5")
+extractor(ids, mask)
+print(peak_resident_bytes() - base)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+@pytest.mark.parametrize(
+    ("rows", "length", "piece"),
+    [(1, 8192, 2048), (2, 4096, 0)],  # a prefill in pieces; two padded rows in one pass
+    ids=["prefill_in_pieces", "padded_rows"],
+)
+def test_the_plan_counts_the_attention_mask_a_target_forward_builds(tiny_target, rows, length, piece):
+    """transformers' sdpa path builds a [rows, queries, keys] boolean mask, which torch turns into an additive
+    one, where a prefill piece follows cached keys or rows are padded (in fp32 five bytes per query and key:
+    80 MiB for 2048 x 8192, where the activations take a few). The target rank's predicted peak against a
+    real forward's: 1.08x in both cases when written."""
+    info = inspect_target(tiny_target)
+    load = TargetLoad(
+        num_params=0,  # the weights are resident before the measurement starts
+        target_layer_ids=[1, 2, 3],
+        layers=4,
+        tokens_per_batch=rows * length,
+        dtype_bytes=4,
+        prefill_tokens=piece,
+        max_seq_len=length,
+    )
+    plan = target_memory(info, load)
+    args = [sys.executable, "-c", MEASURE_FORWARD, str(tiny_target), str(rows), str(length), str(piece)]
+    measured = int(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
+    assert 1.0 <= plan.total / measured <= 1.15, (plan.describe(), measured / 2**30)
+    without_mask = plan.total - plan.parts["attention mask"] - plan.parts["repeated keys and values"]
+    assert measured > 2 * without_mask  # the plan missed more than half of it before it counted the mask
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,12 @@
 """(i) `python -m dflash_ddp.bench --only long_plan`: `--plan`'s memory model for Qwen3-8B at long context, as
 the recipe's 7+1 launch on 8 GPUs of 141 GB (H200), from Qwen3-8B's published shape (no download): each
-rank's predicted peak and one message at 8K-128K tokens per sequence, for a DFlash and a DFlash2 drafter
-(its selector's codebooks shown apart). A prediction, not a measurement.
+rank's predicted peak and one message at 8K-128K tokens per sequence, for each drafter family (selector
+codebooks shown apart), then the target rank with its prefill in pieces. A prediction, not a measurement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -37,6 +38,7 @@ QWEN3_8B = dict(
     tie_word_embeddings=False,
 )
 GPU_GIB = 141
+PREFILL_PIECE = 8192  # the prefill's piece in the table's last lines
 WORLD = 8
 
 
@@ -65,6 +67,10 @@ def bench_long_plan() -> list[str]:
                     config_class,
                 )
                 plans[family] = context_length_plans(cfg, info, c, topology, device, GPU_GIB * GIB)
+            # the target rank alone depends on the prefill: in pieces its mask spans a piece's rows, not a
+            # batch's, at the cost of the batch's KV cache
+            pieces = dataclasses.replace(cfg, target_prefill_tokens=PREFILL_PIECE)
+            prefilled = context_length_plans(pieces, info, c, topology, device, GPU_GIB * GIB)
         finally:
             for key, value in before.items():
                 if value is None:
@@ -89,5 +95,10 @@ def bench_long_plan() -> list[str]:
             f"{family}: longest that fits: {longest_fitting(rows)} tokens; the drafter's execution at "
             f"{rows[0].length}: {rows[0].memory.execution.describe()}"
         )
+    lines.append(f"the target rank with --target_prefill_tokens {PREFILL_PIECE}:")
+    lines += [
+        f"| {p.length} | {p.memory.target.total / GIB:.1f} GiB ({p.memory.target.describe()}) |"
+        for p in prefilled
+    ]
     print("\n".join(lines))
     return lines

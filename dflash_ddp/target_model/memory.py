@@ -10,6 +10,8 @@ from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model.info import TargetInfo
 
 SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once when taking the top-k
+# layer types that attend through a [query x key] mask (linear-attention layers take the padding alone)
+MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     ranks of its tensor-parallel group), one forward's activations, features in flight; with `topk` soft
     targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
     prefill in pieces, one piece's activations of every sequence in the batch, and the KV cache of the
-    whole batch."""
+    whole batch. The attention's mask at its largest (`attention_mask_bytes`)."""
     target_layer_ids, tokens_per_batch, dtype_bytes = (
         load.target_layer_ids,
         load.tokens_per_batch,
@@ -60,9 +62,35 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
         parts["KV cache"] = (
             2 * tokens_per_batch * layers * info.num_key_value_heads * info.head_dim * dtype_bytes // tp_size
         )
+    parts.update(attention_mask_bytes(info, load, running))
     if topk:
         parts["LM head"] = info.vocab_size * info.hidden_size * dtype_bytes
         # a chunk's logits, their softmax and the top-k's work space in fp32
         parts["soft-target logits"] = 3 * min(tokens_per_batch, SOFT_TARGET_CHUNK) * info.vocab_size * 4
         parts["soft targets"] = (2 + inflight) * tokens_per_batch * topk * 6  # the top-k, masked, in flight
     return MemoryPlan(parts)
+
+
+def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> dict[str, int]:
+    """What transformers' sdpa attention adds when a forward needs an explicit mask: a piece of the prefill
+    after the first (its queries sit after the cached keys, which torch's causal flag cannot express) or a
+    batch of rows padded to its longest. A boolean [rows, queries, keys] mask per kind of attention layer,
+    held through the forward; in each layer's call torch turns it into an additive mask of the activations'
+    dtype, and transformers repeats grouped keys and values to every query head (sdpa's grouped path takes
+    no mask on CUDA). `running`: the positions of a piece (all rows), or the batch's in one pass. Measured
+    on the CPU (fp32: five bytes per mask value); on an H200 the GPU check's 32K-token prefill in pieces of
+    8192 peaked 0.73 GiB above a plan without it, the 0.75 GiB that three bytes per value make."""
+    tokens, max_seq_len, piece = load.tokens_per_batch, load.max_seq_len, load.prefill_tokens
+    if piece and piece < max_seq_len:  # the last piece of each row attends to the whole row
+        queries, rows, keys = running, max(1, tokens // max_seq_len), max_seq_len
+    else:  # one row needs no mask; rows padded to the longest: rows x longest <= tokens_per_batch
+        keys = min(max_seq_len, tokens // 2)
+        queries, rows = tokens, tokens // max(1, keys)
+    if keys < 1:
+        return {}
+    types = {t for t in info.layer_types[: load.layers] if t in MASKED_LAYER_TYPES} or {"full_attention"}
+    parts = {"attention mask": queries * keys * (len(types) + load.dtype_bytes)}
+    if info.num_attention_heads > info.num_key_value_heads:
+        width = info.num_attention_heads * info.head_dim // load.tp_size
+        parts["repeated keys and values"] = 2 * rows * keys * width * load.dtype_bytes
+    return parts
