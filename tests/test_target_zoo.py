@@ -85,6 +85,28 @@ def test_every_zoo_target_trains_exports_and_decodes_losslessly(name, zoo, chat_
     assert f"model type `{info.model_type}`" in card
 
 
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_a_rows_features_do_not_depend_on_its_batch_or_the_prefills_pieces(name, zoo):
+    """The extractor gives the model no padding mask (rows are right-padded, and nothing causal reaches a
+    row's padding from its real positions): in a padded batch, in one pass and in pieces of 8 positions
+    (which cross every zoo target's sliding windows and chunks), a row's features equal the row's alone. Taps
+    1 and 2 cut the hybrids to their linear-attention layers, whose prefill in pieces once stopped in
+    transformers' mask builder (a cache without an attention layer)."""
+    info = inspect_target(zoo(name))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 200, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 13:] = 0  # the second row ends inside the second piece
+    alone = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)
+    rows = [alone(ids[i : i + 1, :n], mask[i : i + 1, :n])[0][0] for i, n in enumerate((24, 13))]
+    for prefill in (0, 8):
+        extractor = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32, prefill_tokens=prefill)
+        features, _ = extractor(ids, mask)
+        torch.testing.assert_close(features[0], rows[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(features[1, :13], rows[1], rtol=1e-5, atol=1e-5)
+        assert not features[1, 13:].any()  # padding zeroed
+
+
 def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_loads(
     zoo, chat_data, tmp_path, capsys
 ):

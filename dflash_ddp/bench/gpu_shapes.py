@@ -179,7 +179,7 @@ def measure_target(config, taps: list[int], batch: Batch, device: torch.device, 
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
 
     def forward(model):
-        features = tapped_features(model, model.layers, taps, ids, mask)
+        features = tapped_features(model, model.layers, taps, ids, None)  # no padding mask, as the extractor
         return features * mask[..., None].to(features.dtype)  # as TargetFeatureExtractor zeroes padding
 
     forward(model)

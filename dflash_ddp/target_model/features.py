@@ -127,6 +127,10 @@ class TargetFeatureExtractor:
         self.topk = topk
         self.prefill_tokens = prefill_tokens  # positions run at once (0: the whole sequence in one pass)
         keep = layers_run(info.num_layers, self.target_layer_ids, topk)
+        # the prefill's cache is laid out for the whole text stack (the layers past the cut stay empty): a cut
+        # of a hybrid target that keeps linear-attention layers alone would leave it no attention layer,
+        # which transformers' mask builder reads its sizes from
+        self.cache_config = info.text_stack().config
         # Load only the layers that run: later layers, the norm's use and the LM head are skipped.
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
@@ -148,15 +152,13 @@ class TargetFeatureExtractor:
     def __call__(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, SoftTargets | None]:
-        """[B, S] ids and padding mask -> ([B, S, K*H] features of the tapped layers in tap order, the
-        soft targets or None).
+        """[B, S] ids and padding mask of a right-padded batch -> ([B, S, K*H] features of the tapped layers
+        in tap order, the soft targets or None).
 
         Padding positions are zeroed so that a batch's features are the same whether they were computed
         here or packed, sent and re-padded by the channel."""
         real = attention_mask[..., None]
-        pieces = [
-            self._piece(input_ids, attention_mask, start, cache) for start, cache in self._pieces(input_ids)
-        ]
+        pieces = [self._piece(input_ids, start, cache) for start, cache in self._pieces(input_ids)]
         features = torch.cat([f for f, _ in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
         if not self.topk:
             return features * real.to(features.dtype), None
@@ -172,14 +174,20 @@ class TargetFeatureExtractor:
         length = input_ids.shape[1]
         if not self.prefill_tokens or length <= self.prefill_tokens:
             return [(0, None)]
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.cache_config)
         return [(start, cache) for start in range(0, length, self.prefill_tokens)]
 
-    def _piece(self, input_ids, attention_mask, start: int, cache):
+    def _piece(self, input_ids, start: int, cache):
         """The tapped features (and, with soft targets, the final hidden states) of positions start.. of one
-        piece; the padding mask covers every position up to the piece's end."""
+        piece.
+
+        The model gets no padding mask: rows are right-padded, so under causal attention (and causal
+        recurrences) a real position never reaches its row's padding, and the padding's own outputs are
+        zeroed afterwards. Given the mask, transformers would build an explicit [rows, queries, keys] one
+        for any padded batch and take SDPA's masked kernel (repeating grouped keys and values); without it
+        a one-pass forward runs torch's causal kernel, and only a piece after cached keys needs a mask."""
         end = input_ids.shape[1] if cache is None else min(start + self.prefill_tokens, input_ids.shape[1])
-        run = {"input_ids": input_ids[:, start:end], "attention_mask": attention_mask[:, :end]}
+        run = {"input_ids": input_ids[:, start:end], "attention_mask": None}
         run |= {"cache": cache, "use_cache": True} if cache is not None else {"use_cache": False}
         if not self.topk:
             return tapped_features(

@@ -35,7 +35,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     ranks of its tensor-parallel group), one forward's activations, features in flight; with `topk` soft
     targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
     prefill in pieces, one piece's activations of every sequence in the batch, and the KV cache of the
-    whole batch. The attention's mask at its largest (`attention_mask_bytes`)."""
+    whole batch and the mask its later pieces attend through (`attention_mask_bytes`)."""
     target_layer_ids, tokens_per_batch, dtype_bytes = (
         load.target_layer_ids,
         load.tokens_per_batch,
@@ -72,24 +72,20 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
 
 
 def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> dict[str, int]:
-    """What transformers' sdpa attention adds when a forward needs an explicit mask: a piece of the prefill
-    after the first (its queries sit after the cached keys, which torch's causal flag cannot express) or a
-    batch of rows padded to its longest. A boolean [rows, queries, keys] mask per kind of attention layer,
-    held through the forward; in each layer's call torch turns it into an additive mask of the activations'
-    dtype, and transformers repeats grouped keys and values to every query head (sdpa's grouped path takes
-    no mask on CUDA). `running`: the positions of a piece (all rows), or the batch's in one pass. Measured
-    on the CPU (fp32: five bytes per mask value); on an H200 the GPU check's 32K-token prefill in pieces of
-    8192 peaked 0.73 GiB above a plan without it, the 0.75 GiB that three bytes per value make."""
+    """What transformers' SDPA attention adds in a piece of the prefill after the first, whose queries sit
+    after cached keys (torch's causal flag cannot express that; a one-pass forward needs no mask: the
+    extractor gives the model none, see TargetFeatureExtractor._piece): a boolean [queries, keys] mask per
+    kind of attention layer, held through the forward, which each layer's call turns into an additive mask
+    of the activations' dtype for every row, and grouped keys and values repeated to every query head
+    (SDPA's grouped path takes no mask on CUDA). `running`: the positions of a piece, all rows. Measured on
+    the CPU within 8% (fp32); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73
+    GiB above a plan without it, the 0.75 GiB this gives (one row: 8192 x 32768 x 3 bytes in bf16)."""
     tokens, max_seq_len, piece = load.tokens_per_batch, load.max_seq_len, load.prefill_tokens
-    if piece and piece < max_seq_len:  # the last piece of each row attends to the whole row
-        queries, rows, keys = running, max(1, tokens // max_seq_len), max_seq_len
-    else:  # one row needs no mask; rows padded to the longest: rows x longest <= tokens_per_batch
-        keys = min(max_seq_len, tokens // 2)
-        queries, rows = tokens, tokens // max(1, keys)
-    if keys < 1:
+    if not piece or piece >= max_seq_len:
         return {}
+    rows, keys = max(1, tokens // max_seq_len), max_seq_len  # the last piece attends to the whole row
     types = {t for t in info.layer_types[: load.layers] if t in MASKED_LAYER_TYPES} or {"full_attention"}
-    parts = {"attention mask": queries * keys * (len(types) + load.dtype_bytes)}
+    parts = {"attention mask": piece * keys * len(types) + running * keys * load.dtype_bytes}
     if info.num_attention_heads > info.num_key_value_heads:
         width = info.num_attention_heads * info.head_dim // load.tp_size
         parts["repeated keys and values"] = 2 * rows * keys * width * load.dtype_bytes
