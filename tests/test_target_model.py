@@ -1,5 +1,6 @@
 """The target side: which hidden states are tapped, what is loaded, and bad target directories."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -190,13 +191,15 @@ print(peak_resident_bytes() - base)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
-def test_the_plan_counts_the_attention_mask_of_a_prefill_in_pieces(tiny_target):
-    """A prefill piece after cached keys attends through an explicit mask: transformers' boolean [queries,
+@pytest.mark.parametrize(
+    ("rows", "length", "piece"), [(8, 4096, 0), (2, 8192, 2048)], ids=["one_pass", "pieces"]
+)
+def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, piece):
+    """The target rank's predicted peak against a real forward's, in one pass (a layer's tensors and the
+    taps, or the features' concatenation and masked copy after the last layer) and with the prefill in
+    pieces, where a piece after cached keys attends through an explicit mask: transformers' boolean [queries,
     keys] one, which torch turns into an additive one per row (in fp32 four bytes per row, query and key:
-    64 MiB a row for 2048 x 8192, where the activations take a few). The target rank's predicted peak
-    against a real forward's, two padded rows of 8192 in pieces of 2048 (1.08x when written; one row
-    alone, the GPU check's long-context case, 1.08-1.12x)."""
-    rows, length, piece = 2, 8192, 2048
+    64 MiB a row for 2048 x 8192, where the activations take a few). 1.18x and 1.11x when written."""
     info = inspect_target(tiny_target)
     load = TargetLoad(
         num_params=0,  # the weights are resident before the measurement starts
@@ -209,10 +212,13 @@ def test_the_plan_counts_the_attention_mask_of_a_prefill_in_pieces(tiny_target):
     )
     plan = target_memory(info, load)
     args = [sys.executable, "-c", MEASURE_FORWARD, str(tiny_target), str(rows), str(length), str(piece)]
-    measured = int(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
-    assert 1.0 <= plan.total / measured <= 1.2, (plan.describe(), measured / 2**30)
-    without_mask = plan.total - plan.parts["attention mask"] - plan.parts["repeated keys and values"]
-    assert measured > 2 * without_mask  # the plan missed more than half of it before it counted the mask
+    # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    measured = int(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
+    assert 1.0 <= plan.total / measured <= 1.25, (plan.describe(), measured / 2**30)
+    if piece:
+        without_mask = plan.total - plan.parts["attention mask"] - plan.parts["repeated keys and values"]
+        assert measured > 2 * without_mask  # the plan missed more than half of it before it counted the mask
 
 
 @pytest.mark.parametrize(

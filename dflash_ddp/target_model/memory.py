@@ -45,17 +45,23 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     width = len(target_layer_ids) * info.hidden_size
     q = info.num_attention_heads * info.head_dim
     # a layer's live tensors during a no-grad forward: residual in and out (a hyper-connection target's
-    # streams each), normed input and the all-reduced output whole on every rank; q/k/v, attention output,
-    # gate, up and their product split across the group
-    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + (2 * q + 3 * info.mlp_width) // tp_size
+    # streams each), normed input and the all-reduced output whole on every rank; then q and the attention's
+    # output, or the MLP's gate, up and their product (split across the group), whichever is larger: the
+    # attention's are freed before the MLP runs
+    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + max(2 * q, 3 * info.mlp_width) // tp_size
     piece, max_seq_len, layers = load.prefill_tokens, load.max_seq_len, load.layers
     running = tokens_per_batch
     if piece and piece < max_seq_len:  # rows of a batch (at most one per max_seq_len tokens) x one piece
         running = min(tokens_per_batch, max(1, tokens_per_batch // max_seq_len) * piece)
+    features = tokens_per_batch * width * dtype_bytes
+    # the taps (or the pieces' features so far) are held through the forward; when it ends their
+    # concatenation and its masked copy exist beside them (the pieces' list, with a prefill in pieces), the
+    # layers' tensors gone: the larger of the two moments
+    after = (2 if running < tokens_per_batch else 1) * features
     parts = {
         "weights": load.num_params * dtype_bytes // tp_size,
-        "activations": running * per_token * dtype_bytes,
-        "tapped features": 3 * tokens_per_batch * width * dtype_bytes,  # taps, their concat, masked copy
+        "activations": max(running * per_token * dtype_bytes, after),
+        "tapped features": features,
         "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,
     }
     if running < tokens_per_batch:  # the pieces' keys and values, kept until the batch's last piece
@@ -78,7 +84,7 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     kind of attention layer, held through the forward, which each layer's call turns into an additive mask
     of the activations' dtype for every row, and grouped keys and values repeated to every query head
     (SDPA's grouped path takes no mask on CUDA). `running`: the positions of a piece, all rows. Measured on
-    the CPU within 8% (fp32); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73
+    the CPU within 11% (fp32); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73
     GiB above a plan without it, the 0.75 GiB this gives (one row: 8192 x 32768 x 3 bytes in bf16)."""
     tokens, max_seq_len, piece = load.tokens_per_batch, load.max_seq_len, load.prefill_tokens
     if not piece or piece >= max_seq_len:
