@@ -3,6 +3,7 @@ that cannot fit is refused before anything loads."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -163,6 +164,26 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path, family
     # 1.65 against 1.81 in pieces and 1.85 in one piece. The prediction is used to refuse runs, so it should
     # not fall below the tensors' peak
     assert 0.95 <= predicted / measured <= 1.25, (predicted, measured)
+
+
+@pytest.mark.parametrize(
+    ("part", "advice"),
+    [
+        ("KV cache", "--tokens_per_batch or --target_prefill_tokens 0 (one pass keeps no cache)"),
+        ("attention mask", "--target_prefill_tokens (a smaller piece, or 0: one pass needs no mask)"),
+    ],
+)
+def test_a_target_rank_that_cannot_fit_names_the_prefill_setting_that_shrinks_it(part, advice):
+    """A refusal whose largest part is what a prefill in pieces adds names the prefill setting."""
+    from dflash_ddp.config import TrainConfig
+    from dflash_ddp.parallel.machine import FitCheck
+    from dflash_ddp.setup import plan
+
+    drafter = MemoryPlan({"activations": 1})
+    target = MemoryPlan({"weights": 2, part: 3})
+    memory = plan.RunMemory(drafter, target, FitCheck(5, 4, "a small device"), None, 0, 0)
+    with pytest.raises(ValueError, match=f"its largest part is the {part}: lower {re.escape(advice)}"):
+        plan.check_memory(TrainConfig(), memory)
 
 
 def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path, capsys):

@@ -67,8 +67,8 @@ def bench_long_plan() -> list[str]:
                     config_class,
                 )
                 plans[family] = context_length_plans(cfg, info, c, topology, device, GPU_GIB * GIB)
-            # the target rank alone depends on the prefill: in pieces its mask spans a piece's rows, not a
-            # batch's, at the cost of the batch's KV cache
+            # the target rank alone depends on the prefill: pieces run a piece's layer tensors at a time, and
+            # keep the batch's KV cache and a piece's attention mask beside them
             pieces = dataclasses.replace(cfg, target_prefill_tokens=PREFILL_PIECE)
             prefilled = context_length_plans(pieces, info, c, topology, device, GPU_GIB * GIB)
         finally:

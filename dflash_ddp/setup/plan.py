@@ -251,8 +251,10 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "received features": "--tokens_per_batch and --max_seq_len (a batch holds one whole sequence at least)",
             "tapped features": "--tokens_per_batch and --max_seq_len (a batch holds one whole sequence at least)",
             "sends in flight": "--max_inflight or --tokens_per_batch",
-            "attention mask": "--target_prefill_tokens (the target's prefill in pieces) or --tokens_per_batch",
-            "repeated keys and values": "--target_prefill_tokens or --tokens_per_batch",
+            # the target's prefill in pieces: a smaller piece, or one pass (0), which keeps neither
+            "attention mask": "--target_prefill_tokens (a smaller piece, or 0: one pass needs no mask)",
+            "repeated keys and values": "--max_seq_len or --target_prefill_tokens 0 (one pass repeats none)",
+            "KV cache": "--tokens_per_batch or --target_prefill_tokens 0 (one pass keeps no cache)",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(
             f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "

@@ -10,7 +10,7 @@ from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model.info import TargetInfo
 
 SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once when taking the top-k
-# layer types that attend through a [query x key] mask (linear-attention layers take the padding alone)
+# layer types that attend through a [query x key] mask (linear-attention layers build none)
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
