@@ -428,9 +428,9 @@ class TrainConfig:
     target_prefill_tokens: int = setting(
         0,
         "memory and compute",
-        "positions of a batch the target runs at once: a longer sequence is prefilled in pieces sharing a KV "
-        "cache (the same features as one pass, to float tolerance), bounding the target's activations at long "
-        "context; 0: one pass",
+        "positions of a batch the target runs at once, over all its rows: a larger batch is prefilled in pieces "
+        "sharing a KV cache (the same features as one pass, to float tolerance), bounding the target's "
+        "activations at long context at the cost of the batch's KV cache; 0: one pass",
         minimum=0,
     )
     drafter_chunk_tokens: int = setting(

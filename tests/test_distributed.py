@@ -110,8 +110,9 @@ def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data
     """2+2 (data-parallel drafter) trains the same function as one drafter accumulating 2 batches per step,
     with every position weighting, with soft targets and with Muon: the loss is normalised over every rank's
     blocks, not per rank, and every optimizer steps on the summed gradient; and a DFlash2 drafter (its
-    selector's loss is normalised with the rest). The one drafter runs colocated, in this process (a 1+1
-    job trains it bit for bit: test_split_jobs_train_bit_identical_drafters)."""
+    selector's loss is normalised with the rest). The one drafter runs colocated, in this process: the split
+    jobs' tests hold a 1+1 job to the colocated run bit for bit (the default objective, DFlash2, soft
+    targets), and a resumed 1+1 job accumulating 2 batches to a 2+2 job in test_resume.py."""
     from dflash_ddp.train import main
 
     objective = OBJECTIVES[name]

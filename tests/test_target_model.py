@@ -148,8 +148,9 @@ def test_soft_targets_are_the_top_k_of_the_whole_targets_next_token_distribution
 
 @pytest.mark.parametrize("topk", [0, 4])
 def test_a_prefill_in_pieces_equals_one_pass(tiny_target, topk):
-    """--target_prefill_tokens: pieces of 48 positions sharing a KV cache give the features (and soft
-    targets) of one pass, for a padded batch whose rows end before, inside and after a piece."""
+    """--target_prefill_tokens: pieces of 48 positions over the batch's 3 rows (16 a row) sharing a KV cache
+    give the features (and soft targets) of one pass, for a padded batch whose rows end before, inside and
+    after a piece; no call of the model runs more than the 48 positions."""
     info = inspect_target(tiny_target)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 290, (3, 130), generator=g)
@@ -160,7 +161,12 @@ def test_a_prefill_in_pieces_equals_one_pass(tiny_target, topk):
     pieces = TargetFeatureExtractor(
         info, [1, 3, 5], torch.device("cpu"), torch.float32, topk=topk, prefill_tokens=48
     )
+    calls = []
+    pieces.model.register_forward_pre_hook(
+        lambda _, args, kwargs: calls.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
     (a, soft_a), (b, soft_b) = whole(ids, mask), pieces(ids, mask)
+    assert len(calls) == 9 and max(calls) == 48  # 130 positions a row in pieces of 16
     assert a.shape == b.shape == (3, 130, 3 * info.hidden_size)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     if topk:
@@ -197,9 +203,12 @@ print(peak_resident_bytes() - base)
 def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, piece):
     """The target rank's predicted peak against a real forward's, in one pass (a layer's tensors and the
     taps, or the features' concatenation and masked copy after the last layer) and with the prefill in
-    pieces, where a piece after cached keys attends through an explicit mask: transformers' boolean [queries,
-    keys] one, which torch turns into an additive one per row (in fp32 four bytes per row, query and key:
-    64 MiB a row for 2048 x 8192, where the activations take a few). 1.18x and 1.11x when written."""
+    pieces (2048 positions over two rows), where a piece after cached keys attends through an explicit
+    mask: transformers' boolean [queries, keys] one, which torch turns into an additive one per row (in fp32
+    four bytes per row, query and key: 32 MiB a row for 1024 x 8192, where the activations take a few).
+    1.36x and 1.26x when written: the plan sums a layer's attention and MLP tensors (a hybrid's run side by
+    side), most of the forward at this width; on an H200 at Qwen3-8B's shape it predicted 1.06x the
+    measured peak."""
     info = inspect_target(tiny_target)
     load = TargetLoad(
         num_params=0,  # the weights are resident before the measurement starts
@@ -215,7 +224,7 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
     # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     measured = int(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
-    assert 1.0 <= plan.total / measured <= 1.25, (plan.describe(), measured / 2**30)
+    assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
     if piece:
         without_mask = plan.total - plan.parts["attention mask"] - plan.parts["repeated keys and values"]
         assert measured > 2 * without_mask  # the plan missed more than half of it before it counted the mask

@@ -70,7 +70,10 @@ def bench_long_plan() -> list[str]:
             # the target rank alone depends on the prefill: pieces run a piece's layer tensors at a time, and
             # keep the batch's KV cache and a piece's attention mask beside them
             pieces = dataclasses.replace(cfg, target_prefill_tokens=PREFILL_PIECE)
-            prefilled = context_length_plans(pieces, info, c, topology, device, GPU_GIB * GIB)
+            dflash = drafter_config_for(
+                info, cfg.num_draft_layers, cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size
+            )
+            prefilled = context_length_plans(pieces, info, dflash, topology, device, GPU_GIB * GIB)
         finally:
             for key, value in before.items():
                 if value is None:
@@ -96,6 +99,7 @@ def bench_long_plan() -> list[str]:
             f"{rows[0].length}: {rows[0].memory.execution.describe()}"
         )
     lines.append(f"the target rank with --target_prefill_tokens {PREFILL_PIECE}:")
+    lines += ["| tokens per sequence | target rank |", "| --- | --- |"]
     lines += [
         f"| {p.length} | {p.memory.target.total / GIB:.1f} GiB ({p.memory.target.describe()}) |"
         for p in prefilled

@@ -131,6 +131,10 @@ class TargetFeatureExtractor:
         # of a hybrid target that keeps linear-attention layers alone would leave it no attention layer,
         # which transformers' mask builder reads its sizes from
         self.cache_config = info.text_stack().config
+        # a text model that attends both ways (an embedding model's setting) would read its padding
+        self.causal = getattr(self.cache_config, "is_causal", True) is not False and not getattr(
+            self.cache_config, "use_bidirectional_attention", False
+        )
         # Load only the layers that run: later layers, the norm's use and the LM head are skipped.
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
@@ -158,7 +162,11 @@ class TargetFeatureExtractor:
         Padding positions are zeroed so that a batch's features are the same whether they were computed
         here or packed, sent and re-padded by the channel."""
         real = attention_mask[..., None]
-        pieces = [self._piece(input_ids, start, cache) for start, cache in self._pieces(input_ids)]
+        # the model gets the padding mask only where it attends both ways (see `_piece`)
+        mask = None if self.causal else attention_mask
+        pieces = [
+            self._piece(input_ids, mask, start, end, cache) for start, end, cache in self._pieces(input_ids)
+        ]
         features = torch.cat([f for f, _ in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
         if not self.topk:
             return features * real.to(features.dtype), None
@@ -169,25 +177,26 @@ class TargetFeatureExtractor:
         )
 
     def _pieces(self, input_ids: torch.Tensor):
-        """(first position, cache) of each piece of the prefill: one pass without a cache, or pieces of
-        `prefill_tokens` positions sharing one KV cache, each piece attending to the cached ones before it."""
-        length = input_ids.shape[1]
-        if not self.prefill_tokens or length <= self.prefill_tokens:
-            return [(0, None)]
+        """(first position, end, cache) of each piece of the prefill: one pass without a cache, or pieces of
+        `prefill_tokens` positions of the batch (that many over its rows: prefill_tokens // rows of each)
+        sharing one KV cache, each piece attending to the cached ones before it."""
+        rows, length = input_ids.shape
+        piece = max(1, self.prefill_tokens // rows)
+        if not self.prefill_tokens or length <= piece:
+            return [(0, length, None)]
         cache = DynamicCache(config=self.cache_config)
-        return [(start, cache) for start in range(0, length, self.prefill_tokens)]
+        return [(start, min(start + piece, length), cache) for start in range(0, length, piece)]
 
-    def _piece(self, input_ids, start: int, cache):
-        """The tapped features (and, with soft targets, the final hidden states) of positions start.. of one
-        piece.
+    def _piece(self, input_ids, attention_mask, start: int, end: int, cache):
+        """The tapped features (and, with soft targets, the final hidden states) of positions start..end.
 
-        The model gets no padding mask: rows are right-padded, so under causal attention (and causal
-        recurrences) a real position never reaches its row's padding, and the padding's own outputs are
-        zeroed afterwards. Given the mask, transformers would build an explicit [rows, queries, keys] one
-        for any padded batch and take SDPA's masked kernel (repeating grouped keys and values); without it
-        a one-pass forward runs torch's causal kernel, and only a piece after cached keys needs a mask."""
-        end = input_ids.shape[1] if cache is None else min(start + self.prefill_tokens, input_ids.shape[1])
-        run = {"input_ids": input_ids[:, start:end], "attention_mask": None}
+        A causal target gets no padding mask (`attention_mask` None): rows are right-padded, so under
+        causal attention (and causal recurrences) a real position never reaches its row's padding, and the
+        padding's own outputs are zeroed afterwards. Given the mask, transformers would build an explicit
+        [rows, queries, keys] one for any padded batch and take SDPA's masked kernel (repeating grouped keys
+        and values); without it a one-pass forward of full-attention layers runs torch's causal kernel."""
+        run = {"input_ids": input_ids[:, start:end]}
+        run["attention_mask"] = None if attention_mask is None else attention_mask[:, :end]
         run |= {"cache": cache, "use_cache": True} if cache is not None else {"use_cache": False}
         if not self.topk:
             return tapped_features(

@@ -34,8 +34,8 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     """Predicted peak of a target rank: its share of the weights it runs (`num_params` over the `tp_size`
     ranks of its tensor-parallel group), one forward's activations, features in flight; with `topk` soft
     targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
-    prefill in pieces, one piece's activations of every sequence in the batch, and the KV cache of the
-    whole batch and the mask its later pieces attend through (`attention_mask_bytes`)."""
+    prefill in pieces, the activations of one piece (`prefill_tokens` positions over the batch's rows), the
+    KV cache of the whole batch and the mask its later pieces attend through (`attention_mask_bytes`)."""
     target_layer_ids, tokens_per_batch, dtype_bytes = (
         load.target_layer_ids,
         load.tokens_per_batch,
@@ -45,26 +45,25 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     width = len(target_layer_ids) * info.hidden_size
     q = info.num_attention_heads * info.head_dim
     # a layer's live tensors during a no-grad forward: residual in and out (a hyper-connection target's
-    # streams each), normed input and the all-reduced output whole on every rank; then q and the attention's
-    # output, or the MLP's gate, up and their product (split across the group), whichever is larger: the
-    # attention's are freed before the MLP runs
-    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + max(2 * q, 3 * info.mlp_width) // tp_size
-    piece, max_seq_len, layers = load.prefill_tokens, load.max_seq_len, load.layers
-    running = tokens_per_batch
-    if piece and piece < max_seq_len:  # rows of a batch (at most one per max_seq_len tokens) x one piece
-        running = min(tokens_per_batch, max(1, tokens_per_batch // max_seq_len) * piece)
+    # streams each), normed input and the all-reduced output whole on every rank; q/k/v, attention output,
+    # gate, up and their product split across the group (summed: a hybrid's mixers run side by side, and
+    # an MoE layer's routed copies exceed its experts' widths)
+    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + (2 * q + 3 * info.mlp_width) // tp_size
+    piece, layers = load.prefill_tokens, load.layers
+    pieces = 0 < piece < tokens_per_batch  # some batch of the run is prefilled in pieces
+    running = piece if pieces else tokens_per_batch  # positions of all rows run at once
     features = tokens_per_batch * width * dtype_bytes
     # the taps (or the pieces' features so far) are held through the forward; when it ends their
     # concatenation and its masked copy exist beside them (the pieces' list, with a prefill in pieces), the
     # layers' tensors gone: the larger of the two moments
-    after = (2 if running < tokens_per_batch else 1) * features
+    after = (2 if pieces else 1) * features
     parts = {
         "weights": load.num_params * dtype_bytes // tp_size,
         "activations": max(running * per_token * dtype_bytes, after),
         "tapped features": features,
         "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,
     }
-    if running < tokens_per_batch:  # the pieces' keys and values, kept until the batch's last piece
+    if pieces:  # the pieces' keys and values, kept until the batch's last piece
         parts["KV cache"] = (
             2 * tokens_per_batch * layers * info.num_key_value_heads * info.head_dim * dtype_bytes // tp_size
         )
@@ -78,21 +77,26 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
 
 
 def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> dict[str, int]:
-    """What transformers' SDPA attention adds in a piece of the prefill after the first, whose queries sit
-    after cached keys (torch's causal flag cannot express that; a one-pass forward needs no mask: the
-    extractor gives the model none, see TargetFeatureExtractor._piece): a boolean [queries, keys] mask per
-    kind of attention layer, held through the forward, which each layer's call turns into an additive mask
-    of the activations' dtype for every row, and grouped keys and values repeated to every query head
-    (SDPA's grouped path takes no mask on CUDA). `running`: the positions of a piece, all rows. Measured on
-    the CPU within 11% (fp32); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73
-    GiB above a plan without it, the 0.75 GiB this gives (one row: 8192 x 32768 x 3 bytes in bf16)."""
-    tokens, max_seq_len, piece = load.tokens_per_batch, load.max_seq_len, load.prefill_tokens
-    if not piece or piece >= max_seq_len:
+    """What transformers' SDPA attention adds where a forward needs an explicit mask: in a piece of the
+    prefill after the first (its queries sit after cached keys, which torch's causal flag cannot express),
+    and in one pass in sliding-window or chunked layers (the extractor gives the model no padding mask, so
+    full-attention layers need none then: TargetFeatureExtractor._piece). A boolean [queries, keys] mask per
+    kind of such layer, held through the forward, which each layer's call turns into an additive mask of the
+    activations' dtype for every row, and grouped keys and values repeated to every query head (SDPA's
+    grouped path takes no mask on CUDA). `running`: the positions of all rows run at once; a row's keys are
+    at most --max_seq_len and the rows' together at most --tokens_per_batch. Measured on the CPU within 11%
+    (fp32); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73 GiB above a plan
+    without it, the 0.75 GiB this gives (one row: 8192 x 32768 x 3 bytes in bf16). Not counted: the attention
+    weights of a family that runs eager attention only."""
+    tokens, piece = load.tokens_per_batch, load.prefill_tokens
+    keys = min(load.max_seq_len, tokens) or tokens
+    kinds = {t for t in info.layer_types[: load.layers] if t in MASKED_LAYER_TYPES} or {"full_attention"}
+    if not 0 < piece < tokens:  # one pass: full attention takes torch's causal kernel
+        kinds.discard("full_attention")
+    if not kinds:
         return {}
-    rows, keys = max(1, tokens // max_seq_len), max_seq_len  # the last piece attends to the whole row
-    types = {t for t in info.layer_types[: load.layers] if t in MASKED_LAYER_TYPES} or {"full_attention"}
-    parts = {"attention mask": piece * keys * len(types) + running * keys * load.dtype_bytes}
+    parts = {"attention mask": min(running, keys) * keys * len(kinds) + running * keys * load.dtype_bytes}
     if info.num_attention_heads > info.num_key_value_heads:
         width = info.num_attention_heads * info.head_dim // load.tp_size
-        parts["repeated keys and values"] = 2 * rows * keys * width * load.dtype_bytes
+        parts["repeated keys and values"] = 2 * tokens * width * load.dtype_bytes
     return parts
