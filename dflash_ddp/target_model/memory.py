@@ -84,8 +84,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     kind of such layer, held through the forward, which each layer's call turns into an additive mask of the
     activations' dtype for every row, and grouped keys and values repeated to every query head (SDPA's
     grouped path takes no mask on CUDA). `running`: the positions of all rows run at once; a row's keys are
-    at most --max_seq_len and the rows' together at most --tokens_per_batch. Measured on the CPU within 11%
-    (fp32); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73 GiB above a plan
+    at most --max_seq_len and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32, the
+    mask 0.08 of a forward's 0.11 GiB; the test); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73 GiB above a plan
     without it, the 0.75 GiB this gives (one row: 8192 x 32768 x 3 bytes in bf16). Not counted: the attention
     weights of a family that runs eager attention only."""
     tokens, piece = load.tokens_per_batch, load.prefill_tokens
