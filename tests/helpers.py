@@ -7,6 +7,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -88,3 +89,36 @@ def file_size_limit(nbytes: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
 
     return limit
+
+
+# Runs in a fresh process, so that the peak is this forward's (VmHWM reset after a warm-up forward)
+MEASURE_FORWARD = """
+import sys, torch
+from pathlib import Path
+from dflash_ddp.parallel.machine import peak_resident_bytes
+from dflash_ddp.target_model.features import TargetFeatureExtractor
+from dflash_ddp.target_model.info import inspect_target
+torch.set_num_threads(1)
+taps = [int(t) for t in sys.argv[2].split(",")]
+rows, length, piece = map(int, sys.argv[3:])
+extractor = TargetFeatureExtractor(inspect_target(Path(sys.argv[1])), taps, torch.device("cpu"), torch.float32,
+                                   prefill_tokens=piece)
+ids, mask = torch.randint(4, 200, (rows, length)), torch.ones(rows, length, dtype=torch.long)
+mask[1:, -10:] = 0  # rows after the first end early: padding
+extractor(ids[:, :256], mask[:, :256])
+resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+base = resident()
+Path("/proc/self/clear_refs").write_text("5")
+extractor(ids, mask)
+print(peak_resident_bytes() - base)
+"""
+
+
+def target_forward_peak(target: Path, taps: list[int], rows: int, length: int, prefill_tokens: int) -> int:
+    """Bytes a target rank's forward of a padded fp32 batch adds to its resident peak, measured in a fresh
+    process with one thread (Linux: the peak is reset after a warm-up)."""
+    args = [sys.executable, "-c", MEASURE_FORWARD, str(target), ",".join(map(str, taps))]
+    args += [str(rows), str(length), str(prefill_tokens)]
+    # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    return int(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)

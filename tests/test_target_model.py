@@ -1,9 +1,6 @@
 """The target side: which hidden states are tapped, what is loaded, and bad target directories."""
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +19,8 @@ from dflash_ddp.target_model.features import (
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, layer_mlp_widths
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
+
+from helpers import target_forward_peak
 
 
 @pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])
@@ -174,28 +173,6 @@ def test_a_prefill_in_pieces_equals_one_pass(tiny_target, topk):
         torch.testing.assert_close(soft_b.probs.float(), soft_a.probs.float(), rtol=0, atol=1e-2)
 
 
-# Runs in a fresh process, so that the peak is this forward's (VmHWM reset after a warm-up forward)
-MEASURE_FORWARD = """
-import sys, torch
-from pathlib import Path
-from dflash_ddp.parallel.machine import peak_resident_bytes
-from dflash_ddp.target_model.features import TargetFeatureExtractor
-from dflash_ddp.target_model.info import inspect_target
-torch.set_num_threads(1)
-rows, length, piece = map(int, sys.argv[2:])
-extractor = TargetFeatureExtractor(inspect_target(Path(sys.argv[1])), [1, 2, 3], torch.device("cpu"),
-                                   torch.float32, prefill_tokens=piece)
-ids, mask = torch.randint(4, 290, (rows, length)), torch.ones(rows, length, dtype=torch.long)
-mask[1:, -10:] = 0  # rows after the first end early: padding
-extractor(ids[:, :256], mask[:, :256])
-resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-base = resident()
-Path("/proc/self/clear_refs").write_text("5")
-extractor(ids, mask)
-print(peak_resident_bytes() - base)
-"""
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 @pytest.mark.parametrize(
     ("rows", "length", "piece"), [(8, 4096, 0), (2, 8192, 2048)], ids=["one_pass", "pieces"]
@@ -220,10 +197,7 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
         max_seq_len=length,
     )
     plan = target_memory(info, load)
-    args = [sys.executable, "-c", MEASURE_FORWARD, str(tiny_target), str(rows), str(length), str(piece)]
-    # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    measured = int(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
+    measured = target_forward_peak(tiny_target, [1, 2, 3], rows, length, piece)
     assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
     if piece:
         without_mask = plan.total - plan.parts["attention mask"] - plan.parts["repeated keys and values"]

@@ -255,6 +255,7 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "attention mask": "--target_prefill_tokens (a smaller piece, or 0: one pass needs no mask)",
             "repeated keys and values": "--max_seq_len or --target_prefill_tokens 0 (one pass repeats none)",
             "KV cache": "--tokens_per_batch or --target_prefill_tokens 0 (one pass keeps no cache)",
+            "attention scores": "--target_prefill_tokens (the target attends eagerly: pieces bound its scores)",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(
             f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "

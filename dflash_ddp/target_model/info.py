@@ -38,6 +38,7 @@ class TargetInfo:
     logit_scale: float = 1.0  # the target multiplies its logits by this (Falcon-H1)
     architecture: str = ""  # the checkpoint's class (a causal LM or a vision-language wrapper)
     other_parameters: int = 0  # parameters of the checkpoint a target rank never loads (a vision tower)
+    eager_attention: bool = False  # transformers runs its attention eagerly (no SDPA): scores materialised
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
     stack: TextStack | None = field(default=None, compare=False, repr=False)
@@ -222,8 +223,16 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         logit_scale=stack.logit_scale if stack else 1.0,
         architecture=stack.architecture if stack else "",
         other_parameters=stack.other_parameters if stack else 0,
+        eager_attention=eager_attention_only(config),
         stack=stack,
     )
+
+
+def eager_attention_only(config) -> bool:
+    """Whether transformers runs the text model's attention eagerly: its class supports no SDPA (gpt-oss,
+    DeepSeek V4), so each layer materialises its [rows, heads, queries, keys] scores."""
+    model_class = AutoModel._model_mapping.get(type(config), None)
+    return model_class is not None and not getattr(model_class, "_supports_sdpa", False)
 
 
 def layers_run(num_layers: int, target_layer_ids: list[int], topk: int) -> int:

@@ -77,26 +77,29 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
 
 
 def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> dict[str, int]:
-    """What transformers' SDPA attention adds where a forward needs an explicit mask: in a piece of the
-    prefill after the first (its queries sit after cached keys, which torch's causal flag cannot express),
-    and in one pass in sliding-window or chunked layers (the extractor gives the model no padding mask, so
-    full-attention layers need none then: TargetFeatureExtractor._piece). A boolean [queries, keys] mask per
-    kind of such layer, held through the forward, which each layer's call turns into an additive mask of the
-    activations' dtype for every row, and grouped keys and values repeated to every query head (SDPA's
-    grouped path takes no mask on CUDA). `running`: the positions of all rows run at once; a row's keys are
-    at most --max_seq_len and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32, the
-    mask 0.08 of a forward's 0.11 GiB; the test); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73 GiB above a plan
-    without it, the 0.75 GiB this gives (one row: 8192 x 32768 x 3 bytes in bf16). Not counted: the attention
-    weights of a family that runs eager attention only."""
+    """What a target's attention adds where a forward needs an explicit mask: in a piece of the prefill
+    after the first (its queries sit after cached keys, which torch's causal flag cannot express), in one
+    pass in sliding-window or chunked layers (the extractor gives the model no padding mask, so SDPA's
+    full-attention layers need none then: TargetFeatureExtractor._piece), and always in a family
+    transformers runs eagerly (no SDPA: gpt-oss, DeepSeek V4). A boolean [queries, keys] mask per kind of
+    such layer, held through the forward, which each layer's call turns into an additive mask of the
+    activations' dtype for every row; grouped keys and values repeated to every query head (SDPA's grouped
+    path takes no mask on CUDA); eagerly, each layer's scores [rows, heads, queries, keys], at long context
+    the largest part, which pieces bound. `running`: the positions of all rows run at once; a row's keys are
+    at most --max_seq_len and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32: the
+    mask 0.08 of a forward's 0.11 GiB, a test); on an H200 the GPU check's 32K-token prefill in pieces of
+    8192 peaked 0.73 GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
     tokens, piece = load.tokens_per_batch, load.prefill_tokens
     keys = min(load.max_seq_len, tokens) or tokens
     kinds = {t for t in info.layer_types[: load.layers] if t in MASKED_LAYER_TYPES} or {"full_attention"}
-    if not 0 < piece < tokens:  # one pass: full attention takes torch's causal kernel
+    if not 0 < piece < tokens and not info.eager_attention:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
     if not kinds:
         return {}
-    parts = {"attention mask": min(running, keys) * keys * len(kinds) + running * keys * load.dtype_bytes}
-    if info.num_attention_heads > info.num_key_value_heads:
-        width = info.num_attention_heads * info.head_dim // load.tp_size
-        parts["repeated keys and values"] = 2 * tokens * width * load.dtype_bytes
+    dtype_bytes, heads = load.dtype_bytes, info.num_attention_heads // load.tp_size
+    parts = {"attention mask": min(running, keys) * keys * len(kinds) + running * keys * dtype_bytes}
+    if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
+        parts["repeated keys and values"] = 2 * tokens * heads * info.head_dim * dtype_bytes
+    if info.eager_attention:  # one layer's scores, with the mask added, their fp32 softmax and its cast back
+        parts["attention scores"] = running * keys * heads * (3 * dtype_bytes + 4)
     return parts
