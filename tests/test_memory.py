@@ -172,6 +172,10 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path, family
         ("KV cache", "--tokens_per_batch or --target_prefill_tokens 0 (one pass keeps no cache)"),
         ("attention mask", "--target_prefill_tokens (a smaller piece, or 0: one pass needs no mask)"),
         ("repeated keys and values", "--max_seq_len or --target_prefill_tokens 0 (one pass repeats none)"),
+        (
+            "expanded keys and values",
+            "--tokens_per_batch (a piece expands the latent of every key before it)",
+        ),
     ],
 )
 def test_a_target_rank_that_cannot_fit_names_the_prefill_setting_that_shrinks_it(part, advice):

@@ -6,6 +6,7 @@ trains as a tensor-parallel group; a target that cannot be served is refused in 
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,6 +133,38 @@ def test_the_plan_counts_the_scores_of_a_target_transformers_runs_eagerly(zoo):
     measured = target_forward_peak(target, [1, 2], 2, 2048, 0)
     assert 1.0 <= plan.total / measured <= 1.5, (plan.describe(), measured / 2**30)
     assert plan.parts["attention scores"] > plan.total / 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi, GLM-5) points `head_dim` at its RoPE part, while
+    each layer expands the latent it caches into keys and values for every query head, wider than that. A
+    DeepSeek V3 with values as wide as its keys (torch's fused CPU kernel runs it, as CUDA's runs any):
+    the plan 1.35x its measured peak when written, and below the peak without the latent's widths (0.86x,
+    the plan before it knew them). The zoo's DeepSeek V3 (values narrower than its keys) runs SDPA's unfused
+    path on the CPU only, whose scores the plan counts there (1.08x its measured peak when written)."""
+    model_class, config = zoo_config("deepseek_v3", 256)
+    config.v_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    info = inspect_target(tmp_path)
+    load = TargetLoad(
+        num_params=0,  # the weights are resident before the measurement starts
+        target_layer_ids=[1, 2],
+        layers=3,
+        tokens_per_batch=2 * 2048,
+        dtype_bytes=4,
+        max_seq_len=2048,
+        device_type="cpu",
+    )
+    plan = target_memory(info, load)
+    measured = target_forward_peak(tmp_path, [1, 2], 2, 2048, 0)
+    assert 1.0 <= plan.total / measured <= 1.5, (plan.describe(), measured / 2**30)
+    assert target_memory(replace(info, latent_attention=None), load).total < measured
+    assert "attention scores" not in plan.parts
+    narrow = inspect_target(zoo("deepseek_v3"))
+    assert "attention scores" in target_memory(narrow, load).parts
+    assert "attention scores" not in target_memory(narrow, replace(load, device_type="cuda")).parts
 
 
 def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_loads(

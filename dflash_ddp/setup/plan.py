@@ -164,6 +164,7 @@ def plan_memory(
         topk=cfg.target_topk,
         prefill_tokens=cfg.target_prefill_tokens,
         max_seq_len=cfg.max_seq_len,
+        device_type=device.type,
     )
     target = target_memory(info, load)
     # speculative decoding verifies with the whole target: every layer and the LM head, on one device
@@ -255,7 +256,9 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "attention mask": "--target_prefill_tokens (a smaller piece, or 0: one pass needs no mask)",
             "repeated keys and values": "--max_seq_len or --target_prefill_tokens 0 (one pass repeats none)",
             "KV cache": "--tokens_per_batch or --target_prefill_tokens 0 (one pass keeps no cache)",
-            "attention scores": "--target_prefill_tokens (the target attends eagerly: pieces bound its scores)",
+            "expanded keys and values": "--tokens_per_batch (a piece expands the latent of every key before it)",
+            "attention scores": "--target_prefill_tokens (the target's attention materialises its scores: pieces "
+            "bound them)",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(
             f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "

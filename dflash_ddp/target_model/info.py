@@ -16,6 +16,23 @@ from dflash_ddp.target_model.text_stack import TextStack, read_text_stack, trunc
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention's widths (such configs point `head_dim` at the RoPE part only): a layer
+    caches a token's `latent` compressed keys and values plus its `rope` key, and expands them for every
+    query head into keys of `nope + rope` and values of `value`."""
+
+    nope: int
+    rope: int
+    value: int
+    latent: int
+
+    @property
+    def query_key(self) -> int:
+        """A query or key head's width."""
+        return self.nope + self.rope
+
+
+@dataclass(frozen=True)
 class TargetInfo:
     """What the drafter needs to know about a target model directory, read from its config only."""
 
@@ -41,6 +58,7 @@ class TargetInfo:
     eager_attention: bool = False  # transformers runs its attention eagerly (no SDPA): scores materialised
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
+    latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -224,8 +242,19 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         architecture=stack.architecture if stack else "",
         other_parameters=stack.other_parameters if stack else 0,
         eager_attention=eager_attention_only(config),
+        latent_attention=latent_attention(config),
         stack=stack,
     )
+
+
+def latent_attention(config) -> LatentAttention | None:
+    """The latent attention's widths where the family has it (`kv_lora_rank`), else None."""
+    latent = layer_attribute(config, "kv_lora_rank")
+    if not latent:
+        return None
+    rope = layer_attribute(config, "qk_rope_head_dim") or 0
+    nope = layer_attribute(config, "qk_nope_head_dim") or 0
+    return LatentAttention(nope, rope, layer_attribute(config, "v_head_dim") or nope + rope, latent)
 
 
 def eager_attention_only(config) -> bool:

@@ -12,6 +12,8 @@ from dflash_ddp.target_model.info import TargetInfo
 SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once when taking the top-k
 # layer types that attend through a [query x key] mask (linear-attention layers build none)
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# layer types that cache no keys (a linear-attention layer keeps a state of fixed size; Nemotron-H's MLP blocks)
+KEYLESS_LAYER_TYPES = ("linear_attention", "moe", "mlp")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class TargetLoad:
     topk: int = 0  # soft targets: the whole LM head and the top-k of each position
     prefill_tokens: int = 0  # positions run at once (0: a sequence in one pass)
     max_seq_len: int = 0
+    device_type: str = "cuda"  # where it runs ("cpu": torch's fused attention there takes fewer shapes)
 
 
 def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
@@ -43,12 +46,13 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     )
     inflight, tp_size, topk = load.inflight, load.tp_size, load.topk
     width = len(target_layer_ids) * info.hidden_size
-    q = info.num_attention_heads * info.head_dim
+    heads, mla = info.num_attention_heads, info.latent_attention
     # a layer's live tensors during a no-grad forward: residual in and out (a hyper-connection target's
-    # streams each), normed input and the all-reduced output whole on every rank; q/k/v, attention output,
+    # streams each), normed input and the all-reduced output whole on every rank; the attention's tensors,
     # gate, up and their product split across the group (summed: a hybrid's mixers run side by side, and
     # an MoE layer's routed copies exceed its experts' widths)
-    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + (2 * q + 3 * info.mlp_width) // tp_size
+    mixers = attention_width(info) + 3 * info.mlp_width
+    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + mixers // tp_size
     piece, layers = load.prefill_tokens, load.layers
     pieces = 0 < piece < tokens_per_batch  # some batch of the run is prefilled in pieces
     running = piece if pieces else tokens_per_batch  # positions of all rows run at once
@@ -63,10 +67,13 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
         "tapped features": features,
         "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,
     }
-    if pieces:  # the pieces' keys and values, kept until the batch's last piece
-        parts["KV cache"] = (
-            2 * tokens_per_batch * layers * info.num_key_value_heads * info.head_dim * dtype_bytes // tp_size
-        )
+    # the pieces' keys and values (latent attention: the latent), kept until the batch's last piece
+    if pieces:
+        cached = mla.latent + mla.rope if mla else 2 * info.num_key_value_heads * info.head_dim // tp_size
+        parts["KV cache"] = tokens_per_batch * caching_layers(info, layers) * cached * dtype_bytes
+        if mla:  # each layer expands the latent of every key so far for every query head
+            expanded = heads // tp_size * (mla.query_key + mla.nope + mla.value)
+            parts["expanded keys and values"] = tokens_per_batch * expanded * dtype_bytes
     parts.update(attention_mask_bytes(info, load, running))
     if topk:
         parts["LM head"] = info.vocab_size * info.hidden_size * dtype_bytes
@@ -74,6 +81,37 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
         parts["soft-target logits"] = 3 * min(tokens_per_batch, SOFT_TARGET_CHUNK) * info.vocab_size * 4
         parts["soft targets"] = (2 + inflight) * tokens_per_batch * topk * 6  # the top-k, masked, in flight
     return MemoryPlan(parts)
+
+
+def attention_width(info: TargetInfo) -> int:
+    """A layer's attention tensors per token, over all heads: the query and the attention's output (grouped
+    keys and values are a fraction of them); with latent attention also the query's copy joined to its rope
+    part, the keys and values expanded from the latent and the product they are cut from."""
+    heads, mla = info.num_attention_heads, info.latent_attention
+    if mla:
+        return heads * (3 * mla.query_key + mla.nope + 2 * mla.value)
+    return 2 * heads * info.head_dim
+
+
+def caching_layers(info: TargetInfo, layers: int) -> int:
+    """How many of the first `layers` decoder layers cache keys and values."""
+    if not info.layer_types:
+        return layers
+    return sum(t not in KEYLESS_LAYER_TYPES for t in info.layer_types[:layers])
+
+
+def score_bytes(info: TargetInfo, load: TargetLoad) -> int:
+    """Bytes per [rows, heads, queries, keys] attention score where each layer materialises its scores (0
+    where a fused kernel never does). Eagerly (gpt-oss, DeepSeek V4): the scores, with the mask added,
+    their fp32 softmax and its cast back. On the CPU, latent attention's values narrower than its keys,
+    which torch's fused CPU kernel refuses (CUDA's memory-efficient one takes them): SDPA's unfused path,
+    the scores, their softmax and a boolean check of the masked ones."""
+    if info.eager_attention:
+        return 3 * load.dtype_bytes + 4
+    mla = info.latent_attention
+    if load.device_type == "cpu" and mla is not None and mla.value != mla.query_key:
+        return 2 * load.dtype_bytes + 1
+    return 0
 
 
 def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> dict[str, int]:
@@ -92,7 +130,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     tokens, piece = load.tokens_per_batch, load.prefill_tokens
     keys = min(load.max_seq_len, tokens) or tokens
     kinds = {t for t in info.layer_types[: load.layers] if t in MASKED_LAYER_TYPES} or {"full_attention"}
-    if not 0 < piece < tokens and not info.eager_attention:  # one pass: SDPA's causal kernel, no mask
+    scores = score_bytes(info, load)
+    if not 0 < piece < tokens and not scores:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
     if not kinds:
         return {}
@@ -100,6 +139,6 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     parts = {"attention mask": min(running, keys) * keys * len(kinds) + running * keys * dtype_bytes}
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
         parts["repeated keys and values"] = 2 * tokens * heads * info.head_dim * dtype_bytes
-    if info.eager_attention:  # one layer's scores, with the mask added, their fp32 softmax and its cast back
-        parts["attention scores"] = running * keys * heads * (3 * dtype_bytes + 4)
+    if scores:  # one layer's
+        parts["attention scores"] = running * keys * heads * scores
     return parts
