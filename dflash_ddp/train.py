@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         setup = prepare(cfg, topology)
         if setup.warm_start and leader:
             print("\n".join(setup.warm_start.lines()))
+        if setup.notes and leader:
+            print("\n".join(setup.notes))
         if cfg.plan:
             if leader:
                 print_plan(cfg, setup, topology)

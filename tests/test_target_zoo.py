@@ -22,6 +22,7 @@ from dflash_ddp.evaluate import main as evaluate_main
 from dflash_ddp.evaluation.decoding import greedy_generate, speculative_generate, untrained_drafter
 from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.export import main as export_main
+from dflash_ddp.target_model import kernels
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, truncated_parameter_count
@@ -167,6 +168,47 @@ def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
     assert "attention scores" not in target_memory(narrow, replace(load, device_type="cuda")).parts
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+@pytest.mark.parametrize("name", ["qwen3_5", "glm5_next", "nemotron_h"])
+def test_the_plan_counts_the_reference_code_of_a_hybrids_linear_layers(name, zoo):
+    """Without the kernel packages (always on a CPU) transformers runs a hybrid's linear-attention and
+    Mamba-2 layers with its reference code, whose fp32 intermediates per position are many times the
+    layer's width (GLM-5's decay per channel: chunk x key width per head). The plan against a real forward
+    of the gated delta rule (Qwen3.5), KDA (GLM-5) and Mamba-2 (Nemotron-H): 1.09x, 1.11x and 1.21x when
+    written, where it said 0.49x, 0.11x and 0.33x before it counted them."""
+    target = zoo(name)
+    info = inspect_target(target)
+    load = TargetLoad(
+        num_params=0,  # the weights are resident before the measurement starts
+        target_layer_ids=[1],
+        layers=2,
+        tokens_per_batch=2 * 2048,
+        dtype_bytes=4,
+        max_seq_len=2048,
+        device_type="cpu",
+    )
+    plan = target_memory(info, load)
+    measured = target_forward_peak(target, [1], 2, 2048, 0)
+    assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
+
+
+def test_a_gpu_run_names_the_kernel_packages_its_hybrid_target_lacks(zoo, monkeypatch):
+    """On CUDA the reference code runs only where the kernel packages are missing: the plan counts it then
+    and the run says which to install; with them installed neither."""
+    info = inspect_target(zoo("qwen3_5"))
+    load = TargetLoad(num_params=0, target_layer_ids=[1], layers=2, tokens_per_batch=4096, dtype_bytes=2)
+    installed: set[str] = set()
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda m: object() if m in installed else None)
+    assert kernels.missing_kernels(info, 2, "cuda") == ["flash-linear-attention", "causal-conv1d"]
+    assert "`pip install flash-linear-attention causal-conv1d`" in kernels.kernels_note(info, 2, "cuda")
+    assert "linear layers' reference code" in target_memory(info, load).parts
+    installed.update({"fla", "causal_conv1d"})
+    assert kernels.kernels_note(info, 2, "cuda") is None
+    assert "linear layers' reference code" not in target_memory(info, load).parts
+    assert "linear layers' reference code" in target_memory(info, replace(load, device_type="cpu")).parts
+    assert kernels.kernels_note(info, 2, "cpu") is None  # nothing to install on a CPU
+
+
 def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_loads(
     zoo, chat_data, tmp_path, capsys
 ):
@@ -183,6 +225,7 @@ def test_a_vision_language_target_loads_its_text_model_only_and_plans_what_it_lo
     printed = capsys.readouterr().out
     assert f"{info.other_parameters / 1e6:.2f}M parameters beside it" in printed
     assert "never loaded and not counted" in printed and "3 linear_attention" in printed
+    assert "gated_delta layers with transformers' reference implementation (on the CPU)" in printed
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4_text"])

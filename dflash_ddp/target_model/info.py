@@ -33,6 +33,21 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class LinearMixer:
+    """A hybrid target's linear-attention or state-space layers as their chunked algorithms see them: `kind`
+    "gated_delta" (Qwen3.5, Qwen3-Next), "kda" (Kimi Linear, GLM-5: a decay per channel) or "mamba2"
+    (Nemotron-H, Falcon-H1); `heads` (value heads), `key` and `value` widths per head, Mamba-2's `state`,
+    and the positions of a `chunk`."""
+
+    kind: str
+    heads: int
+    key: int
+    value: int
+    state: int = 0
+    chunk: int = 64  # the gated delta rules' chunks in transformers
+
+
+@dataclass(frozen=True)
 class TargetInfo:
     """What the drafter needs to know about a target model directory, read from its config only."""
 
@@ -59,6 +74,7 @@ class TargetInfo:
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
+    linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -243,7 +259,29 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         other_parameters=stack.other_parameters if stack else 0,
         eager_attention=eager_attention_only(config),
         latent_attention=latent_attention(config),
+        linear_mixer=linear_mixer(config),
         stack=stack,
+    )
+
+
+def linear_mixer(config) -> LinearMixer | None:
+    """The shape of the linear-attention or state-space layers where the family has them, else None."""
+    if getattr(config, "linear_num_value_heads", None):
+        return LinearMixer(
+            "gated_delta",
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        )
+    if getattr(config, "linear_num_heads", None):
+        return LinearMixer("kda", config.linear_num_heads, config.linear_head_dim, config.linear_head_dim)
+    heads = _first(config, ("mamba_num_heads", "mamba_n_heads"))
+    if not heads:
+        return None
+    width = _first(config, ("mamba_head_dim", "mamba_d_head"))
+    state = _first(config, ("ssm_state_size", "mamba_d_state"))
+    return LinearMixer(
+        "mamba2", heads, width, width, state, _first(config, ("mamba_chunk_size", "chunk_size"))
     )
 
 

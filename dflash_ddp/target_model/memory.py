@@ -8,12 +8,9 @@ from dataclasses import dataclass
 
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.kernels import missing_kernels
 
 SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once when taking the top-k
-# layer types that attend through a [query x key] mask (linear-attention layers build none)
-MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-# layer types that cache no keys (a linear-attention layer keeps a state of fixed size; Nemotron-H's MLP blocks)
-KEYLESS_LAYER_TYPES = ("linear_attention", "moe", "mlp")
 
 
 @dataclass(frozen=True)
@@ -70,11 +67,13 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # the pieces' keys and values (latent attention: the latent), kept until the batch's last piece
     if pieces:
         cached = mla.latent + mla.rope if mla else 2 * info.num_key_value_heads * info.head_dim // tp_size
-        parts["KV cache"] = tokens_per_batch * caching_layers(info, layers) * cached * dtype_bytes
+        parts["KV cache"] = tokens_per_batch * len(attention_layer_types(info, layers)) * cached * dtype_bytes
         if mla:  # each layer expands the latent of every key so far for every query head
             expanded = heads // tp_size * (mla.query_key + mla.nope + mla.value)
             parts["expanded keys and values"] = tokens_per_batch * expanded * dtype_bytes
     parts.update(attention_mask_bytes(info, load, running))
+    if reference := reference_mixer_bytes(info, load):
+        parts["linear layers' reference code"] = running * reference
     if topk:
         parts["LM head"] = info.vocab_size * info.hidden_size * dtype_bytes
         # a chunk's logits, their softmax and the top-k's work space in fp32
@@ -93,11 +92,31 @@ def attention_width(info: TargetInfo) -> int:
     return 2 * heads * info.head_dim
 
 
-def caching_layers(info: TargetInfo, layers: int) -> int:
-    """How many of the first `layers` decoder layers cache keys and values."""
+def attention_layer_types(info: TargetInfo, layers: int) -> list[str]:
+    """The softmax-attention kind of each of the first `layers` decoder layers that has one (full, sliding,
+    chunked, indexed, compressed), skipping linear-attention, Mamba and MLP blocks; every layer is
+    "full_attention" where the family names no types (Falcon-H1's "hybrid" layers run full attention too)."""
     if not info.layer_types:
-        return layers
-    return sum(t not in KEYLESS_LAYER_TYPES for t in info.layer_types[:layers])
+        return ["full_attention"] * layers
+    kinds = ["full_attention" if t == "hybrid" else t for t in info.layer_types[:layers]]
+    return [t for t in kinds if t.endswith("attention") and t != "linear_attention"]
+
+
+def reference_mixer_bytes(info: TargetInfo, load: TargetLoad) -> int:
+    """Bytes per position of a linear-attention or state-space layer run by transformers' reference
+    implementation (kernels.py: on a CPU, or a GPU without the kernel packages), beside the layer's own
+    tensors: its fp32 copies of the inputs, the chunked algorithm's intermediates, and KDA's [chunk x key]
+    decay per position and head; Mamba-2's chunk states [value x state] shared by a chunk's positions.
+    Fitted on CPU forwards of the zoo's hybrids at two widths (a third for Mamba-2's chunk), 1.04-1.31x
+    the measured excess (docs/LOG.md, 2026-12-05)."""
+    m = info.linear_mixer
+    if not missing_kernels(info, load.layers, load.device_type):
+        return 0
+    if m.kind == "mamba2":
+        per_head = 11 * m.value + m.state + 2 * m.chunk + 3 * m.value * m.state // m.chunk
+    else:
+        per_head = 7 * (m.key + m.value) + m.chunk + (3 * m.chunk * m.key if m.kind == "kda" else 0)
+    return m.heads * per_head * 4 // load.tp_size
 
 
 def score_bytes(info: TargetInfo, load: TargetLoad) -> int:
@@ -129,7 +148,7 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     8192 peaked 0.73 GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
     tokens, piece = load.tokens_per_batch, load.prefill_tokens
     keys = min(load.max_seq_len, tokens) or tokens
-    kinds = {t for t in info.layer_types[: load.layers] if t in MASKED_LAYER_TYPES} or {"full_attention"}
+    kinds = set(attention_layer_types(info, load.layers))
     scores = score_bytes(info, load)
     if not 0 < piece < tokens and not scores:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
