@@ -176,6 +176,7 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path, family
             "expanded keys and values",
             "--tokens_per_batch (a piece expands the latent of every key before it)",
         ),
+        ("linear layers' reference code", "--target_prefill_tokens (pieces bound it), or install the kernel"),
     ],
 )
 def test_a_target_rank_that_cannot_fit_names_the_prefill_setting_that_shrinks_it(part, advice):

@@ -257,6 +257,8 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "repeated keys and values": "--max_seq_len or --target_prefill_tokens 0 (one pass repeats none)",
             "KV cache": "--tokens_per_batch or --target_prefill_tokens 0 (one pass keeps no cache)",
             "expanded keys and values": "--tokens_per_batch (a piece expands the latent of every key before it)",
+            "linear layers' reference code": "--target_prefill_tokens (pieces bound it), or install the kernel "
+            "packages --plan names (target_kernels)",
             "attention scores": "--target_prefill_tokens (the target's attention materialises its scores: pieces "
             "bound them)",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")

@@ -51,7 +51,7 @@ from dflash_ddp.target_model.info import (
     soft_target_compute_share,
     target_fingerprint,
 )
-from dflash_ddp.target_model.kernels import KERNEL_PACKAGES, kernels_note, missing_kernels, runs_linear_mixer
+from dflash_ddp.target_model.kernels import kernels_note, linear_layers_summary
 from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, check_tensor_parallel
 
 
@@ -119,9 +119,9 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         info = dataclasses.replace(info, path=view)
     if warm and (not cfg.plan or cfg.calibrate or source.repo_id is None):  # the target's files are here
         check_source_target(cfg, warm, info.path, source.commit)
-    device = planned_device(cfg)
-    memory = plan_memory(cfg, info, drafter_config, topology, device, plan_gpu_bytes(cfg))
-    note = kernels_note(info, target_layers_run(cfg, info, taps), device.type)
+    planned = planned_device(cfg)
+    memory = plan_memory(cfg, info, drafter_config, topology, planned, plan_gpu_bytes(cfg))
+    note = kernels_note(info, target_layers_run(cfg, info, taps), planned.type)
     return RunSetup(source, info, tokenizer, drafter_config, memory, warm, [note] if note else [])
 
 
@@ -252,19 +252,6 @@ def text_stack_note(info: TargetInfo) -> str:
     return note
 
 
-def linear_layers_summary(info: TargetInfo, layers: int, cfg: TrainConfig) -> str:
-    """How the target's linear-attention or state-space layers run: fused kernels or the reference code."""
-    if not runs_linear_mixer(info, layers):
-        return "no linear-attention or state-space layers among those run"
-    device_type = planned_device(cfg).type
-    missing = missing_kernels(info, layers, device_type)
-    kind = info.linear_mixer.kind
-    if not missing:
-        return f"{kind} layers with fused kernels ({', '.join(p for _, p in KERNEL_PACKAGES[kind])})"
-    why = "on the CPU" if device_type != "cuda" else f"{', '.join(missing)} not installed"
-    return f"{kind} layers with transformers' reference implementation ({why}), its memory counted below"
-
-
 def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     """Topology, sizes and predicted memory per rank; loads no weights."""
     c, info, memory = setup.drafter_config, setup.info, setup.memory
@@ -292,7 +279,9 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             else "later layers, the final norm and the LM head skipped"
         )
         + ")",
-        "target_kernels": linear_layers_summary(info, target_layers_run(cfg, info, c.target_layer_ids), cfg),
+        "target_kernels": linear_layers_summary(
+            info, target_layers_run(cfg, info, c.target_layer_ids), planned_device(cfg).type
+        ),
         "target_weights": weights_summary(
             setup.source, target_layers_read(cfg, info, c.target_layer_ids), target_weights(info)
         )

@@ -17,7 +17,7 @@ from dflash_ddp.target_model.text_stack import TextStack, read_text_stack, trunc
 
 @dataclass(frozen=True)
 class LatentAttention:
-    """Multi-head latent attention's widths (such configs point `head_dim` at the RoPE part only): a layer
+    """Multi-head latent attention's widths (most such configs point `head_dim` at the RoPE part): a layer
     caches a token's `latent` compressed keys and values plus its `rope` key, and expands them for every
     query head into keys of `nope + rope` and values of `value`."""
 
@@ -280,9 +280,8 @@ def linear_mixer(config) -> LinearMixer | None:
         return None
     width = _first(config, ("mamba_head_dim", "mamba_d_head"))
     state = _first(config, ("ssm_state_size", "mamba_d_state"))
-    return LinearMixer(
-        "mamba2", heads, width, width, state, _first(config, ("mamba_chunk_size", "chunk_size"))
-    )
+    chunk = _first(config, ("mamba_chunk_size", "chunk_size")) or 256  # Mamba-2's own default
+    return LinearMixer("mamba2", heads, width, width, state, chunk)
 
 
 def latent_attention(config) -> LatentAttention | None:

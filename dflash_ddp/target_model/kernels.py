@@ -1,23 +1,46 @@
 """Whether a hybrid target's linear-attention or state-space layers run fused kernels. transformers runs
-them with the kernel packages where they are installed and run on the device (CUDA), and otherwise with
-its reference implementation in PyTorch: a Python loop over chunks and fp32 tensors per position many
-times the layer's width (Kimi Linear's and GLM-5's decay per channel: chunk x key width per head), which
-the memory plan then counts (memory.py) and a GPU run is told about.
+them with a kernel package's function where it imports (and the inputs are on CUDA), and otherwise, without
+a word, with its reference implementation in PyTorch: a Python loop over chunks and fp32 tensors per
+position many times the layer's width (Kimi Linear's and GLM-5's decay per channel: chunk x key width per
+head), which the memory plan then counts (memory.py) and a GPU run is told about.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 
 from dflash_ddp.target_model.info import TargetInfo
 
-# per kind of layer: (module transformers imports, the pip package that installs it)
-KERNEL_PACKAGES = {
-    "gated_delta": (("fla", "flash-linear-attention"), ("causal_conv1d", "causal-conv1d")),
-    "kda": (("fla", "flash-linear-attention"), ("causal_conv1d", "causal-conv1d")),
-    "mamba2": (("mamba_ssm", "mamba-ssm"), ("causal_conv1d", "causal-conv1d")),
+# per kind of layer: the scan's kernel, then the convolution's, as transformers imports them
+# (module, function, the pip package that installs it)
+SCAN, CONVOLUTION = 0, 1
+KERNELS = {
+    "gated_delta": (
+        ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "flash-linear-attention"),
+        ("causal_conv1d", "causal_conv1d_fn", "causal-conv1d"),
+    ),
+    "kda": (
+        ("fla.ops.kda", "chunk_kda", "flash-linear-attention"),
+        ("causal_conv1d", "causal_conv1d_fn", "causal-conv1d"),
+    ),
+    "mamba2": (
+        ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba-ssm"),
+        ("causal_conv1d", "causal_conv1d_fn", "causal-conv1d"),
+    ),
 }
-MIXER_LAYER_TYPES = ("linear_attention", "hybrid")  # Falcon-H1's layers run attention and Mamba-2 together
+# the layer types that run them ("hybrid": Falcon-H1's layers run attention and Mamba-2 side by side)
+MIXER_LAYER_TYPES = ("linear_attention", "hybrid", "hybrid_sliding")
+
+
+@functools.cache
+def kernel_imports(module: str, function: str) -> bool:
+    """Whether `module.function` imports here, as transformers tries it: any failure (not installed, an
+    older release without it, a build for another torch) sends it to its reference code."""
+    try:
+        return callable(getattr(importlib.import_module(module), function, None))
+    except Exception:
+        return False
 
 
 def runs_linear_mixer(info: TargetInfo, layers: int) -> bool:
@@ -25,25 +48,49 @@ def runs_linear_mixer(info: TargetInfo, layers: int) -> bool:
     return info.linear_mixer is not None and any(t in MIXER_LAYER_TYPES for t in info.layer_types[:layers])
 
 
-def missing_kernels(info: TargetInfo, layers: int, device_type: str) -> list[str]:
-    """The pip packages of fused kernels for the linear layers among the first `layers` that this machine
-    lacks (judged by whether their modules are installed); on a CPU all of them, which run on CUDA only."""
+def missing_kernels(info: TargetInfo, layers: int, device_type: str) -> list[tuple[int, str]]:
+    """The kernels (SCAN or CONVOLUTION, and the pip package) the linear layers among the first `layers`
+    would run without on `device_type`: on a CPU all of them (they run on CUDA only). On CUDA judged on this
+    machine, so a plan for another machine's GPUs (--plan_gpu_memory) assumes its packages are these."""
     if not runs_linear_mixer(info, layers):
         return []
     return [
-        package
-        for module, package in KERNEL_PACKAGES[info.linear_mixer.kind]
-        if device_type != "cuda" or importlib.util.find_spec(module) is None
+        (role, package)
+        for role, (module, function, package) in enumerate(KERNELS[info.linear_mixer.kind])
+        if device_type != "cuda" or not kernel_imports(module, function)
     ]
+
+
+def runs_reference_scan(info: TargetInfo, layers: int, device_type: str) -> bool:
+    """Whether the layers' scan, the part whose memory counts, runs transformers' reference code."""
+    return any(role == SCAN for role, _ in missing_kernels(info, layers, device_type))
+
+
+def linear_layers_summary(info: TargetInfo, layers: int, device_type: str) -> str:
+    """How the target's linear-attention or state-space layers run, for --plan."""
+    if not runs_linear_mixer(info, layers):
+        return "no linear-attention or state-space layers among those run"
+    kind, missing = (
+        info.linear_mixer.kind,
+        [package for _, package in missing_kernels(info, layers, device_type)],
+    )
+    if not missing:
+        return f"{kind} layers with fused kernels ({', '.join(k[2] for k in KERNELS[kind])})"
+    why = "on the CPU" if device_type != "cuda" else f"{', '.join(missing)} not importable here"
+    memory = ", its memory counted below" if runs_reference_scan(info, layers, device_type) else ""
+    return f"{kind} layers with transformers' reference code ({why}){memory}"
 
 
 def kernels_note(info: TargetInfo, layers: int, device_type: str) -> str | None:
     """One line for a GPU run whose target's linear layers fall back to transformers' reference code."""
-    missing = missing_kernels(info, layers, device_type)
+    missing = [package for _, package in missing_kernels(info, layers, device_type)]
     if device_type != "cuda" or not missing:
         return None
+    memory = (
+        ", and with more memory, which the plan counts" if runs_reference_scan(info, layers, "cuda") else ""
+    )
     return (
-        f"note: the target's {info.linear_mixer.kind} layers run transformers' reference implementation in "
-        f"PyTorch ({', '.join(missing)} not installed): slower, and with more memory, which the plan counts; "
-        f"`pip install {' '.join(missing)}` for the fused kernels"
+        f"note: the target's {info.linear_mixer.kind} layers run transformers' reference code in PyTorch "
+        f"({', '.join(missing)} not importable): slower{memory}; `pip install {' '.join(missing)}` for the "
+        "fused kernels"
     )

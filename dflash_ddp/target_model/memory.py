@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model.info import TargetInfo
-from dflash_ddp.target_model.kernels import missing_kernels
+from dflash_ddp.target_model.kernels import runs_reference_scan
 
 SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once when taking the top-k
+# layer types that keep no keys and build no attention mask (None: a layer a family's config leaves out)
+NON_ATTENTION_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe", None)
+HYBRID_ATTENTION = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,14 @@ def attention_width(info: TargetInfo) -> int:
 
 
 def attention_layer_types(info: TargetInfo, layers: int) -> list[str]:
-    """The softmax-attention kind of each of the first `layers` decoder layers that has one (full, sliding,
-    chunked, indexed, compressed), skipping linear-attention, Mamba and MLP blocks; every layer is
-    "full_attention" where the family names no types (Falcon-H1's "hybrid" layers run full attention too)."""
+    """The softmax-attention kind of each of the first `layers` decoder layers that has one, skipping
+    linear-attention, convolution, Mamba and MLP blocks; a type not known to lack attention counts as one
+    (the plan errs high). Every layer is "full_attention" where the family names no types; a hybrid layer
+    (attention beside Mamba-2: Falcon-H1's "hybrid", "hybrid_sliding") is the attention it runs."""
     if not info.layer_types:
         return ["full_attention"] * layers
-    kinds = ["full_attention" if t == "hybrid" else t for t in info.layer_types[:layers]]
-    return [t for t in kinds if t.endswith("attention") and t != "linear_attention"]
+    kinds = [t for t in info.layer_types[:layers] if t not in NON_ATTENTION_LAYER_TYPES]
+    return [HYBRID_ATTENTION.get(t, t) for t in kinds]
 
 
 def reference_mixer_bytes(info: TargetInfo, load: TargetLoad) -> int:
@@ -107,16 +111,16 @@ def reference_mixer_bytes(info: TargetInfo, load: TargetLoad) -> int:
     implementation (kernels.py: on a CPU, or a GPU without the kernel packages), beside the layer's own
     tensors: its fp32 copies of the inputs, the chunked algorithm's intermediates, and KDA's [chunk x key]
     decay per position and head; Mamba-2's chunk states [value x state] shared by a chunk's positions.
-    Fitted on CPU forwards of the zoo's hybrids at two widths (a third for Mamba-2's chunk), 1.04-1.31x
-    the measured excess (docs/LOG.md, 2026-12-05)."""
+    Fitted on CPU forwards of the zoo's hybrids at two widths (more for Mamba-2's chunk and state): the plan
+    1.04-1.21x their measured peaks (docs/LOG.md, 2026-12-05)."""
     m = info.linear_mixer
-    if not missing_kernels(info, load.layers, load.device_type):
+    if not runs_reference_scan(info, load.layers, load.device_type):
         return 0
     if m.kind == "mamba2":
         per_head = 11 * m.value + m.state + 2 * m.chunk + 3 * m.value * m.state // m.chunk
     else:
         per_head = 7 * (m.key + m.value) + m.chunk + (3 * m.chunk * m.key if m.kind == "kda" else 0)
-    return m.heads * per_head * 4 // load.tp_size
+    return m.heads * per_head * 4  # whole on every rank: no tensor-parallel plan splits these layers
 
 
 def score_bytes(info: TargetInfo, load: TargetLoad) -> int:
