@@ -114,6 +114,24 @@ def test_a_rows_features_do_not_depend_on_its_batch_or_the_prefills_pieces(name,
             assert not features[1, 13:].any()  # padding zeroed
 
 
+def peak_load(taps: list[int]) -> TargetLoad:
+    """What the target's plan reads for a CPU forward of two rows of 2048 positions in fp32 up to `taps`."""
+    return TargetLoad(
+        num_params=0,  # the weights are resident before the measurement starts
+        target_layer_ids=taps,
+        layers=max(taps) + 1,
+        tokens_per_batch=2 * 2048,
+        dtype_bytes=4,
+        max_seq_len=2048,
+        device_type="cpu",
+    )
+
+
+def planned_and_measured(target: Path, info, taps: list[int]):
+    """The plan for that forward and its measured peak (bytes) in a fresh process."""
+    return target_memory(info, peak_load(taps)), target_forward_peak(target, taps, 2, 2048, 0)
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_scores_of_a_target_transformers_runs_eagerly(zoo):
     """gpt-oss has no SDPA path in transformers: every layer materialises its [rows, heads, queries, keys]
@@ -122,16 +140,7 @@ def test_the_plan_counts_the_scores_of_a_target_transformers_runs_eagerly(zoo):
     target = zoo("gpt_oss")
     info = inspect_target(target)
     assert info.eager_attention and not inspect_target(zoo("qwen3")).eager_attention
-    load = TargetLoad(
-        num_params=0,  # the weights are resident before the measurement starts
-        target_layer_ids=[1, 2],
-        layers=3,
-        tokens_per_batch=2 * 2048,
-        dtype_bytes=4,
-        max_seq_len=2048,
-    )
-    plan = target_memory(info, load)
-    measured = target_forward_peak(target, [1, 2], 2, 2048, 0)
+    plan, measured = planned_and_measured(target, info, [1, 2])
     assert 1.0 <= plan.total / measured <= 1.5, (plan.describe(), measured / 2**30)
     assert plan.parts["attention scores"] > plan.total / 2
 
@@ -149,20 +158,10 @@ def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
     torch.manual_seed(0)
     model_class(config).save_pretrained(tmp_path)
     info = inspect_target(tmp_path)
-    load = TargetLoad(
-        num_params=0,  # the weights are resident before the measurement starts
-        target_layer_ids=[1, 2],
-        layers=3,
-        tokens_per_batch=2 * 2048,
-        dtype_bytes=4,
-        max_seq_len=2048,
-        device_type="cpu",
-    )
-    plan = target_memory(info, load)
-    measured = target_forward_peak(tmp_path, [1, 2], 2, 2048, 0)
+    plan, measured = planned_and_measured(tmp_path, info, [1, 2])
     assert 1.0 <= plan.total / measured <= 1.5, (plan.describe(), measured / 2**30)
     assert "attention scores" not in plan.parts
-    narrow = inspect_target(zoo("deepseek_v3"))
+    narrow, load = inspect_target(zoo("deepseek_v3")), peak_load([1, 2])
     assert "attention scores" in target_memory(narrow, load).parts
     assert "attention scores" not in target_memory(narrow, replace(load, device_type="cuda")).parts
 
@@ -177,17 +176,7 @@ def test_the_plan_counts_the_reference_code_of_a_hybrids_linear_layers(name, zoo
     written, where it said 0.49x, 0.11x and 0.33x before it counted them."""
     target = zoo(name)
     info = inspect_target(target)
-    load = TargetLoad(
-        num_params=0,  # the weights are resident before the measurement starts
-        target_layer_ids=[1],
-        layers=2,
-        tokens_per_batch=2 * 2048,
-        dtype_bytes=4,
-        max_seq_len=2048,
-        device_type="cpu",
-    )
-    plan = target_memory(info, load)
-    measured = target_forward_peak(target, [1], 2, 2048, 0)
+    plan, measured = planned_and_measured(target, info, [1])
     assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
 
 
