@@ -14,7 +14,6 @@ from dflash_ddp.target_model.info import TargetInfo
 
 # per kind of layer: the scan's kernel, then the convolution's, as transformers imports them
 # (module, function, the pip package that installs it)
-SCAN, CONVOLUTION = 0, 1
 KERNELS = {
     "gated_delta": (
         ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "flash-linear-attention"),
@@ -48,32 +47,33 @@ def runs_linear_mixer(info: TargetInfo, layers: int) -> bool:
     return info.linear_mixer is not None and any(t in MIXER_LAYER_TYPES for t in info.layer_types[:layers])
 
 
-def missing_kernels(info: TargetInfo, layers: int, device_type: str) -> list[tuple[int, str]]:
-    """The kernels (SCAN or CONVOLUTION, and the pip package) the linear layers among the first `layers`
-    would run without on `device_type`: on a CPU all of them (they run on CUDA only). On CUDA judged on this
-    machine, so a plan for another machine's GPUs (--plan_gpu_memory) assumes its packages are these."""
+def missing_kernels(info: TargetInfo, layers: int, device_type: str) -> list[str]:
+    """The pip packages whose kernels the linear layers among the first `layers` would run without on
+    `device_type`: on a CPU all of them (they run on CUDA only). On CUDA judged on this machine, so a plan
+    for another machine's GPUs (--plan_gpu_memory) assumes its packages are these."""
     if not runs_linear_mixer(info, layers):
         return []
-    return [
-        (role, package)
-        for role, (module, function, package) in enumerate(KERNELS[info.linear_mixer.kind])
-        if device_type != "cuda" or not kernel_imports(module, function)
-    ]
+    kernels = KERNELS[info.linear_mixer.kind]
+    return [package for module, function, package in kernels if not runs_fused(module, function, device_type)]
 
 
 def runs_reference_scan(info: TargetInfo, layers: int, device_type: str) -> bool:
     """Whether the layers' scan, the part whose memory counts, runs transformers' reference code."""
-    return any(role == SCAN for role, _ in missing_kernels(info, layers, device_type))
+    if not runs_linear_mixer(info, layers):
+        return False
+    module, function, _ = KERNELS[info.linear_mixer.kind][0]
+    return not runs_fused(module, function, device_type)
+
+
+def runs_fused(module: str, function: str, device_type: str) -> bool:
+    return device_type == "cuda" and kernel_imports(module, function)
 
 
 def linear_layers_summary(info: TargetInfo, layers: int, device_type: str) -> str:
     """How the target's linear-attention or state-space layers run, for --plan."""
     if not runs_linear_mixer(info, layers):
         return "no linear-attention or state-space layers among those run"
-    kind, missing = (
-        info.linear_mixer.kind,
-        [package for _, package in missing_kernels(info, layers, device_type)],
-    )
+    kind, missing = info.linear_mixer.kind, missing_kernels(info, layers, device_type)
     if not missing:
         return f"{kind} layers with fused kernels ({', '.join(k[2] for k in KERNELS[kind])})"
     why = "on the CPU" if device_type != "cuda" else f"{', '.join(missing)} not importable here"
@@ -83,7 +83,7 @@ def linear_layers_summary(info: TargetInfo, layers: int, device_type: str) -> st
 
 def kernels_note(info: TargetInfo, layers: int, device_type: str) -> str | None:
     """One line for a GPU run whose target's linear layers fall back to transformers' reference code."""
-    missing = [package for _, package in missing_kernels(info, layers, device_type)]
+    missing = missing_kernels(info, layers, device_type)
     if device_type != "cuda" or not missing:
         return None
     memory = (
