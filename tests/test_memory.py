@@ -177,6 +177,7 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path, family
             "--tokens_per_batch (a piece expands the latent of every key before it)",
         ),
         ("linear layers' reference code", "--target_prefill_tokens (pieces bound it), or install the kernel"),
+        ("indexer scores", "--target_prefill_tokens (the sparse attention's indexer scores every key"),
     ],
 )
 def test_a_target_rank_that_cannot_fit_names_the_prefill_setting_that_shrinks_it(part, advice):

@@ -1,6 +1,7 @@
 """The target side: which hidden states are tapped, what is loaded, and bad target directories."""
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,14 @@ from dflash_ddp.target_model.features import (
     last_layer_norm,
 )
 from dflash_ddp.target_model.head import SharedTargetHead
-from dflash_ddp.target_model.info import inspect_target, layer_mlp_widths
+from dflash_ddp.target_model.info import (
+    SparseIndexer,
+    inspect_target,
+    key_compression,
+    layer_mlp_widths,
+    sparse_indexer,
+    target_info_from_config,
+)
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
 
 from helpers import target_forward_peak
@@ -221,6 +229,40 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
 def test_a_targets_mlp_width_is_read_by_meaning_per_layer(config_class, widths):
     config = getattr(transformers, config_class)()
     assert set(layer_mlp_widths(config)) == widths
+
+
+@pytest.mark.parametrize(
+    ("config_class", "indexer", "compression"),
+    [
+        ("DeepseekV32Config", SparseIndexer(64, 128), 0),
+        ("GlmMoeDsaConfig", SparseIndexer(32, 128), 0),
+        ("Glm5NextTextConfig", SparseIndexer(32, 128, pool=16), 0),  # scores pools of 16 keys
+        ("MistralLarge4TextConfig", SparseIndexer(32, 128), 0),
+        # an indexer before its compressed sparse layers, scoring the compressed keys; none before the others
+        ("DeepseekV4Config", SparseIndexer(64, 128, pool=4), 4),
+        ("MiniMaxM3VLTextConfig", None, 0),  # index fields, but no layer of the default config is sparse
+        ("Qwen3Config", None, 0),
+    ],
+)
+def test_a_targets_sparse_attention_indexer_is_read_from_its_config(config_class, indexer, compression):
+    """The memory plan counts the indexer's scores from these (their default configs are the released
+    models' widths)."""
+    config = getattr(transformers, config_class)()
+    assert sparse_indexer(config) == indexer
+    assert key_compression(config) == compression
+
+
+def test_the_plan_counts_deepseek_v32s_indexer_at_long_context():
+    """At DeepSeek V3.2's released widths (64 index heads of 128) the indexer's fp32 work is 772 bytes per
+    query-key pair: a row of 8K positions in one pass needs 48 GiB for it, more than anything else a target
+    rank holds but its weights; pieces of 1024 positions bound it to an eighth."""
+    info = target_info_from_config(transformers.DeepseekV32Config(num_hidden_layers=4), Path("unused"))
+    load = TargetLoad(num_params=0, target_layer_ids=[1], layers=2, tokens_per_batch=8192, dtype_bytes=2)
+    parts = target_memory(info, replace(load, max_seq_len=8192)).parts
+    one_pass = parts.pop("indexer scores")
+    assert one_pass == 8192 * 8192 * 772 and one_pass > max(v for k, v in parts.items() if k != "weights")
+    pieces = target_memory(info, replace(load, max_seq_len=8192, prefill_tokens=1024)).parts["indexer scores"]
+    assert pieces == one_pass // 8
 
 
 def test_a_config_without_the_width_its_layers_need_is_one_line_naming_the_model_type_and_field():

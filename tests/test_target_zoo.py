@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from target_zoo import ZOO_NAMES, build_zoo_target, make_config, zoo_config
+import transformers
+from target_zoo import ZOO_NAMES, build_zoo_target, defined_fields, make_config, zoo_config
 from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM
 
 from dflash_ddp.drafter.config import drafter_config_for
@@ -176,6 +177,39 @@ def test_the_plan_counts_the_reference_code_of_a_hybrids_linear_layers(name, zoo
     written, where it said 0.49x, 0.11x and 0.33x before it counted them."""
     target = zoo(name)
     info = inspect_target(target)
+    plan, measured = planned_and_measured(target, info, [1])
+    assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+def test_the_plan_counts_the_scores_of_a_sparse_attention_indexer(zoo, tmp_path):
+    """DeepSeek Sparse Attention's indexer (DeepSeek V3.2, GLM-5, Mistral Large 4, ...) scores every key for
+    every query in fp32 before an indexed layer's attention, the keys first copied out for every query by
+    torch's broadcasting matmul: 772 bytes per query-key pair at DeepSeek V3.2's widths. The plan against a
+    real forward of a DeepSeek V3.2 with 4 index heads of 64 (1.01x when written, 0.16x before it counted
+    them) and of the zoo's GLM-5 tapped to its indexed layer (scores per pool of 2 keys: 1.22x, 0.87x)."""
+    model_class, config = zoo_config("deepseek_v3", 256)
+    fields = {
+        k: v for k, v in config.to_dict().items() if k in defined_fields(transformers.DeepseekV32Config)
+    }
+    fields.update(index_n_heads=4, index_head_dim=64, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    torch.manual_seed(0)
+    transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**fields)).save_pretrained(tmp_path)
+    for target, taps, bound in ((tmp_path, [1], 1.1), (zoo("glm5_next"), [3], 1.3)):
+        info = inspect_target(target)
+        plan, measured = planned_and_measured(target, info, taps)
+        assert 1.0 <= plan.total / measured <= bound, (plan.describe(), measured / 2**30)
+        assert max(plan.parts, key=plan.parts.get) == "indexer scores"
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+def test_the_plan_counts_the_compressed_keys_deepseek_v4_attends_to(zoo):
+    """DeepSeek V4's compressed layers (run eagerly) attend to their own keys and a compressed key per few
+    after them: their scores are that much wider than the queries' keys (the plan 1.24x a real forward's
+    peak when written, 0.84x before)."""
+    target = zoo("deepseek_v4")
+    info = inspect_target(target)
+    assert info.key_compression == 2 and info.sparse_indexer.pool == 2
     plan, measured = planned_and_measured(target, info, [1])
     assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
 

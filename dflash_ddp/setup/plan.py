@@ -261,6 +261,8 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "packages --plan names (target_kernels)",
             "attention scores": "--target_prefill_tokens (the target's attention materialises its scores: pieces "
             "bound them)",
+            "indexer scores": "--target_prefill_tokens (the sparse attention's indexer scores every key for every "
+            "query in fp32: pieces bound them)",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(
             f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "

@@ -48,6 +48,21 @@ class LinearMixer:
 
 
 @dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek Sparse Attention's indexer (DeepSeek V3.2/V4, GLM-5, Mistral Large 4, ...): before an indexed
+    layer's attention it scores every key for every query, with `heads` heads of `width` in fp32, a score per
+    `pool` keys (GLM-5's pools, DeepSeek V4's compressed keys), and keeps the top-k."""
+
+    heads: int
+    width: int
+    pool: int = 1
+
+
+# the layer types whose attention runs an indexer first (DeepSeek V4's heavily compressed layers run none)
+INDEXED_LAYER_TYPES = ("indexed_attention", "compressed_sparse_attention")
+
+
+@dataclass(frozen=True)
 class TargetInfo:
     """What the drafter needs to know about a target model directory, read from its config only."""
 
@@ -75,6 +90,8 @@ class TargetInfo:
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
     linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
+    sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
+    key_compression: int = 0  # DeepSeek V4: a layer attends also to a key per this many (its smallest rate)
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -260,6 +277,8 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         eager_attention=eager_attention_only(config),
         latent_attention=latent_attention(config),
         linear_mixer=linear_mixer(config),
+        sparse_indexer=sparse_indexer(config),
+        key_compression=key_compression(config),
         stack=stack,
     )
 
@@ -282,6 +301,24 @@ def linear_mixer(config) -> LinearMixer | None:
     state = _first(config, ("ssm_state_size", "mamba_d_state"))
     chunk = _first(config, ("mamba_chunk_size", "chunk_size")) or 256  # Mamba-2's own default
     return LinearMixer("mamba2", heads, width, width, state, chunk)
+
+
+def key_compression(config) -> int:
+    """The smallest rate at which a layer type of the family compresses keys it attends to beside its own
+    (DeepSeek V4's `compress_rates`), else 0."""
+    rates = getattr(config, "compress_rates", None) or {}
+    return min((r for t, r in rates.items() if t in (getattr(config, "layer_types", None) or ())), default=0)
+
+
+def sparse_indexer(config) -> SparseIndexer | None:
+    """The indexer's shape where some layer runs one (`index_n_heads` and an indexed layer type), else None."""
+    heads = layer_attribute(config, "index_n_heads")
+    types = getattr(config, "layer_types", None) or ()
+    if not heads or not any(t in INDEXED_LAYER_TYPES for t in types):
+        return None
+    compressed = (getattr(config, "compress_rates", None) or {}).get("compressed_sparse_attention")
+    pool = getattr(config, "index_kpool", None) or compressed or 1
+    return SparseIndexer(heads, layer_attribute(config, "index_head_dim"), pool)
 
 
 def latent_attention(config) -> LatentAttention | None:

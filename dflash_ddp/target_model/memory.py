@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_ddp.parallel.machine import MemoryPlan
-from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.info import INDEXED_LAYER_TYPES, TargetInfo
 from dflash_ddp.target_model.kernels import runs_reference_scan
 
 SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once when taking the top-k
@@ -71,12 +71,22 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     if pieces:
         cached = mla.latent + mla.rope if mla else 2 * info.num_key_value_heads * info.head_dim // tp_size
         parts["KV cache"] = tokens_per_batch * len(attention_layer_types(info, layers)) * cached * dtype_bytes
+        if indexed := indexed_layers(info, layers):  # and the indexer's keys
+            parts["KV cache"] += tokens_per_batch * indexed * info.sparse_indexer.width * dtype_bytes
         if mla:  # each layer expands the latent of every key so far for every query head
             expanded = heads // tp_size * (mla.query_key + mla.nope + mla.value)
             parts["expanded keys and values"] = tokens_per_batch * expanded * dtype_bytes
     parts.update(attention_mask_bytes(info, load, running))
-    if reference := reference_mixer_bytes(info, load):
-        parts["linear layers' reference code"] = running * reference
+    # a layer's work space lives while it runs, and layers (the indexer before its attention) run one after
+    # another: only the largest counts
+    workspaces = {"attention scores": parts.pop("attention scores", 0)}
+    if indexed_layers(info, layers):
+        keys = min(load.max_seq_len, tokens_per_batch) or tokens_per_batch
+        workspaces["indexer scores"] = running * keys * indexer_pair_bytes(info)
+    workspaces["linear layers' reference code"] = running * reference_mixer_bytes(info, load)
+    largest = max(workspaces, key=workspaces.get)
+    if workspaces[largest]:
+        parts[largest] = workspaces[largest]
     if topk:
         parts["LM head"] = info.vocab_size * info.hidden_size * dtype_bytes
         # a chunk's logits, their softmax and the top-k's work space in fp32
@@ -104,6 +114,25 @@ def attention_layer_types(info: TargetInfo, layers: int) -> list[str]:
         return ["full_attention"] * layers
     kinds = [t for t in info.layer_types[:layers] if t not in NON_ATTENTION_LAYER_TYPES]
     return [HYBRID_ATTENTION.get(t, t) for t in kinds]
+
+
+def indexed_layers(info: TargetInfo, layers: int) -> int:
+    """How many of the first `layers` decoder layers run a sparse-attention indexer."""
+    if info.sparse_indexer is None:
+        return 0
+    return sum(t in INDEXED_LAYER_TYPES for t in info.layer_types[:layers])
+
+
+def indexer_pair_bytes(info: TargetInfo) -> int:
+    """Bytes per query-key pair of a row while one layer's indexer runs (transformers' code; layers run one
+    at a time): the fp32 product of queries [heads x width] with keys, for which torch's broadcasting matmul
+    first copies the keys out for every query ([width] per pair), then the scaled scores and their ReLU
+    beside it ([heads] each, a score per pool of keys; DeepSeek V3.2's code keeps two of them at once,
+    GLM-5's and DeepSeek V4's three, the same at their released widths), and about 4 bytes around them (the
+    heads' weighted sum the top-k reads, masks of the visible keys). Measured on CPU forwards of DeepSeek
+    V3.2 at 4-32 heads and GLM-5 at pools of 1-4: the plan 0.99-1.11x the peaks (docs/LOG.md, 2026-12-05)."""
+    indexer = info.sparse_indexer
+    return 4 * max(indexer.width + indexer.heads, 3 * indexer.heads) // indexer.pool + 4
 
 
 def reference_mixer_bytes(info: TargetInfo, load: TargetLoad) -> int:
@@ -159,9 +188,11 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     if not kinds:
         return {}
     dtype_bytes, heads = load.dtype_bytes, info.num_attention_heads // load.tp_size
-    parts = {"attention mask": min(running, keys) * keys * len(kinds) + running * keys * dtype_bytes}
+    # DeepSeek V4's compressed layers attend to their own keys and the compressed ones after them
+    attended = keys + (keys // info.key_compression if info.key_compression else 0)
+    parts = {"attention mask": min(running, keys) * keys * len(kinds) + running * attended * dtype_bytes}
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
         parts["repeated keys and values"] = 2 * tokens * heads * info.head_dim * dtype_bytes
     if scores:  # one layer's
-        parts["attention scores"] = running * keys * heads * scores
+        parts["attention scores"] = running * attended * heads * scores
     return parts
