@@ -19,10 +19,12 @@ from dflash_ddp.target_model.features import (
 )
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import (
+    LinearMixer,
     SparseIndexer,
     inspect_target,
     key_compression,
     layer_mlp_widths,
+    linear_mixer,
     sparse_indexer,
     target_info_from_config,
 )
@@ -263,6 +265,16 @@ def test_the_plan_counts_deepseek_v32s_indexer_at_long_context():
     assert one_pass == 8192 * 8192 * 772 and one_pass > max(v for k, v in parts.items() if k != "weights")
     pieces = target_memory(info, replace(load, max_seq_len=8192, prefill_tokens=1024)).parts["indexer scores"]
     assert pieces == one_pass // 8
+
+
+def test_zamba2s_mamba_layers_are_read_and_a_target_without_attention_is_refused_in_one_line():
+    """Zamba2 names its Mamba-2 heads its own way (their reference code's memory is counted from these); a
+    pure state-space model has no attention whose shape the drafter could take."""
+    assert linear_mixer(transformers.Zamba2Config()) == LinearMixer("mamba2", 8, 640, 640, 64, 256)
+    with pytest.raises(
+        ValueError, match="target model type 'mamba2' has no attention layers .* not supported"
+    ):
+        target_info_from_config(transformers.Mamba2Config(), Path("unused"))
 
 
 def test_a_config_without_the_width_its_layers_need_is_one_line_naming_the_model_type_and_field():

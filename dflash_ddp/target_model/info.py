@@ -250,7 +250,13 @@ def layer_mlp_widths(config) -> tuple[int, ...]:
 def target_info_from_config(config, path: Path, stack: TextStack | None = None) -> TargetInfo:
     """The shape of a target from its text config; `path` is where its files live, `stack` where the
     checkpoint keeps the text model (None: a causal-LM checkpoint of `config`)."""
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(
+            f"target model type '{config.model_type}' has no attention layers (its config gives no "
+            "num_attention_heads), whose shape the drafter takes: pure state-space models (Mamba, Mamba-2) are "
+            "not supported as targets; hybrids with attention layers are"
+        )
     widths = layer_mlp_widths(config)
     return TargetInfo(
         path=path,
@@ -294,10 +300,10 @@ def linear_mixer(config) -> LinearMixer | None:
         )
     if getattr(config, "linear_num_heads", None):
         return LinearMixer("kda", config.linear_num_heads, config.linear_head_dim, config.linear_head_dim)
-    heads = _first(config, ("mamba_num_heads", "mamba_n_heads"))
+    heads = _first(config, ("mamba_num_heads", "mamba_n_heads", "n_mamba_heads"))  # Zamba2: the last
     if not heads:
         return None
-    width = _first(config, ("mamba_head_dim", "mamba_d_head"))
+    width = _first(config, ("mamba_head_dim", "mamba_d_head", "mamba_headdim"))
     state = _first(config, ("ssm_state_size", "mamba_d_state"))
     chunk = _first(config, ("mamba_chunk_size", "chunk_size")) or 256  # Mamba-2's own default
     return LinearMixer("mamba2", heads, width, width, state, chunk)

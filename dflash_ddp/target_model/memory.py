@@ -140,13 +140,14 @@ def reference_mixer_bytes(info: TargetInfo, load: TargetLoad) -> int:
     implementation (kernels.py: on a CPU, or a GPU without the kernel packages), beside the layer's own
     tensors: its fp32 copies of the inputs, the chunked algorithm's intermediates, and KDA's [chunk x key]
     decay per position and head; Mamba-2's chunk states [value x state] shared by a chunk's positions.
-    Fitted on CPU forwards of the zoo's hybrids at two widths (more for Mamba-2's chunk and state): the plan
-    1.04-1.21x their measured peaks (docs/LOG.md, 2026-12-05)."""
+    Fitted on CPU forwards of the zoo's hybrids at two widths (more for Mamba-2's chunk and state, and
+    Zamba2's, whose B and C copies per head weigh more): the plan 1.04-1.27x their measured peaks, Zamba2's
+    with wide heads and small states up to 1.63x (docs/LOG.md, 2026-12-05)."""
     m = info.linear_mixer
     if not runs_reference_scan(info, load.layers, load.device_type):
         return 0
     if m.kind == "mamba2":
-        per_head = 11 * m.value + m.state + 2 * m.chunk + 3 * m.value * m.state // m.chunk
+        per_head = 11 * m.value + 2 * m.state + 2 * m.chunk + 3 * m.value * m.state // m.chunk
     else:
         per_head = 7 * (m.key + m.value) + m.chunk + (3 * m.chunk * m.key if m.kind == "kda" else 0)
     return m.heads * per_head * 4  # whole on every rank: no tensor-parallel plan splits these layers
