@@ -6,9 +6,11 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import DeepseekV32Config
 
 from dflash_ddp.drafter.attention import block_layout
 from dflash_ddp.drafter.blocks import build_block_inputs
@@ -191,6 +193,42 @@ def test_a_target_rank_that_cannot_fit_names_the_prefill_setting_that_shrinks_it
     memory = plan.RunMemory(drafter, target, FitCheck(5, 4, "a small device"), None, 0, 0)
     with pytest.raises(ValueError, match=f"its largest part is the {part}: lower {re.escape(advice)}"):
         plan.check_memory(TrainConfig(), memory)
+
+
+def test_a_refusal_names_the_prefill_pieces_with_which_the_run_fits():
+    from dflash_ddp.config import TrainConfig
+    from dflash_ddp.parallel.machine import FitCheck
+    from dflash_ddp.setup import plan
+
+    target = MemoryPlan({"weights": 2, "indexer scores": 3})
+    memory = plan.RunMemory(
+        MemoryPlan({"activations": 1}), target, FitCheck(5, 4, "a small device"), None, 0, 0
+    )
+    with pytest.raises(ValueError, match=r"pieces bound them\) \(--plan"):  # nothing fits: no setting named
+        plan.check_memory(TrainConfig(), memory)
+    memory.fitting_prefill = 2048
+    with pytest.raises(
+        ValueError, match=r"pieces bound them\); fits with --target_prefill_tokens 2048 \(--plan"
+    ):
+        plan.check_memory(TrainConfig(), memory)
+
+
+def test_the_largest_fitting_prefill_piece_is_a_power_of_two_down_to_512():
+    """Pieces halve from below the positions run at once now; none below 512."""
+    from dflash_ddp.parallel.machine import FitCheck
+    from dflash_ddp.setup.plan import fitting_prefill
+    from dflash_ddp.target_model.info import target_info_from_config
+    from dflash_ddp.target_model.memory import TargetLoad, target_memory
+
+    info = target_info_from_config(DeepseekV32Config(num_hidden_layers=2), Path("unused"))
+    load = TargetLoad(0, [1], 2, tokens_per_batch=20000, dtype_bytes=2, max_seq_len=20000)
+
+    def under(limit):
+        return lambda plan: FitCheck(plan.total, limit, "a test device")
+
+    one_pass = target_memory(info, load).total
+    assert fitting_prefill(info, load, under(one_pass // 3)) == 4096  # 16384 and 8192 do not fit
+    assert fitting_prefill(info, load, under(2**20)) is None  # not even pieces of 512
 
 
 def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path, capsys):

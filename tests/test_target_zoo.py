@@ -181,6 +181,18 @@ def test_the_plan_counts_the_reference_code_of_a_hybrids_linear_layers(name, zoo
     assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
 
 
+def build_deepseek_v32(out: Path) -> Path:
+    """A DeepSeek V3.2 of the zoo's DeepSeek V3 shape, with 4 index heads of 64 before every layer."""
+    _, config = zoo_config("deepseek_v3", 256)
+    fields = {
+        k: v for k, v in config.to_dict().items() if k in defined_fields(transformers.DeepseekV32Config)
+    }
+    fields.update(index_n_heads=4, index_head_dim=64, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    torch.manual_seed(0)
+    transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**fields)).save_pretrained(out)
+    return out
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_scores_of_a_sparse_attention_indexer(zoo, tmp_path):
     """DeepSeek Sparse Attention's indexer (DeepSeek V3.2, GLM-5, Mistral Large 4, ...) scores every key for
@@ -188,18 +200,27 @@ def test_the_plan_counts_the_scores_of_a_sparse_attention_indexer(zoo, tmp_path)
     torch's broadcasting matmul: 772 bytes per query-key pair at DeepSeek V3.2's widths. The plan against a
     real forward of a DeepSeek V3.2 with 4 index heads of 64 (1.01x when written, 0.16x before it counted
     them) and of the zoo's GLM-5 tapped to its indexed layer (scores per pool of 2 keys: 1.22x, 0.87x)."""
-    model_class, config = zoo_config("deepseek_v3", 256)
-    fields = {
-        k: v for k, v in config.to_dict().items() if k in defined_fields(transformers.DeepseekV32Config)
-    }
-    fields.update(index_n_heads=4, index_head_dim=64, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
-    torch.manual_seed(0)
-    transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**fields)).save_pretrained(tmp_path)
-    for target, taps, bound in ((tmp_path, [1], 1.1), (zoo("glm5_next"), [3], 1.3)):
+    for target, taps, bound in ((build_deepseek_v32(tmp_path), [1], 1.1), (zoo("glm5_next"), [3], 1.3)):
         info = inspect_target(target)
         plan, measured = planned_and_measured(target, info, taps)
         assert 1.0 <= plan.total / measured <= bound, (plan.describe(), measured / 2**30)
         assert max(plan.parts, key=plan.parts.get) == "indexer scores"
+
+
+def test_plan_names_the_prefill_pieces_with_which_a_long_context_fits(chat_data, tmp_path, capsys):
+    """A long context whose indexer scores cannot fit in one pass: --plan says which
+    --target_prefill_tokens makes it fit (pieces bound the queries scored at once), and that setting's
+    plan fits."""
+    target = build_deepseek_v32(tmp_path / "dsv32")
+    build_tokenizer(target)
+    flags = train_flags(target, chat_data, tmp_path / "run", max_seq_len=32768, tokens_per_batch=32768)
+    flags += ["--plan", "--plan_gpu_memory", "24"]
+    assert train_main(flags) == 0
+    fits = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("fits:"))
+    assert fits.strip().startswith("fits: NO:") and fits.endswith("; fits with --target_prefill_tokens 2048")
+    assert train_main([*flags, "--target_prefill_tokens", "2048"]) == 0
+    fits = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("fits:"))
+    assert fits.strip().startswith("fits: yes:")
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")

@@ -110,6 +110,7 @@ class RunMemory:
     execution: Execution
     drafter_params: int
     evaluation: int  # with --eval_data: the whole target's weights, which evaluation loads on the leader
+    fitting_prefill: int | None = None  # where it does not fit: the largest --target_prefill_tokens that does
 
     @property
     def checkpointing(self) -> bool:
@@ -177,7 +178,28 @@ def plan_memory(
     execution, plan, fit = choose_execution(
         executions(cfg, device, positions), drafter, lambda p: check_fit(p, target, roles, device, gpu_bytes)
     )
-    return RunMemory(plan, target, fit, execution, params, whole * dtype_bytes)
+    pieces = (
+        None
+        if fit.fits
+        else fitting_prefill(info, load, lambda t: check_fit(plan, t, roles, device, gpu_bytes))
+    )
+    return RunMemory(plan, target, fit, execution, params, whole * dtype_bytes, pieces)
+
+
+MIN_PREFILL_PIECE = 512  # smaller pieces leave the target's matrix products too thin to be worth it
+
+
+def fitting_prefill(info: TargetInfo, load: TargetLoad, fit_of) -> int | None:
+    """The largest prefill piece (a power of two below the positions run at once now, at least
+    MIN_PREFILL_PIECE) with which a run that does not fit would: long contexts whose target materialises
+    scores per query and key (eager attention, a sparse-attention indexer) or reference-code intermediates
+    per position fit in pieces. None where no piece makes it fit (the weights or the drafter do not)."""
+    piece = 1 << ((load.prefill_tokens or load.tokens_per_batch) - 1).bit_length() - 1
+    while piece >= MIN_PREFILL_PIECE:
+        if fit_of(target_memory(info, dataclasses.replace(load, prefill_tokens=piece))).fits:
+            return piece
+        piece //= 2
+    return None
 
 
 def choose_execution(candidates: list[Execution], plan_of, fit_of) -> tuple[Execution, MemoryPlan, FitCheck]:
@@ -240,6 +262,11 @@ def longest_fitting(plans: list[ContextPlan]) -> int | None:
     return max((p.length for p in plans if p.memory.fit.fits), default=None)
 
 
+def pieces_that_fit(memory: RunMemory) -> str:
+    """Where a run does not fit but would with its target prefilled in pieces, the setting that says so."""
+    return f"; fits with --target_prefill_tokens {memory.fitting_prefill}" if memory.fitting_prefill else ""
+
+
 def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
     """Refuse, before anything loads, a run whose predicted peak exceeds what this node has."""
     if cfg.memory_check and not memory.fit.fits:
@@ -266,8 +293,8 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(
             f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "
-            f"part is the {biggest}: lower {advice} (--plan shows every part; --memory_check false skips "
-            "this check)"
+            f"part is the {biggest}: lower {advice}{pieces_that_fit(memory)} (--plan shows every part; "
+            "--memory_check false skips this check)"
         )
     if cfg.memory_check and cfg.eval_data:
         check_evaluation_memory(cfg, memory)

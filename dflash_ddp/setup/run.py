@@ -33,6 +33,7 @@ from dflash_ddp.setup.plan import (
     RunMemory,
     context_length_plans,
     longest_fitting,
+    pieces_that_fit,
     plan_memory,
     planned_device,
     run_device,
@@ -303,7 +304,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
         f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}",
         "drafter_execution": memory.execution.describe(),
-        "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}",
+        "fits": f"{'yes' if fit.fits else 'NO'}: {fit.needed / GIB:.2f} GiB needed on {fit.where}"
+        + pieces_that_fit(memory),
     }
     contexts = context_length_plans(cfg, info, c, topology, planned_device(cfg), plan_gpu_bytes(cfg))
     for p in contexts:
@@ -311,6 +313,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             f"drafter rank {p.memory.drafter.total / GIB:.1f} GiB, target rank {p.memory.target.total / GIB:.1f} "
             f"GiB, message {p.message_bytes / 2**20:.1f} MiB: {'fits' if p.memory.fit.fits else 'does NOT fit'} "
             f"{p.memory.fit.where}"
+            + pieces_that_fit(p.memory)
             + (
                 f"; past the target's max_position_embeddings {info.max_position_embeddings}"
                 if p.length > info.max_position_embeddings
