@@ -179,7 +179,7 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path, family
             "--tokens_per_batch (a piece expands the latent of every key before it)",
         ),
         ("linear layers' reference code", "--target_prefill_tokens (pieces bound it), or install the kernel"),
-        ("indexer scores", "--target_prefill_tokens (the sparse attention's indexer scores every key"),
+        ("indexer scores", "--max_seq_len, or prefill in pieces (--target_prefill_tokens: the sparse"),
     ],
 )
 def test_a_target_rank_that_cannot_fit_names_the_prefill_setting_that_shrinks_it(part, advice):
@@ -204,11 +204,11 @@ def test_a_refusal_names_the_prefill_pieces_with_which_the_run_fits():
     memory = plan.RunMemory(
         MemoryPlan({"activations": 1}), target, FitCheck(5, 4, "a small device"), None, 0, 0
     )
-    with pytest.raises(ValueError, match=r"pieces bound them\) \(--plan"):  # nothing fits: no setting named
+    with pytest.raises(ValueError, match=r"which pieces bound\) \(--plan"):  # nothing fits: no setting named
         plan.check_memory(TrainConfig(), memory)
     memory.fitting_prefill = 2048
     with pytest.raises(
-        ValueError, match=r"pieces bound them\); fits with --target_prefill_tokens 2048 \(--plan"
+        ValueError, match=r"which pieces bound\); fits with --target_prefill_tokens 2048 \(--plan"
     ):
         plan.check_memory(TrainConfig(), memory)
 

@@ -271,6 +271,7 @@ def test_zamba2s_mamba_layers_are_read_and_a_target_without_attention_is_refused
     """Zamba2 names its Mamba-2 heads its own way (their reference code's memory is counted from these); a
     pure state-space model has no attention whose shape the drafter could take."""
     assert linear_mixer(transformers.Zamba2Config()) == LinearMixer("mamba2", 8, 640, 640, 64, 256)
+    assert linear_mixer(transformers.ZambaConfig()) is None  # Mamba-1 layers: heads, no head width
     with pytest.raises(
         ValueError, match="target model type 'mamba2' has no attention layers .* not supported"
     ):

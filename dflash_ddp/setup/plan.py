@@ -175,14 +175,14 @@ def plan_memory(
         if cfg.eval_data
         else 0
     )
-    execution, plan, fit = choose_execution(
-        executions(cfg, device, positions), drafter, lambda p: check_fit(p, target, roles, device, gpu_bytes)
-    )
-    pieces = (
-        None
-        if fit.fits
-        else fitting_prefill(info, load, lambda t: check_fit(plan, t, roles, device, gpu_bytes))
-    )
+    candidates = executions(cfg, device, positions)
+
+    def run_fit(target: MemoryPlan) -> tuple[Execution, MemoryPlan, FitCheck]:
+        return choose_execution(candidates, drafter, lambda p: check_fit(p, target, roles, device, gpu_bytes))
+
+    execution, plan, fit = run_fit(target)
+    # beside a target in pieces, another of the drafter's executions may be the one that fits
+    pieces = None if fit.fits else fitting_prefill(info, load, lambda t: run_fit(t)[2])
     return RunMemory(plan, target, fit, execution, params, whole * dtype_bytes, pieces)
 
 
@@ -194,7 +194,8 @@ def fitting_prefill(info: TargetInfo, load: TargetLoad, fit_of) -> int | None:
     MIN_PREFILL_PIECE) with which a run that does not fit would: long contexts whose target materialises
     scores per query and key (eager attention, a sparse-attention indexer) or reference-code intermediates
     per position fit in pieces. None where no piece makes it fit (the weights or the drafter do not)."""
-    piece = 1 << ((load.prefill_tokens or load.tokens_per_batch) - 1).bit_length() - 1
+    running = min(load.prefill_tokens or load.tokens_per_batch, load.tokens_per_batch)
+    piece = 1 << (running - 1).bit_length() - 1
     while piece >= MIN_PREFILL_PIECE:
         if fit_of(target_memory(info, dataclasses.replace(load, prefill_tokens=piece))).fits:
             return piece
@@ -286,10 +287,10 @@ def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:
             "expanded keys and values": "--tokens_per_batch (a piece expands the latent of every key before it)",
             "linear layers' reference code": "--target_prefill_tokens (pieces bound it), or install the kernel "
             "packages --plan names (target_kernels)",
-            "attention scores": "--target_prefill_tokens (the target's attention materialises its scores: pieces "
-            "bound them)",
-            "indexer scores": "--target_prefill_tokens (the sparse attention's indexer scores every key for every "
-            "query in fp32: pieces bound them)",
+            "attention scores": "--max_seq_len, or prefill in pieces (--target_prefill_tokens: the target's "
+            "attention materialises its scores, which pieces bound)",
+            "indexer scores": "--max_seq_len, or prefill in pieces (--target_prefill_tokens: the sparse "
+            "attention's indexer scores every key for every query in fp32, which pieces bound)",
         }.get(biggest, "--tokens_per_batch or --drafter_chunk_tokens, or use fewer processes per machine")
         raise ValueError(
             f"predicted peak memory {memory.fit.needed / GIB:.1f} GiB exceeds {memory.fit.where}; its largest "

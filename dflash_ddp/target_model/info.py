@@ -36,8 +36,8 @@ class LatentAttention:
 class LinearMixer:
     """A hybrid target's linear-attention or state-space layers as their chunked algorithms see them: `kind`
     "gated_delta" (Qwen3.5, Qwen3-Next), "kda" (Kimi Linear, GLM-5: a decay per channel) or "mamba2"
-    (Nemotron-H, Falcon-H1); `heads` (value heads), `key` and `value` widths per head, Mamba-2's `state`,
-    and the positions of a `chunk`."""
+    (Nemotron-H, Falcon-H1, Zamba2); `heads` (value heads), `key` and `value` widths per head, Mamba-2's
+    `state`, and the positions of a `chunk`."""
 
     kind: str
     heads: int
@@ -301,9 +301,9 @@ def linear_mixer(config) -> LinearMixer | None:
     if getattr(config, "linear_num_heads", None):
         return LinearMixer("kda", config.linear_num_heads, config.linear_head_dim, config.linear_head_dim)
     heads = _first(config, ("mamba_num_heads", "mamba_n_heads", "n_mamba_heads"))  # Zamba2: the last
-    if not heads:
-        return None
     width = _first(config, ("mamba_head_dim", "mamba_d_head", "mamba_headdim"))
+    if not heads or not width:  # Zamba (Mamba-1) names heads but no head width
+        return None
     state = _first(config, ("ssm_state_size", "mamba_d_state"))
     chunk = _first(config, ("mamba_chunk_size", "chunk_size")) or 256  # Mamba-2's own default
     return LinearMixer("mamba2", heads, width, width, state, chunk)

@@ -54,6 +54,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     mixers = attention_width(info) + 3 * info.mlp_width
     per_token = (2 + 2 * info.residual_streams) * info.hidden_size + mixers // tp_size
     piece, layers = load.prefill_tokens, load.layers
+    indexed = indexed_layers(info, layers)
     pieces = 0 < piece < tokens_per_batch  # some batch of the run is prefilled in pieces
     running = piece if pieces else tokens_per_batch  # positions of all rows run at once
     features = tokens_per_batch * width * dtype_bytes
@@ -71,7 +72,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     if pieces:
         cached = mla.latent + mla.rope if mla else 2 * info.num_key_value_heads * info.head_dim // tp_size
         parts["KV cache"] = tokens_per_batch * len(attention_layer_types(info, layers)) * cached * dtype_bytes
-        if indexed := indexed_layers(info, layers):  # and the indexer's keys
+        if indexed:  # and the indexer's keys
             parts["KV cache"] += tokens_per_batch * indexed * info.sparse_indexer.width * dtype_bytes
         if mla:  # each layer expands the latent of every key so far for every query head
             expanded = heads // tp_size * (mla.query_key + mla.nope + mla.value)
@@ -80,9 +81,8 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # a layer's work space lives while it runs, and layers (the indexer before its attention) run one after
     # another: only the largest counts
     workspaces = {"attention scores": parts.pop("attention scores", 0)}
-    if indexed_layers(info, layers):
-        keys = min(load.max_seq_len, tokens_per_batch) or tokens_per_batch
-        workspaces["indexer scores"] = running * keys * indexer_pair_bytes(info)
+    if indexed:
+        workspaces["indexer scores"] = running * row_keys(load) * indexer_pair_bytes(info)
     workspaces["linear layers' reference code"] = running * reference_mixer_bytes(info, load)
     largest = max(workspaces, key=workspaces.get)
     if workspaces[largest]:
@@ -116,6 +116,11 @@ def attention_layer_types(info: TargetInfo, layers: int) -> list[str]:
     return [HYBRID_ATTENTION.get(t, t) for t in kinds]
 
 
+def row_keys(load: TargetLoad) -> int:
+    """The keys a query attends to at most: its row's positions, at most --max_seq_len and the batch's."""
+    return min(load.max_seq_len, load.tokens_per_batch) or load.tokens_per_batch
+
+
 def indexed_layers(info: TargetInfo, layers: int) -> int:
     """How many of the first `layers` decoder layers run a sparse-attention indexer."""
     if info.sparse_indexer is None:
@@ -130,7 +135,7 @@ def indexer_pair_bytes(info: TargetInfo) -> int:
     beside it ([heads] each, a score per pool of keys; DeepSeek V3.2's code keeps two of them at once,
     GLM-5's and DeepSeek V4's three, the same at their released widths), and about 4 bytes around them (the
     heads' weighted sum the top-k reads, masks of the visible keys). Measured on CPU forwards of DeepSeek
-    V3.2 at 4-32 heads and GLM-5 at pools of 1-4: the plan 0.99-1.11x the peaks (docs/LOG.md, 2026-12-05)."""
+    V3.2 at 4-32 heads and GLM-5 at pools of 1-4: the plan 1.00-1.22x the peaks (docs/LOG.md, 2026-12-05)."""
     indexer = info.sparse_indexer
     return 4 * max(indexer.width + indexer.heads, 3 * indexer.heads) // indexer.pool + 4
 
@@ -181,7 +186,7 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     mask 0.08 of a forward's 0.11 GiB, a test); on an H200 the GPU check's 32K-token prefill in pieces of
     8192 peaked 0.73 GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
     tokens, piece = load.tokens_per_batch, load.prefill_tokens
-    keys = min(load.max_seq_len, tokens) or tokens
+    keys = row_keys(load)
     kinds = set(attention_layer_types(info, load.layers))
     scores = score_bytes(info, load)
     if not 0 < piece < tokens and not scores:  # one pass: SDPA's causal kernel, no mask
