@@ -91,34 +91,48 @@ def file_size_limit(nbytes: int):
     return limit
 
 
-# Runs in a fresh process, so that the peak is this forward's (VmHWM reset after a warm-up forward)
-MEASURE_FORWARD = """
-import sys, torch
+# Runs in a fresh process: each forward's peak is its own (VmHWM reset after a warm-up forward), the
+# targets one after another, each freed before the next
+MEASURE_FORWARDS = """
+import gc, sys, torch
 from pathlib import Path
 from dflash_ddp.parallel.machine import peak_resident_bytes
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 from dflash_ddp.target_model.info import inspect_target
 torch.set_num_threads(1)
-taps = [int(t) for t in sys.argv[2].split(",")]
-rows, length, piece = map(int, sys.argv[3:])
-extractor = TargetFeatureExtractor(inspect_target(Path(sys.argv[1])), taps, torch.device("cpu"), torch.float32,
-                                   prefill_tokens=piece)
+rows, length, piece = map(int, sys.argv[1:4])
 ids, mask = torch.randint(4, 200, (rows, length)), torch.ones(rows, length, dtype=torch.long)
 mask[1:, -10:] = 0  # rows after the first end early: padding
-extractor(ids[:, :256], mask[:, :256])
 resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-base = resident()
-Path("/proc/self/clear_refs").write_text("5")
-extractor(ids, mask)
-print(peak_resident_bytes() - base)
+for target, taps in zip(sys.argv[4::2], sys.argv[5::2]):
+    taps = [int(t) for t in taps.split(",")]
+    extractor = TargetFeatureExtractor(inspect_target(Path(target)), taps, torch.device("cpu"), torch.float32,
+                                       prefill_tokens=piece)
+    extractor(ids[:, :256], mask[:, :256])
+    base = resident()
+    Path("/proc/self/clear_refs").write_text("5")
+    extractor(ids, mask)
+    print(peak_resident_bytes() - base)
+    del extractor
+    gc.collect()
 """
 
 
-def target_forward_peak(target: Path, taps: list[int], rows: int, length: int, prefill_tokens: int) -> int:
-    """Bytes a target rank's forward of a padded fp32 batch adds to its resident peak, measured in a fresh
-    process with one thread (Linux: the peak is reset after a warm-up)."""
-    args = [sys.executable, "-c", MEASURE_FORWARD, str(target), ",".join(map(str, taps))]
-    args += [str(rows), str(length), str(prefill_tokens)]
+def target_forward_peaks(
+    forwards: list[tuple[Path, list[int]]], rows: int, length: int, prefill_tokens: int
+) -> list[int]:
+    """Bytes each target rank's forward (a target and its taps) of a padded fp32 batch adds to its resident
+    peak, measured one after another in a fresh process with one thread (Linux: the peak is reset after a
+    warm-up)."""
+    args = [sys.executable, "-c", MEASURE_FORWARDS, str(rows), str(length), str(prefill_tokens)]
+    args += [x for target, taps in forwards for x in (str(target), ",".join(map(str, taps)))]
     # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    return int(subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout)
+    out = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout
+    return [int(line) for line in out.split()]
+
+
+def target_forward_peak(target: Path, taps: list[int], rows: int, length: int, prefill_tokens: int) -> int:
+    """target_forward_peaks of one forward."""
+    [peak] = target_forward_peaks([(target, taps)], rows, length, prefill_tokens)
+    return peak

@@ -23,6 +23,7 @@ from dflash_ddp.evaluate import main as evaluate_main
 from dflash_ddp.evaluation.decoding import greedy_generate, speculative_generate, untrained_drafter
 from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.export import main as export_main
+from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model import kernels
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers
 from dflash_ddp.target_model.head import SharedTargetHead
@@ -32,7 +33,7 @@ from dflash_ddp.target_model.memory import TargetLoad, target_memory
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
-from helpers import target_forward_peak, torchrun_cmd, train_flags
+from helpers import target_forward_peaks, torchrun_cmd, train_flags
 
 CPU = torch.device("cpu")
 HYBRIDS = ("qwen3_5", "qwen3_next", "falcon_h1", "nemotron_h", "kimi_linear")  # recurrent layers
@@ -128,9 +129,14 @@ def peak_load(taps: list[int]) -> TargetLoad:
     )
 
 
-def planned_and_measured(target: Path, info, taps: list[int]):
-    """The plan for that forward and its measured peak (bytes) in a fresh process."""
-    return target_memory(info, peak_load(taps)), target_forward_peak(target, taps, 2, 2048, 0)
+def planned_and_measured(*forwards: tuple[Path, list[int]]) -> list[tuple[MemoryPlan, int]]:
+    """For each target and its taps, the plan for that forward and its measured peak (bytes), all measured
+    in one fresh process."""
+    peaks = target_forward_peaks(list(forwards), 2, 2048, 0)
+    return [
+        (target_memory(inspect_target(t), peak_load(taps)), m)
+        for (t, taps), m in zip(forwards, peaks, strict=True)
+    ]
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
@@ -141,7 +147,7 @@ def test_the_plan_counts_the_scores_of_a_target_transformers_runs_eagerly(zoo):
     target = zoo("gpt_oss")
     info = inspect_target(target)
     assert info.eager_attention and not inspect_target(zoo("qwen3")).eager_attention
-    plan, measured = planned_and_measured(target, info, [1, 2])
+    [(plan, measured)] = planned_and_measured((target, [1, 2]))
     assert 1.0 <= plan.total / measured <= 1.5, (plan.describe(), measured / 2**30)
     assert plan.parts["attention scores"] > plan.total / 2
 
@@ -158,8 +164,7 @@ def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
     config.v_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     torch.manual_seed(0)
     model_class(config).save_pretrained(tmp_path)
-    info = inspect_target(tmp_path)
-    plan, measured = planned_and_measured(tmp_path, info, [1, 2])
+    [(plan, measured)] = planned_and_measured((tmp_path, [1, 2]))
     assert 1.0 <= plan.total / measured <= 1.5, (plan.describe(), measured / 2**30)
     assert "attention scores" not in plan.parts
     narrow, load = inspect_target(zoo("deepseek_v3")), peak_load([1, 2])
@@ -168,17 +173,16 @@ def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
-@pytest.mark.parametrize("name", ["qwen3_5", "glm5_next", "nemotron_h"])
-def test_the_plan_counts_the_reference_code_of_a_hybrids_linear_layers(name, zoo):
+def test_the_plan_counts_the_reference_code_of_a_hybrids_linear_layers(zoo):
     """Without the kernel packages (always on a CPU) transformers runs a hybrid's linear-attention and
     Mamba-2 layers with its reference code, whose fp32 intermediates per position are many times the
     layer's width (GLM-5's decay per channel: chunk x key width per head). The plan against a real forward
     of the gated delta rule (Qwen3.5), KDA (GLM-5) and Mamba-2 (Nemotron-H): 1.09x, 1.11x and 1.27x when
     written, where it said 0.49x, 0.11x and 0.33x before it counted them."""
-    target = zoo(name)
-    info = inspect_target(target)
-    plan, measured = planned_and_measured(target, info, [1])
-    assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
+    names = ("qwen3_5", "glm5_next", "nemotron_h")
+    measurements = planned_and_measured(*((zoo(name), [1]) for name in names))
+    for name, (plan, measured) in zip(names, measurements, strict=True):
+        assert 1.0 <= plan.total / measured <= 1.4, (name, plan.describe(), measured / 2**30)
 
 
 def build_deepseek_v32(out: Path) -> Path:
@@ -199,12 +203,15 @@ def test_the_plan_counts_the_scores_of_a_sparse_attention_indexer(zoo, tmp_path)
     every query in fp32 before an indexed layer's attention, the keys first copied out for every query by
     torch's broadcasting matmul: 772 bytes per query-key pair at DeepSeek V3.2's widths. The plan against a
     real forward of a DeepSeek V3.2 with 4 index heads of 64 (1.01x when written, 0.16x before it counted
-    them) and of the zoo's GLM-5 tapped to its indexed layer (scores per pool of 2 keys: 1.22x, 0.87x)."""
-    for target, taps, bound in ((build_deepseek_v32(tmp_path), [1], 1.1), (zoo("glm5_next"), [3], 1.3)):
-        info = inspect_target(target)
-        plan, measured = planned_and_measured(target, info, taps)
+    them) and of the zoo's GLM-5 tapped to its indexed layer (scores per pool of 2 keys: 1.22x, 0.87x).
+    DeepSeek V4's compressed layers (run eagerly) attend to their own keys and a compressed key per few
+    after them: their scores are that much wider than the queries' keys (1.24x, 0.84x before)."""
+    assert inspect_target(zoo("deepseek_v4")).key_compression == 2
+    forwards = (build_deepseek_v32(tmp_path), [1]), (zoo("glm5_next"), [3]), (zoo("deepseek_v4"), [1])
+    bounds, largest = (1.1, 1.3, 1.4), ("indexer scores", "indexer scores", "attention scores")
+    for bound, part, (plan, measured) in zip(bounds, largest, planned_and_measured(*forwards), strict=True):
         assert 1.0 <= plan.total / measured <= bound, (plan.describe(), measured / 2**30)
-        assert max(plan.parts, key=plan.parts.get) == "indexer scores"
+        assert max(plan.parts, key=plan.parts.get) == part
 
 
 def test_plan_names_the_prefill_pieces_with_which_a_long_context_fits(chat_data, tmp_path, capsys):
@@ -221,18 +228,6 @@ def test_plan_names_the_prefill_pieces_with_which_a_long_context_fits(chat_data,
     assert train_main([*flags, "--target_prefill_tokens", "2048"]) == 0
     fits = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("fits:"))
     assert fits.strip().startswith("fits: yes:")
-
-
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
-def test_the_plan_counts_the_compressed_keys_deepseek_v4_attends_to(zoo):
-    """DeepSeek V4's compressed layers (run eagerly) attend to their own keys and a compressed key per few
-    after them: their scores are that much wider than the queries' keys (the plan 1.24x a real forward's
-    peak when written, 0.84x before)."""
-    target = zoo("deepseek_v4")
-    info = inspect_target(target)
-    assert info.key_compression == 2 and info.sparse_indexer.pool == 2
-    plan, measured = planned_and_measured(target, info, [1])
-    assert 1.0 <= plan.total / measured <= 1.4, (plan.describe(), measured / 2**30)
 
 
 def test_a_gpu_run_names_the_kernel_packages_its_hybrid_target_lacks(zoo, monkeypatch):
