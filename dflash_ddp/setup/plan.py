@@ -176,9 +176,12 @@ def plan_memory(
         else 0
     )
     candidates = executions(cfg, device, positions)
+    drafter_plans = [drafter(execution) for execution in candidates]  # the same beside any target plan
 
     def run_fit(target: MemoryPlan) -> tuple[Execution, MemoryPlan, FitCheck]:
-        return choose_execution(candidates, drafter, lambda p: check_fit(p, target, roles, device, gpu_bytes))
+        return choose_execution(
+            candidates, drafter_plans, lambda p: check_fit(p, target, roles, device, gpu_bytes)
+        )
 
     execution, plan, fit = run_fit(target)
     # beside a target in pieces, another of the drafter's executions may be the one that fits
@@ -203,11 +206,13 @@ def fitting_prefill(info: TargetInfo, load: TargetLoad, fit_of) -> int | None:
     return None
 
 
-def choose_execution(candidates: list[Execution], plan_of, fit_of) -> tuple[Execution, MemoryPlan, FitCheck]:
-    """The first of `candidates` (fastest first) whose predicted peak fits, with the reason. When none fits,
-    the first that needs no more than the leanest: the run is refused then (`check_memory`), and the
-    drafter's choice should not be what the refusal names when a target rank is what does not fit."""
-    plans = [plan_of(execution) for execution in candidates]
+def choose_execution(
+    candidates: list[Execution], plans: list[MemoryPlan], fit_of
+) -> tuple[Execution, MemoryPlan, FitCheck]:
+    """The first of `candidates` (fastest first; `plans` their drafter plans) whose predicted peak fits, with
+    the reason. When none fits, the first that needs no more than the leanest: the run is refused then
+    (`check_memory`), and the drafter's choice should not be what the refusal names when a target rank is
+    what does not fit."""
     fits = [fit_of(plan) for plan in plans]
     fitting = [i for i, fit in enumerate(fits) if fit.fits]
     chosen = fitting[0] if fitting else min(range(len(fits)), key=lambda i: (fits[i].needed, i))

@@ -309,11 +309,16 @@ def linear_mixer(config) -> LinearMixer | None:
     return LinearMixer("mamba2", heads, width, width, state, chunk)
 
 
+def _compress_rates(config) -> dict[str, int]:
+    """Per layer type of the config's layers, the rate at which it compresses keys (DeepSeek V4), else {}."""
+    types = getattr(config, "layer_types", None) or ()
+    return {t: r for t, r in (getattr(config, "compress_rates", None) or {}).items() if t in types}
+
+
 def key_compression(config) -> int:
     """The smallest rate at which a layer type of the family compresses keys it attends to beside its own
     (DeepSeek V4's `compress_rates`), else 0."""
-    rates = getattr(config, "compress_rates", None) or {}
-    return min((r for t, r in rates.items() if t in (getattr(config, "layer_types", None) or ())), default=0)
+    return min(_compress_rates(config).values(), default=0)
 
 
 def sparse_indexer(config) -> SparseIndexer | None:
@@ -322,7 +327,7 @@ def sparse_indexer(config) -> SparseIndexer | None:
     types = getattr(config, "layer_types", None) or ()
     if not heads or not any(t in INDEXED_LAYER_TYPES for t in types):
         return None
-    compressed = (getattr(config, "compress_rates", None) or {}).get("compressed_sparse_attention")
+    compressed = _compress_rates(config).get("compressed_sparse_attention")
     pool = getattr(config, "index_kpool", None) or compressed or 1
     return SparseIndexer(heads, layer_attribute(config, "index_head_dim"), pool)
 

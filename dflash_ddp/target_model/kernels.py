@@ -66,6 +66,7 @@ def runs_reference_scan(info: TargetInfo, layers: int, device_type: str) -> bool
 
 
 def runs_fused(module: str, function: str, device_type: str) -> bool:
+    """Whether transformers runs that kernel on `device_type` (CUDA only, where the function imports)."""
     return device_type == "cuda" and kernel_imports(module, function)
 
 
