@@ -23,6 +23,7 @@ from dflash_ddp.target_model.info import (
     SparseIndexer,
     inspect_target,
     key_compression,
+    key_window,
     layer_mlp_widths,
     linear_mixer,
     sparse_indexer,
@@ -252,6 +253,22 @@ def test_a_targets_sparse_attention_indexer_is_read_from_its_config(config_class
     config = getattr(transformers, config_class)()
     assert sparse_indexer(config) == indexer
     assert key_compression(config) == compression
+
+
+@pytest.mark.parametrize(
+    ("config_class", "window"),
+    [
+        ("DeepseekV4Config", 128),  # every layer: a window, plus compressed keys in most
+        ("GptOssConfig", 128),
+        ("Gemma3TextConfig", 4096),
+        ("Llama4TextConfig", 8192),  # chunked layers: the cache keeps a chunk
+        ("Qwen3Config", 0),  # a sliding_window field, but every layer full attention
+    ],
+)
+def test_the_keys_a_windowed_layer_keeps_are_read_from_its_config(config_class, window):
+    """The plan of a prefill in pieces counts a windowed layer's cache and attention by these (the default
+    configs are the released models')."""
+    assert key_window(getattr(transformers, config_class)()) == window
 
 
 def test_the_plan_counts_deepseek_v32s_indexer_at_long_context():

@@ -60,6 +60,11 @@ class SparseIndexer:
 
 # the layer types whose attention runs an indexer first (DeepSeek V4's heavily compressed layers run none)
 INDEXED_LAYER_TYPES = ("indexed_attention", "compressed_sparse_attention")
+# DeepSeek V4's layer types that attend to compressed keys beside their window
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
+# the layer types whose KV cache keeps only a window of the last keys (transformers' sliding-window cache
+# layers: a prefill in pieces attends to that window and the piece, not to every key before it)
+WINDOWED_LAYER_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding", *COMPRESSED_LAYER_TYPES)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class TargetInfo:
     linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
     sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
     key_compression: int = 0  # DeepSeek V4: a layer attends also to a key per this many (its smallest rate)
+    key_window: int = 0  # the keys a windowed layer keeps cached (sliding window, Llama 4's chunk), else 0
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -285,6 +291,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         linear_mixer=linear_mixer(config),
         sparse_indexer=sparse_indexer(config),
         key_compression=key_compression(config),
+        key_window=key_window(config),
         stack=stack,
     )
 
@@ -319,6 +326,14 @@ def key_compression(config) -> int:
     """The smallest rate at which a layer type of the family compresses keys it attends to beside its own
     (DeepSeek V4's `compress_rates`), else 0."""
     return min(_compress_rates(config).values(), default=0)
+
+
+def key_window(config) -> int:
+    """The keys a windowed layer's cache keeps (`sliding_window`, or Llama 4's `attention_chunk_size`) where
+    some layer type is windowed, else 0."""
+    if not set(getattr(config, "layer_types", None) or ()) & set(WINDOWED_LAYER_TYPES):
+        return 0
+    return layer_attribute(config, "sliding_window") or layer_attribute(config, "attention_chunk_size") or 0
 
 
 def sparse_indexer(config) -> SparseIndexer | None:
