@@ -100,11 +100,11 @@ from dflash_ddp.parallel.machine import peak_resident_bytes
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 from dflash_ddp.target_model.info import inspect_target
 torch.set_num_threads(1)
-rows, length, piece = map(int, sys.argv[1:4])
+rows, length = map(int, sys.argv[1:3])
 ids, mask = torch.randint(4, 200, (rows, length)), torch.ones(rows, length, dtype=torch.long)
 mask[1:, -10:] = 0  # rows after the first end early: padding
 resident = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-for target, taps in zip(sys.argv[4::2], sys.argv[5::2]):
+for target, taps, piece in zip(sys.argv[3::3], sys.argv[4::3], map(int, sys.argv[5::3])):
     taps = [int(t) for t in taps.split(",")]
     extractor = TargetFeatureExtractor(inspect_target(Path(target)), taps, torch.device("cpu"), torch.float32,
                                        prefill_tokens=piece)
@@ -118,14 +118,14 @@ for target, taps in zip(sys.argv[4::2], sys.argv[5::2]):
 """
 
 
-def target_forward_peaks(
-    forwards: list[tuple[Path, list[int]]], rows: int, length: int, prefill_tokens: int
-) -> list[int]:
-    """Bytes each target rank's forward (a target and its taps) of a padded fp32 batch adds to its resident
-    peak, measured one after another in a fresh process with one thread (Linux: the peak is reset after a
-    warm-up)."""
-    args = [sys.executable, "-c", MEASURE_FORWARDS, str(rows), str(length), str(prefill_tokens)]
-    args += [x for target, taps in forwards for x in (str(target), ",".join(map(str, taps)))]
+def target_forward_peaks(forwards: list[tuple[Path, list[int], int]], rows: int, length: int) -> list[int]:
+    """Bytes each target rank's forward (a target, its taps and its prefill's pieces) of a padded fp32 batch
+    adds to its resident peak, measured one after another in a fresh process with one thread (Linux: the
+    peak is reset after a warm-up)."""
+    args = [sys.executable, "-c", MEASURE_FORWARDS, str(rows), str(length)]
+    args += [
+        x for target, taps, piece in forwards for x in (str(target), ",".join(map(str, taps)), str(piece))
+    ]
     # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout
@@ -134,5 +134,5 @@ def target_forward_peaks(
 
 def target_forward_peak(target: Path, taps: list[int], rows: int, length: int, prefill_tokens: int) -> int:
     """target_forward_peaks of one forward."""
-    [peak] = target_forward_peaks([(target, taps)], rows, length, prefill_tokens)
+    [peak] = target_forward_peaks([(target, taps, prefill_tokens)], rows, length)
     return peak

@@ -280,7 +280,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         max_position_embeddings=getattr(config, "max_position_embeddings", 32768),
         rope_parameters=full_attention_rope(config),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        layer_types=tuple(getattr(config, "layer_types", None) or ()),
+        layer_types=layer_types(config),
         embedding_scale=stack.embedding_scale if stack else 1.0,
         final_logit_softcapping=(stack.final_logit_softcapping if stack else None),
         logit_scale=stack.logit_scale if stack else 1.0,
@@ -328,10 +328,22 @@ def key_compression(config) -> int:
     return min(_compress_rates(config).values(), default=0)
 
 
+def layer_types(config) -> tuple[str, ...]:
+    """Per decoder layer, its kind where the family names them; where it does not, sliding-window layers
+    throughout if the config sets a `sliding_window` (Mistral v0.1, Phi-3 mini, Starcoder2: transformers
+    then builds a windowed mask and cache), else none (full attention)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(types)
+    if layer_attribute(config, "sliding_window") is not None:
+        return ("sliding_attention",) * config.num_hidden_layers
+    return ()
+
+
 def key_window(config) -> int:
     """The keys a windowed layer's cache keeps (`sliding_window`, or Llama 4's `attention_chunk_size`) where
     some layer type is windowed, else 0."""
-    if not set(getattr(config, "layer_types", None) or ()) & set(WINDOWED_LAYER_TYPES):
+    if not set(layer_types(config)) & set(WINDOWED_LAYER_TYPES):
         return 0
     return layer_attribute(config, "sliding_window") or layer_attribute(config, "attention_chunk_size") or 0
 

@@ -221,7 +221,7 @@ def score_bytes(info: TargetInfo, load: TargetLoad) -> int:
 def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> dict[str, int]:
     """What a target's attention adds where a forward needs an explicit mask: in a piece of the prefill
     after the first (its queries sit after cached keys, which torch's causal flag cannot express), in one
-    pass in sliding-window or chunked layers (the extractor gives the model no padding mask, so SDPA's
+    pass in sliding-window or chunked layers over rows longer than their window (the extractor gives the model no padding mask, so SDPA's
     full-attention layers need none then: TargetFeatureExtractor._piece), and always in a family
     transformers runs eagerly (no SDPA: gpt-oss, DeepSeek V4). A boolean [queries, keys] mask per kind of
     such layer, held through the forward, which each layer's call turns into an additive mask of the
@@ -240,6 +240,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     scores = score_bytes(info, load)
     if not 0 < piece < tokens and not scores:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
+        if keys < info.key_window:  # nor in windowed layers whose window spans the row
+            kinds -= set(WINDOWED_LAYER_TYPES)
     if not kinds:
         return {}
     dtype_bytes, heads = load.dtype_bytes, info.num_attention_heads // load.tp_size
