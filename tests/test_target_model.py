@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from dflash_ddp.drafter.config import default_target_layer_ids
 from dflash_ddp.target_model.features import (
@@ -270,6 +270,27 @@ def test_the_keys_a_windowed_layer_keeps_are_read_from_its_config(config_class, 
     """The plan of a prefill in pieces counts a windowed layer's cache and attention by these (the default
     configs are the released models')."""
     assert key_window(getattr(transformers, config_class)()) == window
+
+
+def test_the_plan_bounds_what_a_windowed_layers_cache_keeps_for_any_batch_shape():
+    """transformers' cache keeps a windowed layer's last window - 1 keys of each row: a batch of rows
+    shorter than the window keeps every position. The plan of a prefill in pieces counts the batch's
+    positions, which any shape of rows up to --tokens_per_batch reaches at most (32 rows of 32 reach it)."""
+    config = transformers.MistralConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, sliding_window=64
+    )
+    info = target_info_from_config(config, Path("unused"))
+    load = TargetLoad(0, [1], 2, tokens_per_batch=1024, dtype_bytes=4, prefill_tokens=256, max_seq_len=1024)
+    planned = target_memory(info, load).parts["KV cache"]
+    kept = []
+    for rows in (1, 16, 32):
+        cache, length, piece = DynamicCache(config=config), 1024 // rows, 256 // rows  # as the extractor cuts
+        for start in range(0, length, piece):
+            for layer in range(2):
+                keys = torch.zeros(rows, 2, min(piece, length - start), 16)
+                cache.update(keys, keys, layer)
+        kept.append(sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers) * 4)
+    assert kept[0] < kept[1] < kept[2] == planned
 
 
 def test_the_plan_counts_deepseek_v32s_indexer_at_long_context():

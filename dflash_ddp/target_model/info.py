@@ -97,7 +97,7 @@ class TargetInfo:
     linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
     sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
     key_compression: int = 0  # DeepSeek V4: a layer attends also to a key per this many (its smallest rate)
-    key_window: int = 0  # the keys a windowed layer keeps cached (sliding window, Llama 4's chunk), else 0
+    key_window: int = 0  # a windowed layer's window (its cache keeps one key fewer), else 0
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -341,8 +341,8 @@ def layer_types(config) -> tuple[str, ...]:
 
 
 def key_window(config) -> int:
-    """The keys a windowed layer's cache keeps (`sliding_window`, or Llama 4's `attention_chunk_size`) where
-    some layer type is windowed, else 0."""
+    """A windowed layer's window (`sliding_window`, or Llama 4's `attention_chunk_size`; its cache keeps
+    one key fewer) where some layer type is windowed, else 0."""
     if not set(layer_types(config)) & set(WINDOWED_LAYER_TYPES):
         return 0
     return layer_attribute(config, "sliding_window") or layer_attribute(config, "attention_chunk_size") or 0

@@ -43,8 +43,8 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     ranks of its tensor-parallel group), one forward's activations, features in flight; with `topk` soft
     targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
     prefill in pieces, the activations of one piece (`prefill_tokens` positions over the batch's rows), the
-    KV cache of the whole batch (a windowed layer's: its window) and the mask its later pieces attend
-    through (`attention_mask_bytes`)."""
+    KV cache of the whole batch (DeepSeek V4's compressed keys beside it) and the mask its later pieces
+    attend through (`attention_mask_bytes`)."""
     target_layer_ids, tokens_per_batch, dtype_bytes = (
         load.target_layer_ids,
         load.tokens_per_batch,
@@ -61,7 +61,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     per_token = (2 + 2 * info.residual_streams) * info.hidden_size + mixers // tp_size
     piece, layers = load.prefill_tokens, load.layers
     indexed = indexed_layers(info, layers)
-    pieces = 0 < piece < tokens_per_batch  # some batch of the run is prefilled in pieces
+    pieces = in_pieces(load)
     running = piece if pieces else tokens_per_batch  # positions of all rows run at once
     features = tokens_per_batch * width * dtype_bytes
     # the taps (or the pieces' features so far) are held through the forward; when it ends their
@@ -77,8 +77,11 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # the pieces' keys and values (latent attention: the latent), kept until the batch's last piece
     if pieces:
         cached = mla.latent + mla.rope if mla else 2 * info.num_key_value_heads * info.head_dim // tp_size
+        # every position of the batch: a windowed layer keeps its window per row, which is every position
+        # of a batch of rows shorter than it (DeepSeek V4's compressed keys beside them)
         kinds = attention_layer_types(info, layers)
-        parts["KV cache"] = sum(cached_positions(info, load, kind) for kind in kinds) * cached * dtype_bytes
+        positions = sum(tokens_per_batch + compressed_keys(info, kind, tokens_per_batch) for kind in kinds)
+        parts["KV cache"] = positions * cached * dtype_bytes
         if indexed:  # and the indexer's keys (DeepSeek V4's: one per compressed block)
             indexer = info.sparse_indexer
             indexer_keys = tokens_per_batch // (indexer.pool if info.key_compression else 1)
@@ -130,41 +133,25 @@ def row_keys(load: TargetLoad) -> int:
     return min(load.max_seq_len, load.tokens_per_batch) or load.tokens_per_batch
 
 
-def row_queries(load: TargetLoad, running: int) -> int:
-    """The queries a row runs at once when `running` positions of all rows do: a piece spreads over the
-    batch's rows (at most --tokens_per_batch over a row's keys of them)."""
-    keys = row_keys(load)
-    rows = max(1, load.tokens_per_batch // keys)
-    return min(keys, max(1, running // rows))
+def in_pieces(load: TargetLoad) -> bool:
+    """Whether some batch of the run is prefilled in pieces (--target_prefill_tokens below the batch)."""
+    return 0 < load.prefill_tokens < load.tokens_per_batch
 
 
-def windowed(info: TargetInfo, load: TargetLoad, kind: str) -> bool:
-    """Whether layers of `kind` attend to a window of cached keys: a windowed layer in a prefill in pieces."""
-    pieces = 0 < load.prefill_tokens < load.tokens_per_batch
-    return pieces and info.key_window > 0 and kind in WINDOWED_LAYER_TYPES
-
-
-def compressed_keys(info: TargetInfo, load: TargetLoad, kind: str) -> int:
-    """The compressed keys a row's queries attend to beside their own in layers of `kind` (DeepSeek V4's
-    compressed layers: one per `key_compression` positions, its smallest rate), else 0."""
-    return row_keys(load) // info.key_compression if kind in COMPRESSED_LAYER_TYPES else 0
+def compressed_keys(info: TargetInfo, kind: str, keys: int) -> int:
+    """The compressed keys that queries with `keys` keys of their own attend to beside them in layers of
+    `kind` (DeepSeek V4's compressed layers: one per `key_compression` positions, its smallest rate)."""
+    return keys // info.key_compression if info.key_compression and kind in COMPRESSED_LAYER_TYPES else 0
 
 
 def own_keys(info: TargetInfo, load: TargetLoad, kind: str, running: int) -> int:
-    """A row's keys a query of `kind`'s layers attends to beside compressed ones: every position of its row,
-    or in a windowed layer prefilled in pieces the cached window and the piece's positions."""
+    """The most keys of its row a query of `kind`'s layers attends to beside compressed ones: every
+    position of its row, or in a windowed layer prefilled in pieces the window its cache keeps (one less
+    than the window) and the piece's positions of the row (all `running` where a row runs alone)."""
     keys = row_keys(load)
-    return min(keys, info.key_window - 1 + row_queries(load, running)) if windowed(info, load, kind) else keys
-
-
-def cached_positions(info: TargetInfo, load: TargetLoad, kind: str) -> int:
-    """The positions a layer of `kind` keeps in the KV cache of a batch prefilled in pieces: all of them,
-    or a windowed layer's window per row (and DeepSeek V4's compressed keys)."""
-    tokens = load.tokens_per_batch
-    if not windowed(info, load, kind):
-        return tokens
-    rows = max(1, tokens // row_keys(load))
-    return min(tokens, rows * (info.key_window - 1)) + rows * compressed_keys(info, load, kind)
+    if not (in_pieces(load) and info.key_window and kind in WINDOWED_LAYER_TYPES):
+        return keys
+    return min(keys, info.key_window - 1 + min(running, keys))
 
 
 def indexed_layers(info: TargetInfo, layers: int) -> int:
@@ -228,17 +215,17 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     activations' dtype for every row; grouped keys and values repeated to every query head (SDPA's grouped
     path takes no mask on CUDA); eagerly, each layer's scores [rows, heads, queries, keys], at long context
     the largest part, which pieces bound. In pieces a windowed layer's queries attend to its cached window
-    and their piece (DeepSeek V4's also to the compressed keys), not to every key before them: measured on
-    CPU forwards of DeepSeek V4, Gemma 3 and gpt-oss in pieces, the plan 1.25-1.36x their peaks (2.45x and
-    3.22x while every key counted). `running`: the positions of all rows run at once; a row's keys are
+    and their piece (DeepSeek V4's also to the compressed keys), not to every key before them (the most
+    where a row runs alone): on CPU forwards of one row of 4096 in pieces of 1024, the plan 1.28x, 1.68x and
+    1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x, 1.32x while every key counted); the
+    cache and the repeated keys stay the batch's (rows shorter than the window keep every key). `running`: the positions of all rows run at once; a row's keys are
     at most --max_seq_len and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32: the
     mask 0.08 of a forward's 0.11 GiB, a test); on an H200 the GPU check's 32K-token prefill in pieces of
     8192 peaked 0.73 GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
-    tokens, piece = load.tokens_per_batch, load.prefill_tokens
-    keys = row_keys(load)
+    tokens, keys = load.tokens_per_batch, row_keys(load)
     kinds = set(attention_layer_types(info, load.layers))
     scores = score_bytes(info, load)
-    if not 0 < piece < tokens and not scores:  # one pass: SDPA's causal kernel, no mask
+    if not in_pieces(load) and not scores:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
         if keys < info.key_window:  # nor in windowed layers whose window spans the row
             kinds -= set(WINDOWED_LAYER_TYPES)
@@ -247,12 +234,11 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     dtype_bytes, heads = load.dtype_bytes, info.num_attention_heads // load.tp_size
     own = {kind: own_keys(info, load, kind, running) for kind in kinds}
     # DeepSeek V4's compressed layers attend to their own keys and the compressed ones after them
-    attended = max(own[kind] + compressed_keys(info, load, kind) for kind in kinds)
-    parts = {
-        "attention mask": row_queries(load, running) * sum(own.values()) + running * attended * dtype_bytes
-    }
+    attended = max(own[kind] + compressed_keys(info, kind, keys) for kind in kinds)
+    parts = {"attention mask": min(running, keys) * sum(own.values()) + running * attended * dtype_bytes}
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
-        repeated = tokens * attended // keys  # the keys attended in all rows
+        # the keys all rows attend to: at most every position (a batch of rows shorter than the window)
+        repeated = max(tokens + compressed_keys(info, kind, tokens) for kind in kinds)
         parts["repeated keys and values"] = 2 * repeated * heads * info.head_dim * dtype_bytes
     if scores:  # one layer's
         parts["attention scores"] = running * attended * heads * scores
