@@ -208,20 +208,21 @@ def score_bytes(info: TargetInfo, load: TargetLoad) -> int:
 def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> dict[str, int]:
     """What a target's attention adds where a forward needs an explicit mask: in a piece of the prefill
     after the first (its queries sit after cached keys, which torch's causal flag cannot express), in one
-    pass in sliding-window or chunked layers over rows longer than their window (the extractor gives the model no padding mask, so SDPA's
-    full-attention layers need none then: TargetFeatureExtractor._piece), and always in a family
-    transformers runs eagerly (no SDPA: gpt-oss, DeepSeek V4). A boolean [queries, keys] mask per kind of
-    such layer, held through the forward, which each layer's call turns into an additive mask of the
-    activations' dtype for every row; grouped keys and values repeated to every query head (SDPA's grouped
-    path takes no mask on CUDA); eagerly, each layer's scores [rows, heads, queries, keys], at long context
-    the largest part, which pieces bound. In pieces a windowed layer's queries attend to its cached window
-    and their piece (DeepSeek V4's also to the compressed keys), not to every key before them (the most
-    where a row runs alone): on CPU forwards of one row of 4096 in pieces of 1024, the plan 1.28x, 1.68x and
-    1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x, 1.32x while every key counted); the
-    cache and the repeated keys stay the batch's (rows shorter than the window keep every key). `running`: the positions of all rows run at once; a row's keys are
-    at most --max_seq_len and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32: the
-    mask 0.08 of a forward's 0.11 GiB, a test); on an H200 the GPU check's 32K-token prefill in pieces of
-    8192 peaked 0.73 GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
+    pass in sliding-window or chunked layers over rows longer than their window (the extractor gives the
+    model no padding mask, so SDPA's full-attention layers need none then: TargetFeatureExtractor._piece),
+    and always in a family transformers runs eagerly (no SDPA: gpt-oss, DeepSeek V4). A boolean [queries,
+    keys] mask per kind of such layer, held through the forward, which each layer's call turns into an
+    additive mask of the activations' dtype for every row; grouped keys and values repeated to every query
+    head (SDPA's grouped path takes no mask on CUDA); eagerly, each layer's scores [rows, heads, queries,
+    keys], at long context the largest part, which pieces bound. In pieces a windowed layer's queries
+    attend to its cached window and their piece (DeepSeek V4's also to the compressed keys), not to every
+    key before them (the most where a row runs alone): on CPU forwards of one row of 4096 in pieces of
+    1024, the plan 1.28x, 1.68x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
+    1.32x while every key counted); the repeated keys stay the batch's (rows shorter than the window keep
+    every key). `running`: the positions of all rows run at once; a row's keys are at most --max_seq_len
+    and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32: the mask 0.08 of a
+    forward's 0.11 GiB, a test); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73
+    GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
     tokens, keys = load.tokens_per_batch, row_keys(load)
     kinds = set(attention_layer_types(info, load.layers))
     scores = score_bytes(info, load)
