@@ -236,7 +236,12 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     own = {kind: own_keys(info, load, kind, running) for kind in kinds}
     # DeepSeek V4's compressed layers attend to their own keys and the compressed ones after them
     attended = max(own[kind] + compressed_keys(info, kind, keys) for kind in kinds)
-    parts = {"attention mask": min(running, keys) * sum(own.values()) + running * attended * dtype_bytes}
+    # one boolean mask a kind, shared by the rows (a chunked layer's is per row: transformers' chunks start
+    # after each row's left padding), and the additive copy of the largest per row
+    boolean = sum(
+        (running if kind == "chunked_attention" else min(running, keys)) * own[kind] for kind in kinds
+    )
+    parts = {"attention mask": boolean + running * attended * dtype_bytes}
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
         # the keys all rows attend to: at most every position (a batch of rows shorter than the window)
         repeated = max(tokens + compressed_keys(info, kind, tokens) for kind in kinds)
