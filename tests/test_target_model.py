@@ -262,13 +262,12 @@ def test_a_targets_sparse_attention_indexer_is_read_from_its_config(config_class
         ("GptOssConfig", 128),
         ("Gemma3TextConfig", 4096),
         ("Llama4TextConfig", 8192),  # chunked layers: the cache keeps a chunk
-        ("Qwen3Config", 0),  # a sliding_window field, but every layer full attention
+        ("Qwen2MoeConfig", 0),  # a sliding_window field, but every layer full attention
         ("MistralConfig", 4096),  # no layer types: a window set is every layer's (v0.1)
     ],
 )
 def test_the_keys_a_windowed_layer_keeps_are_read_from_its_config(config_class, window):
-    """The plan of a prefill in pieces counts a windowed layer's cache and attention by these (the default
-    configs are the released models')."""
+    """The plan counts a windowed layer's masks and attention by these (the config classes' defaults)."""
     assert key_window(getattr(transformers, config_class)()) == window
 
 
