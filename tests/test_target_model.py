@@ -271,6 +271,18 @@ def test_the_keys_a_windowed_layer_keeps_are_read_from_its_config(config_class, 
     assert key_window(getattr(transformers, config_class)()) == window
 
 
+def test_eager_scores_joined_to_fp32_sinks_are_planned_in_fp32():
+    """DeepSeek V4 keeps its attention sinks in fp32 in a bf16 checkpoint: its eager scores, joined to them,
+    are shifted and softmaxed in fp32 (about 11.7 bytes a score in bf16, where gpt-oss's bf16 sinks keep
+    them at about 5.7): planned at 12 and 10 bytes."""
+    load = TargetLoad(0, [1], 2, tokens_per_batch=4096, dtype_bytes=2, max_seq_len=4096)
+    # DeepSeek V4's compressed layers attend to a compressed key per 4 beside their own
+    for name, keys, per_score in (("DeepseekV4Config", 4096 + 1024, 12), ("GptOssConfig", 4096, 10)):
+        info = target_info_from_config(getattr(transformers, name)(num_hidden_layers=4), Path("unused"))
+        scores = target_memory(info, load).parts["attention scores"]
+        assert scores == 4096 * keys * info.num_attention_heads * per_score, name
+
+
 def test_the_plan_bounds_what_a_windowed_layers_cache_keeps_for_any_batch_shape():
     """transformers' cache keeps a windowed layer's last window - 1 keys of each row: a batch of rows
     shorter than the window keeps every position. The plan of a prefill in pieces counts the batch's

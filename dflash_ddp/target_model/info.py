@@ -91,6 +91,7 @@ class TargetInfo:
     architecture: str = ""  # the checkpoint's class (a causal LM or a vision-language wrapper)
     other_parameters: int = 0  # parameters of the checkpoint a target rank never loads (a vision tower)
     eager_attention: bool = False  # transformers runs its attention eagerly (no SDPA): scores materialised
+    fp32_sinks: bool = False  # its attention sinks are kept in fp32: eager scores joined to them go fp32
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
@@ -287,6 +288,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         architecture=stack.architecture if stack else "",
         other_parameters=stack.other_parameters if stack else 0,
         eager_attention=eager_attention_only(config),
+        fp32_sinks=fp32_attention_sinks(config),
         latent_attention=latent_attention(config),
         linear_mixer=linear_mixer(config),
         sparse_indexer=sparse_indexer(config),
@@ -367,6 +369,14 @@ def latent_attention(config) -> LatentAttention | None:
     rope = layer_attribute(config, "qk_rope_head_dim") or 0
     nope = layer_attribute(config, "qk_nope_head_dim") or 0
     return LatentAttention(nope, rope, layer_attribute(config, "v_head_dim") or nope + rope, latent)
+
+
+def fp32_attention_sinks(config) -> bool:
+    """Whether the text model keeps its attention sinks in fp32 whatever the checkpoint's dtype (DeepSeek
+    V4: `_keep_in_fp32_modules_strict`), so that its eager scores, joined to them, are shifted and
+    softmaxed in fp32."""
+    model_class = AutoModel._model_mapping.get(type(config), None)
+    return "sinks" in (getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
 
 
 def eager_attention_only(config) -> bool:

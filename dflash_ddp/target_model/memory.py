@@ -197,8 +197,8 @@ def score_bytes(info: TargetInfo, load: TargetLoad) -> int:
     their fp32 softmax and its cast back. On the CPU, latent attention's values narrower than its keys,
     which torch's fused CPU kernel refuses (CUDA's memory-efficient one takes them): SDPA's unfused path,
     the scores, their softmax and a boolean check of the masked ones."""
-    if info.eager_attention:
-        return 3 * load.dtype_bytes + 4
+    if info.eager_attention:  # with fp32 sinks: the scores, then fp32 copies joined, shifted and softmaxed
+        return 2 * load.dtype_bytes + 8 if info.fp32_sinks else 3 * load.dtype_bytes + 4
     mla = info.latent_attention
     if load.device_type == "cpu" and mla is not None and mla.value != mla.query_key:
         return 2 * load.dtype_bytes + 1
@@ -217,7 +217,7 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     keys], at long context the largest part, which pieces bound. In pieces a windowed layer's queries
     attend to its cached window and their piece (DeepSeek V4's also to the compressed keys), not to every
     key before them (the most where a row runs alone): on CPU forwards of one row of 4096 in pieces of
-    1024, the plan 1.28x, 1.68x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
+    1024, the plan 1.35x, 1.68x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
     1.32x while every key counted); the repeated keys stay the batch's (rows shorter than the window keep
     every key). `running`: the positions of all rows run at once; a row's keys are at most --max_seq_len
     and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32: the mask 0.08 of a
@@ -242,6 +242,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
         (running if kind == "chunked_attention" else min(running, keys)) * own[kind] for kind in kinds
     )
     parts = {"attention mask": boolean + running * attended * dtype_bytes}
+    if any(kind in COMPRESSED_LAYER_TYPES for kind in kinds):  # their block bias and the mask joined to it
+        parts["attention mask"] += running * attended * dtype_bytes
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
         # the keys all rows attend to: at most every position (a batch of rows shorter than the window)
         repeated = max(tokens + compressed_keys(info, kind, tokens) for kind in kinds)
