@@ -233,7 +233,8 @@ def test_the_plan_counts_the_scores_of_a_sparse_attention_indexer(zoo, tmp_path)
     real forward of a DeepSeek V3.2 with 4 index heads of 64 (1.01x when written, 0.16x before it counted
     them) and of the zoo's GLM-5 tapped to its indexed layer (scores per pool of 2 keys: 1.22x, 0.87x).
     DeepSeek V4's compressed layers (run eagerly) attend to their own keys and a compressed key per few
-    after them: their scores are that much wider than the queries' keys (1.31x with its block bias counted, 0.84x before)."""
+    after them: their scores are that much wider than the queries' keys (1.31x with its block bias
+    counted, 0.84x before)."""
     assert inspect_target(zoo("deepseek_v4")).key_compression == 2
     forwards = (build_deepseek_v32(tmp_path), [1]), (zoo("glm5_next"), [3]), (zoo("deepseek_v4"), [1])
     bounds, largest = (1.1, 1.3, 1.4), ("indexer scores", "indexer scores", "attention scores")
