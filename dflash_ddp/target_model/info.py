@@ -371,18 +371,22 @@ def latent_attention(config) -> LatentAttention | None:
     return LatentAttention(nope, rope, layer_attribute(config, "v_head_dim") or nope + rope, latent)
 
 
+def text_model_class(config) -> type | None:
+    """The transformers class that builds the text model of `config`, where transformers knows one."""
+    return AutoModel._model_mapping.get(type(config), None)
+
+
 def fp32_attention_sinks(config) -> bool:
     """Whether the text model keeps its attention sinks in fp32 whatever the checkpoint's dtype (DeepSeek
     V4: `_keep_in_fp32_modules_strict`), so that its eager scores, joined to them, are shifted and
     softmaxed in fp32."""
-    model_class = AutoModel._model_mapping.get(type(config), None)
-    return "sinks" in (getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
+    return "sinks" in (getattr(text_model_class(config), "_keep_in_fp32_modules_strict", None) or ())
 
 
 def eager_attention_only(config) -> bool:
     """Whether transformers runs the text model's attention eagerly: its class supports no SDPA (gpt-oss,
     DeepSeek V4), so each layer materialises its [rows, heads, queries, keys] scores."""
-    model_class = AutoModel._model_mapping.get(type(config), None)
+    model_class = text_model_class(config)
     return model_class is not None and not getattr(model_class, "_supports_sdpa", False)
 
 
