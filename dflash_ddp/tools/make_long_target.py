@@ -32,7 +32,12 @@ import time
 from pathlib import Path
 
 from dflash_ddp.config import ASSETS
-from dflash_ddp.tools.make_tiny_target import save_target, write_jsonl
+from dflash_ddp.tools.make_tiny_target import (
+    add_autocast_argument,
+    resolve_autocast,
+    save_target,
+    write_jsonl,
+)
 from dflash_ddp.tools.tiny_corpus import log
 
 SOURCE = ASSETS  # the package's own: the tool runs from any directory
@@ -133,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train_steps", type=int, default=40)
     p.add_argument("--warmup_steps", type=int, default=4)
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--no_bf16_autocast", dest="bf16_autocast", action="store_false")
+    add_autocast_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     return p.parse_args(argv)
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    command = resolve_autocast(args, " ".join(sys.argv[1:] if argv is None else argv))
     source, out = Path(args.source_dir), Path(args.out_dir)
     started = time.time()
     tok = AutoTokenizer.from_pretrained(source / "tiny_qwen3")
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     tok.model_max_length = model.config.max_position_embeddings
     save_target(model, tok, out / "tiny_qwen3")
     build = {
-        "command": " ".join(["python -m dflash_ddp.tools.make_long_target", *(argv or sys.argv[1:])]),
+        "command": f"python -m dflash_ddp.tools.make_long_target {command}",
         "lengths": lengths,
         "training": stats,
         "seconds": round(time.time() - started, 1),

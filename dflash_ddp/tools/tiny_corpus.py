@@ -360,7 +360,7 @@ classes and methods from {info["n_modules"]} stdlib modules), split {info["n_tra
 
 {info["train"]["steps"]} steps of AdamW (lr {info["lr"]}, warmup {info["warmup_steps"]} + cosine), batch {info["batch_size"]} conversations
 (<= {info["max_len"]} tokens, length-bucketed; {info["train"]["epochs"]:.1f} epochs over {info["train"]["tokens_per_epoch"]} tokens),
-bf16 autocast with fp32 weights,
+{"bf16 autocast" if info.get("bf16_autocast", True) else "fp32"} with fp32 weights,
 loss on all tokens. **Final training loss: {info["train"]["final_loss"]:.3f}** (mean of last 20 steps).
 Regenerated answers average {info["regen_train"]["mean_answer_tokens"]:.0f} tokens; {info["regen_train"]["hit_max_new_tokens"] + info["regen_heldout"]["hit_max_new_tokens"]} of all rows hit `max_new_tokens` without `<|im_end|>`.
 
