@@ -20,12 +20,15 @@ from dflash_ddp.target_model.features import (
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import (
     LinearMixer,
+    MaskBuilding,
     SparseIndexer,
     inspect_target,
     key_compression,
     key_window,
     layer_mlp_widths,
+    layer_types,
     linear_mixer,
+    mask_building,
     sparse_indexer,
     target_info_from_config,
 )
@@ -269,6 +272,32 @@ def test_a_targets_sparse_attention_indexer_is_read_from_its_config(config_class
 def test_the_keys_a_windowed_layer_keeps_are_read_from_its_config(config_class, window):
     """The plan counts a windowed layer's masks and attention by these (the config classes' defaults)."""
     assert key_window(getattr(transformers, config_class)()) == window
+
+
+@pytest.mark.parametrize(
+    ("config_class", "always", "by_window"),
+    [
+        ("Qwen3Config", {"full_attention"}, False),  # its sliding mask only where a layer slides
+        ("MinistralConfig", {"full_attention", "sliding_attention"}, False),  # both, whatever the layers
+        ("Qwen2MoeConfig", {"full_attention", "sliding_attention"}, False),  # a window of 0: never skipped
+        ("Llama4TextConfig", set(), False),  # a mask per kind of layer present
+        ("MistralConfig", set(), True),  # one mask for every layer, sliding where a window is set
+    ],
+)
+def test_the_masks_a_targets_forward_builds_are_read_from_its_code(config_class, always, by_window):
+    """transformers builds some masks that no layer reads (Ministral's full mask beside sliding layers only
+    in a prefill in pieces, Qwen2-MoE's sliding one in one pass: a boolean queries x keys each, and the
+    windowed one two more while it is built); the plan counts those its code builds."""
+    assert mask_building(getattr(transformers, config_class)()) == MaskBuilding(frozenset(always), by_window)
+
+
+def test_a_family_that_picks_its_mask_by_the_window_is_planned_as_sliding_where_one_is_set():
+    """MiniMax names its attention layers full, yet gives them the sliding mask where the config sets a
+    window (Mistral's choice of mask)."""
+    assert set(layer_types(transformers.MiniMaxConfig())) == {"full_attention", "linear_attention"}
+    windowed = transformers.MiniMaxConfig(sliding_window=4096)
+    assert set(layer_types(windowed)) == {"sliding_attention", "linear_attention"}
+    assert key_window(windowed) == 4096
 
 
 def test_eager_scores_joined_to_fp32_sinks_are_planned_in_fp32():

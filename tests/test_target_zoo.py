@@ -181,6 +181,26 @@ def test_a_windowed_layer_is_planned_with_its_window_of_keys(zoo, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
+def test_a_mask_that_no_layer_reads_is_planned_where_the_forward_builds_it(tmp_path):
+    """Ministral builds a full mask beside its sliding layers, Qwen2-MoE a sliding one with a window of 0
+    beside its full layers (never skipped: a boolean queries x keys, and two more while it is built). One
+    row of 4096: Ministral (every layer sliding, a window of 2048) in pieces of 1024, Qwen2-MoE in one pass
+    (0.58x its measured peak while the mask's building was not counted, 0.26x before the mask was)."""
+    targets = []
+    for name, model_class, family in (
+        ("ministral", "MinistralForCausalLM", dict(sliding_window=2048, head_dim=16)),
+        ("qwen2_moe", "Qwen2MoeForCausalLM", {}),
+    ):
+        config = make_config(model_class.replace("ForCausalLM", "Config"), **family)
+        torch.manual_seed(0)
+        getattr(transformers, model_class)(config).save_pretrained(tmp_path / name)
+        targets.append(tmp_path / name)
+    measurements = planned_and_measured((targets[0], [1, 2], 1024), (targets[1], [1, 2]), rows=1, length=4096)
+    for name, (plan, measured) in zip(("ministral", "qwen2_moe"), measurements, strict=True):
+        assert 1.0 <= plan.total / measured <= 1.6, (name, plan.describe(), measured / 2**30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
     """Multi-head latent attention (DeepSeek V2/V3, Kimi, GLM-5) points `head_dim` at its RoPE part, while
     each layer expands the latent it caches into keys and values for every query head, wider than that. A

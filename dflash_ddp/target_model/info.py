@@ -4,7 +4,12 @@ the fingerprint a checkpoint records, the default tapped layers, and parameter c
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import inspect
+import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +104,7 @@ class TargetInfo:
     sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
     key_compression: int = 0  # DeepSeek V4: a layer attends also to a key per this many (its smallest rate)
     key_window: int = 0  # a windowed layer's window (its cache keeps one key fewer), else 0
+    masks_built: frozenset[str] = frozenset()  # kinds whose mask the forward builds whatever its layers
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -294,6 +300,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         sparse_indexer=sparse_indexer(config),
         key_compression=key_compression(config),
         key_window=key_window(config),
+        masks_built=getattr(mask_building(config), "always", frozenset()),
         stack=stack,
     )
 
@@ -333,19 +340,78 @@ def key_compression(config) -> int:
 def layer_types(config) -> tuple[str, ...]:
     """Per decoder layer, its kind where the family names them; where it does not, sliding-window layers
     throughout if the config sets a `sliding_window` (Mistral v0.1, Phi-3 mini, Starcoder2: transformers
-    then builds a windowed mask and cache), else none (full attention)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return tuple(types)
-    if layer_attribute(config, "sliding_window") is not None:
+    then builds a windowed mask and cache), else none (full attention). A family that picks one mask for
+    every layer by the window (`MaskBuilding.by_window`) gives its full layers the sliding mask (MiniMax)."""
+    types = tuple(getattr(config, "layer_types", None) or ())
+    if layer_attribute(config, "sliding_window") is None:
+        return types
+    if not types:
         return ("sliding_attention",) * config.num_hidden_layers
-    return ()
+    building = mask_building(config)
+    if building and building.by_window:
+        return tuple("sliding_attention" if t == FULL_ATTENTION else t for t in types)
+    return types
+
+
+# transformers' attention-mask builders, by the kind of layer whose mask each builds
+MASK_BUILDERS = {
+    "create_causal_mask": FULL_ATTENTION,
+    "create_sliding_window_causal_mask": "sliding_attention",
+    "create_chunked_causal_mask": "chunked_attention",
+}
+LAYER_TYPE_TEST = re.compile(r"sliding|chunk|layer_type")  # a condition on the kinds of layers present
+
+
+@dataclass(frozen=True)
+class MaskBuilding:
+    """How a text model's forward builds its attention masks: `always`, the kinds whose mask it builds
+    whatever kinds its layers are; `by_window`, one mask for every layer, the sliding one where the config
+    sets a window (Mistral's `create_causal_mask if sliding_window is None else ...`)."""
+
+    always: frozenset[str]
+    by_window: bool
+
+
+def mask_building(config) -> MaskBuilding | None:
+    """How the text model's forward builds its masks, read from its code (None where transformers has no
+    class for `config` or its source cannot be read). A builder named outside any condition on the kinds of
+    layers present (an `if` on sliding layers, a lambda called per present type) builds its mask whatever
+    they are: Ministral's full mask beside sliding layers only, Qwen2-MoE's sliding one (a window of 0)
+    beside full layers only."""
+    return _mask_building_of(text_model_class(config))
+
+
+@functools.cache
+def _mask_building_of(model_class: type | None) -> MaskBuilding | None:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(model_class.forward)))
+    except (AttributeError, TypeError, OSError, SyntaxError):
+        return None
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    always, by_window = set(), False
+    for name in ast.walk(tree):
+        if not (isinstance(name, ast.Name) and name.id in MASK_BUILDERS):
+            continue
+        enclosing, node = [], name
+        while node in parents:
+            node = parents[node]
+            enclosing.append(node)
+        if any(isinstance(n, ast.IfExp) and "sliding_window" in ast.unparse(n.test) for n in enclosing):
+            by_window = True
+        elif not any(
+            isinstance(n, ast.Lambda) or isinstance(n, ast.If) and LAYER_TYPE_TEST.search(ast.unparse(n.test))
+            for n in enclosing
+        ):
+            always.add(MASK_BUILDERS[name.id])
+    return MaskBuilding(frozenset(always), by_window)
 
 
 def key_window(config) -> int:
     """A windowed layer's window (`sliding_window`, or Llama 4's `attention_chunk_size`; its cache keeps
-    one key fewer) where some layer type is windowed, else 0."""
-    if not set(layer_types(config)) & set(WINDOWED_LAYER_TYPES):
+    one key fewer) where some layer type is windowed or the forward builds a sliding mask whatever the
+    layers are, else 0."""
+    built = getattr(mask_building(config), "always", frozenset())
+    if not set(layer_types(config)) & set(WINDOWED_LAYER_TYPES) and "sliding_attention" not in built:
         return 0
     return layer_attribute(config, "sliding_window") or layer_attribute(config, "attention_chunk_size") or 0
 

@@ -90,6 +90,11 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
             expanded = heads // tp_size * (mla.query_key + mla.nope + mla.value)
             parts["expanded keys and values"] = tokens_per_batch * expanded * dtype_bytes
     parts.update(attention_mask_bytes(info, load, running))
+    # the masks are built before the first layer runs, beside the embeddings only: the larger moment
+    building = parts.pop("building a windowed mask", 0)
+    if building:
+        embeddings = running * info.hidden_size * info.residual_streams * dtype_bytes
+        parts["activations"] = max(parts["activations"], embeddings + building)
     # a layer's work space lives while it runs, and layers (the indexer before its attention) run one after
     # another: only the largest counts
     workspaces = {"attention scores": parts.pop("attention scores", 0)}
@@ -225,25 +230,43 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
     tokens, keys = load.tokens_per_batch, row_keys(load)
     kinds = set(attention_layer_types(info, load.layers))
+    # masks the forward builds that none of these layers reads (Ministral's full one beside sliding layers
+    # only, Qwen2-MoE's sliding one beside full layers only; DeepSeek V4's compressed layers read the sliding
+    # one), sized by the cache's keys: a boolean each
+    unread = (
+        set(info.masks_built)
+        - kinds
+        - ({"sliding_attention"} if kinds & set(WINDOWED_LAYER_TYPES) else set())
+    )
     scores = score_bytes(info, load)
     if not in_pieces(load) and not scores:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
+        unread.discard("full_attention")
         if keys < info.key_window:  # nor in windowed layers whose window spans the row
             kinds -= set(WINDOWED_LAYER_TYPES)
-    if not kinds:
+            unread -= set(WINDOWED_LAYER_TYPES)
+    if not kinds | unread:
         return {}
     dtype_bytes, heads = load.dtype_bytes, info.num_attention_heads // load.tp_size
     own = {kind: own_keys(info, load, kind, running) for kind in kinds}
-    # DeepSeek V4's compressed layers attend to their own keys and the compressed ones after them
-    attended = max(own[kind] + compressed_keys(info, kind, keys) for kind in kinds)
     # one boolean mask a kind, shared by the rows (a chunked layer's is per row: transformers' chunks start
-    # after each row's left padding), and the additive copy of the largest per row
-    boolean = sum(
-        (running if kind == "chunked_attention" else min(running, keys)) * own[kind] for kind in kinds
-    )
-    parts = {"attention mask": boolean + running * attended * dtype_bytes}
-    if any(kind in COMPRESSED_LAYER_TYPES for kind in kinds):  # their block bias and the mask joined to it
-        parts["attention mask"] += running * attended * dtype_bytes
+    # after each row's left padding); an unread one as wide as the cache's keys
+    booleans = {
+        kind: (running if kind == "chunked_attention" else min(running, keys)) * own[kind] for kind in kinds
+    }
+    booleans |= {kind: min(running, keys) * max(own.values(), default=keys) for kind in unread}
+    parts = {"attention mask": sum(booleans.values())}
+    # a windowed mask is built as the causal one and the window's, then their conjunction: two booleans
+    # more while it is built (before the layers run)
+    windowed = [size for kind, size in booleans.items() if kind in WINDOWED_LAYER_TYPES]
+    if windowed:
+        parts["building a windowed mask"] = 2 * max(windowed)
+    if not kinds:
+        return parts
+    # DeepSeek V4's compressed layers attend to their own keys and the compressed ones after them, and the
+    # additive copy of the largest mask per row
+    attended = max(own[kind] + compressed_keys(info, kind, keys) for kind in kinds)
+    parts["attention mask"] += running * attended * dtype_bytes
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
         # the keys all rows attend to: at most every position (a batch of rows shorter than the window)
         repeated = max(tokens + compressed_keys(info, kind, tokens) for kind in kinds)
