@@ -222,11 +222,15 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     keys], at long context the largest part, which pieces bound. In pieces a windowed layer's queries
     attend to its cached window and their piece (DeepSeek V4's also to the compressed keys), not to every
     key before them (the most where a row runs alone): on CPU forwards of one row of 4096 in pieces of
-    1024, the plan 1.35x, 1.68x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
+    1024, the plan 1.28x, 1.77x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
     1.32x while every key counted); the repeated keys stay the batch's (rows shorter than the window keep
-    every key). `running`: the positions of all rows run at once; a row's keys are at most --max_seq_len
-    and the rows' together at most --tokens_per_batch. Measured on the CPU (fp32: the mask 0.08 of a
-    forward's 0.11 GiB, a test); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73
+    every key). Masks the forward builds that no layer reads (`TargetInfo.masks_built`: Ministral's full
+    one beside sliding layers only, Qwen2-MoE's sliding one with a window of 0 beside full ones) count as
+    a boolean each; a windowed mask is built as two booleans joined (returned as "building a windowed
+    mask", a moment before the layers run: Qwen2-MoE's one pass of a row of 4096 1.04x, 0.26x before).
+    `running`: the positions of all rows run at once; a row's keys are at most --max_seq_len and the rows'
+    together at most --tokens_per_batch. Measured on the CPU (fp32: the mask 0.08 of a forward's 0.11 GiB,
+    a test); on an H200 the GPU check's 32K-token prefill in pieces of 8192 peaked 0.73
     GiB above a plan without it, the 0.75 GiB this gives (8192 x 32768 x 3 bytes in bf16)."""
     tokens, keys = load.tokens_per_batch, row_keys(load)
     kinds = set(attention_layer_types(info, load.layers))
