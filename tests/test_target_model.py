@@ -237,17 +237,20 @@ def test_a_targets_mlp_width_is_read_by_meaning_per_layer(config_class, widths):
     assert set(layer_mlp_widths(config)) == widths
 
 
+HCA = "heavily_compressed_attention"
+
+
 @pytest.mark.parametrize(
     ("config_class", "indexer", "compression"),
     [
-        ("DeepseekV32Config", SparseIndexer(64, 128), 0),
-        ("GlmMoeDsaConfig", SparseIndexer(32, 128), 0),
-        ("Glm5NextTextConfig", SparseIndexer(32, 128, pool=16), 0),  # scores pools of 16 keys
-        ("MistralLarge4TextConfig", SparseIndexer(32, 128), 0),
+        ("DeepseekV32Config", SparseIndexer(64, 128), {}),
+        ("GlmMoeDsaConfig", SparseIndexer(32, 128), {}),
+        ("Glm5NextTextConfig", SparseIndexer(32, 128, pool=16), {}),  # scores pools of 16 keys
+        ("MistralLarge4TextConfig", SparseIndexer(32, 128), {}),
         # an indexer before its compressed sparse layers, scoring the compressed keys; none before the others
-        ("DeepseekV4Config", SparseIndexer(64, 128, pool=4), 4),
-        ("MiniMaxM3VLTextConfig", None, 0),  # index fields, but no layer of the default config is sparse
-        ("Qwen3Config", None, 0),
+        ("DeepseekV4Config", SparseIndexer(64, 128, pool=4), {"compressed_sparse_attention": 4, HCA: 128}),
+        ("MiniMaxM3VLTextConfig", None, {}),  # index fields, but no layer of the default config is sparse
+        ("Qwen3Config", None, {}),
     ],
 )
 def test_a_targets_sparse_attention_indexer_is_read_from_its_config(config_class, indexer, compression):
@@ -305,11 +308,27 @@ def test_eager_scores_joined_to_fp32_sinks_are_planned_in_fp32():
     are shifted and softmaxed in fp32 (about 11.7 bytes a score in bf16, where gpt-oss's bf16 sinks keep
     them at about 5.7): planned at 12 and 10 bytes."""
     load = TargetLoad(0, [1], 2, tokens_per_batch=4096, dtype_bytes=2, max_seq_len=4096)
-    # DeepSeek V4's compressed layers attend to a compressed key per 4 beside their own
-    for name, keys, per_score in (("DeepseekV4Config", 4096 + 1024, 12), ("GptOssConfig", 4096, 10)):
+    # DeepSeek V4's first layers are heavily compressed: a compressed key per 128 beside their own
+    for name, keys, per_score in (("DeepseekV4Config", 4096 + 32, 12), ("GptOssConfig", 4096, 10)):
         info = target_info_from_config(getattr(transformers, name)(num_hidden_layers=4), Path("unused"))
         scores = target_memory(info, load).parts["attention scores"]
         assert scores == 4096 * keys * info.num_attention_heads * per_score, name
+
+
+def test_deepseek_v4s_cache_and_masks_are_planned_as_its_layers_keep_them():
+    """DeepSeek V4's layers cache one tensor as both keys and values, and beside them a compressed key per
+    4 positions (per 128 in its heavily compressed layers); in pieces a query attends to the window its
+    cache keeps, its piece and the compressed keys, and each compressed layer holds its block bias and the
+    mask joined to it beside the model's mask."""
+    config = transformers.DeepseekV4Config(num_hidden_layers=4)  # 3 heavily compressed layers, then 1 sparse
+    info = target_info_from_config(config, Path("unused"))
+    load = TargetLoad(0, [3], 4, tokens_per_batch=4096, dtype_bytes=2, prefill_tokens=1024, max_seq_len=4096)
+    parts = target_memory(info, load).parts
+    positions = 3 * (4096 + 4096 // 128) + 4096 + 4096 // 4
+    indexer_keys = 4096 // 4 * 128  # the sparse layer's indexer: a key of 128 per compressed block
+    assert parts["KV cache"] == (positions * config.head_dim + indexer_keys) * 2
+    own = config.sliding_window - 1 + 1024  # the window the cache keeps and the piece
+    assert parts["attention mask"] == 2 * 1024 * own + 2 * 1024 * (own + 4096 // 4) * 2
 
 
 def test_the_plan_bounds_what_a_windowed_layers_cache_keeps_for_any_batch_shape():

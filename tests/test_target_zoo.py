@@ -255,7 +255,10 @@ def test_the_plan_counts_the_scores_of_a_sparse_attention_indexer(zoo, tmp_path)
     DeepSeek V4's compressed layers (run eagerly) attend to their own keys and a compressed key per few
     after them: their scores are that much wider than the queries' keys (1.31x with its block bias
     counted, 0.84x before)."""
-    assert inspect_target(zoo("deepseek_v4")).key_compression == 2
+    info = inspect_target(zoo("deepseek_v4"))
+    assert info.key_compression == {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}
+    # its compressed layers' cache keeps one tensor as keys and values, its sliding layer's two
+    assert info.shared_key_value == {"compressed_sparse_attention", "heavily_compressed_attention"}
     forwards = (build_deepseek_v32(tmp_path), [1]), (zoo("glm5_next"), [3]), (zoo("deepseek_v4"), [1])
     bounds, largest = (1.1, 1.3, 1.4), ("indexer scores", "indexer scores", "attention scores")
     for bound, part, (plan, measured) in zip(bounds, largest, planned_and_measured(*forwards), strict=True):

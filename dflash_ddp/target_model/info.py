@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModel
+from transformers import AutoModel, DynamicCache
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from dflash_ddp.target_model.text_stack import TextStack, read_text_stack, truncated_text_config
@@ -102,7 +102,10 @@ class TargetInfo:
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
     linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
     sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
-    key_compression: int = 0  # DeepSeek V4: a layer attends also to a key per this many (its smallest rate)
+    key_compression: dict = field(
+        default_factory=dict
+    )  # per layer type, positions a compressed key stands for
+    shared_key_value: frozenset[str] = frozenset()  # layer types caching one tensor as keys and values
     key_window: int = 0  # a windowed layer's window (its cache keeps one key fewer), else 0
     masks_built: frozenset[str] = frozenset()  # kinds whose mask the forward builds whatever its layers
     stack: TextStack | None = field(default=None, compare=False, repr=False)
@@ -299,6 +302,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         linear_mixer=linear_mixer(config),
         sparse_indexer=sparse_indexer(config),
         key_compression=key_compression(config),
+        shared_key_value=shared_key_value(config),
         key_window=key_window(config),
         masks_built=getattr(mask_building(config), "always", frozenset()),
         stack=stack,
@@ -325,16 +329,30 @@ def linear_mixer(config) -> LinearMixer | None:
     return LinearMixer("mamba2", heads, width, width, state, chunk)
 
 
-def _compress_rates(config) -> dict[str, int]:
-    """Per layer type of the config's layers, the rate at which it compresses keys (DeepSeek V4), else {}."""
+def key_compression(config) -> dict[str, int]:
+    """Per layer type of the config's layers that attends to compressed keys beside its own, the positions
+    each compressed key stands for (DeepSeek V4's `compress_rates`: 4 and 128), else {}."""
     types = getattr(config, "layer_types", None) or ()
     return {t: r for t, r in (getattr(config, "compress_rates", None) or {}).items() if t in types}
 
 
-def key_compression(config) -> int:
-    """The smallest rate at which a layer type of the family compresses keys it attends to beside its own
-    (DeepSeek V4's `compress_rates`), else 0."""
-    return min(_compress_rates(config).values(), default=0)
+def shared_key_value(config) -> frozenset[str]:
+    """The layer types whose cache keeps one tensor as both keys and values (DeepSeek V4's compressed
+    layers; its sliding ones keep two), asked of transformers' own cache for `config` (none where it cannot
+    be built: keys and values counted apart, which errs high)."""
+    if text_model_class(config) is None:  # importing the class registers the family's cache layers
+        return frozenset()
+    try:
+        cache = DynamicCache(config=config)
+        shared = set()
+        for index, kind in enumerate(layer_types(config)[: len(cache.layers)]):
+            states = torch.zeros(1, 1, 1, 8)
+            cache.update(states, states.clone(), index)
+            if cache.layers[index].keys.data_ptr() == cache.layers[index].values.data_ptr():
+                shared.add(kind)
+        return frozenset(shared)
+    except Exception:  # noqa: BLE001 - a family whose cache needs more than its config: the safe reading
+        return frozenset()
 
 
 def layer_types(config) -> tuple[str, ...]:
@@ -422,7 +440,7 @@ def sparse_indexer(config) -> SparseIndexer | None:
     types = getattr(config, "layer_types", None) or ()
     if not heads or not any(t in INDEXED_LAYER_TYPES for t in types):
         return None
-    compressed = _compress_rates(config).get("compressed_sparse_attention")
+    compressed = key_compression(config).get("compressed_sparse_attention")
     pool = getattr(config, "index_kpool", None) or compressed or 1
     return SparseIndexer(heads, layer_attribute(config, "index_head_dim"), pool)
 

@@ -76,12 +76,15 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     }
     # the pieces' keys and values (latent attention: the latent), kept until the batch's last piece
     if pieces:
-        cached = mla.latent + mla.rope if mla else 2 * info.num_key_value_heads * info.head_dim // tp_size
+        width = mla.latent + mla.rope if mla else info.num_key_value_heads * info.head_dim // tp_size
         # every position of the batch: a windowed layer keeps its window per row, which is every position
-        # of a batch of rows shorter than it (DeepSeek V4's compressed keys beside them)
-        kinds = attention_layer_types(info, layers)
-        positions = sum(tokens_per_batch + compressed_keys(info, kind, tokens_per_batch) for kind in kinds)
-        parts["KV cache"] = positions * cached * dtype_bytes
+        # of a batch of rows shorter than it (DeepSeek V4's compressed keys beside them); keys and values
+        # (one tensor in DeepSeek V4's compressed layers, latent attention's latent)
+        positions = 0
+        for kind in attention_layer_types(info, layers):
+            tensors = 1 if mla or kind in info.shared_key_value else 2
+            positions += tensors * (tokens_per_batch + compressed_keys(info, kind, tokens_per_batch))
+        parts["KV cache"] = positions * width * dtype_bytes
         if indexed:  # and the indexer's keys (DeepSeek V4's: one per compressed block)
             indexer = info.sparse_indexer
             indexer_keys = tokens_per_batch // (indexer.pool if info.key_compression else 1)
@@ -145,8 +148,9 @@ def in_pieces(load: TargetLoad) -> bool:
 
 def compressed_keys(info: TargetInfo, kind: str, keys: int) -> int:
     """The compressed keys that queries with `keys` keys of their own attend to beside them in layers of
-    `kind` (DeepSeek V4's compressed layers: one per `key_compression` positions, its smallest rate)."""
-    return keys // info.key_compression if info.key_compression and kind in COMPRESSED_LAYER_TYPES else 0
+    `kind` (DeepSeek V4's compressed layers: one per 4 positions, or 128 in its heavily compressed ones)."""
+    rate = info.key_compression.get(kind)
+    return keys // rate if rate else 0
 
 
 def own_keys(info: TargetInfo, load: TargetLoad, kind: str, running: int) -> int:
@@ -271,6 +275,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     # additive copy of the largest mask per row
     attended = max(own[kind] + compressed_keys(info, kind, keys) for kind in kinds)
     parts["attention mask"] += running * attended * dtype_bytes
+    if any(kind in COMPRESSED_LAYER_TYPES for kind in kinds):  # their block bias and the mask joined to it
+        parts["attention mask"] += running * attended * dtype_bytes
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
         # the keys all rows attend to: at most every position (a batch of rows shorter than the window)
         repeated = max(tokens + compressed_keys(info, kind, tokens) for kind in kinds)
