@@ -226,7 +226,7 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     keys], at long context the largest part, which pieces bound. In pieces a windowed layer's queries
     attend to its cached window and their piece (DeepSeek V4's also to the compressed keys), not to every
     key before them (the most where a row runs alone): on CPU forwards of one row of 4096 in pieces of
-    1024, the plan 1.28x, 1.77x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
+    1024, the plan 1.34x, 1.79x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
     1.32x while every key counted); the repeated keys stay the batch's (rows shorter than the window keep
     every key). Masks the forward builds that no layer reads (`TargetInfo.masks_built`: Ministral's full
     one beside sliding layers only, Qwen2-MoE's sliding one with a window of 0 beside full ones) count as
