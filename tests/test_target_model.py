@@ -187,6 +187,25 @@ def test_a_prefill_in_pieces_equals_one_pass(tiny_target, topk):
         torch.testing.assert_close(soft_b.probs.float(), soft_a.probs.float(), rtol=0, atol=1e-2)
 
 
+def test_a_batch_of_more_rows_than_a_pieces_positions_runs_in_groups_of_rows(tiny_target):
+    """A batch of many short rows: with --target_prefill_tokens below its row count, the rows run in groups
+    of that many, a position of each at a time, so that no call of the model runs more positions than the
+    plan's piece (the features those of one pass)."""
+    info = inspect_target(tiny_target)
+    ids = torch.randint(4, 290, (5, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[3, 7:] = 0
+    whole = TargetFeatureExtractor(info, [1, 3], torch.device("cpu"), torch.float32)
+    groups = TargetFeatureExtractor(info, [1, 3], torch.device("cpu"), torch.float32, prefill_tokens=2)
+    calls = []
+    groups.model.register_forward_pre_hook(
+        lambda _, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    (a, _), (b, _) = whole(ids, mask), groups(ids, mask)
+    assert calls.count((2, 1)) == 24 and calls.count((1, 2)) == 6 and len(calls) == 30  # rows 2 + 2 + 1
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 @pytest.mark.parametrize(
     ("rows", "length", "piece"), [(8, 4096, 0), (2, 8192, 2048)], ids=["one_pass", "pieces"]

@@ -164,17 +164,35 @@ class TargetFeatureExtractor:
         real = attention_mask[..., None]
         # the model gets the padding mask only where it attends both ways (see `_piece`)
         mask = None if self.causal else attention_mask
-        pieces = [
-            self._piece(input_ids, mask, start, end, cache) for start, end, cache in self._pieces(input_ids)
+        # more rows than a piece's positions: groups of that many rows, a position of each at a time
+        rows = input_ids.shape[0]
+        group = self.prefill_tokens if 0 < self.prefill_tokens < rows else rows
+        runs = [
+            self._prefill(
+                input_ids[first : first + group], None if mask is None else mask[first : first + group]
+            )
+            for first in range(0, rows, group)
         ]
-        features = torch.cat([f for f, _ in pieces], dim=1) if len(pieces) > 1 else pieces[0][0]
+        features = torch.cat([f for f, _ in runs]) if len(runs) > 1 else runs[0][0]
         if not self.topk:
             return features * real.to(features.dtype), None
-        hidden = torch.cat([h for _, h in pieces], dim=1) if len(pieces) > 1 else pieces[0][1]
+        hidden = torch.cat([h for _, h in runs]) if len(runs) > 1 else runs[0][1]
         soft = top_k_next_tokens(hidden, self.lm_head, self.topk)
         return features * real.to(features.dtype), SoftTargets(
             soft.ids * real.to(soft.ids.dtype), soft.probs * real.to(soft.probs.dtype)
         )
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """The tapped features (and final hidden states, or None) of rows at most --target_prefill_tokens
+        many, in one pass or in pieces (`_pieces`)."""
+        pieces = [
+            self._piece(input_ids, attention_mask, start, end, cache)
+            for start, end, cache in self._pieces(input_ids)
+        ]
+        if len(pieces) == 1:
+            return pieces[0]
+        hidden = torch.cat([h for _, h in pieces], dim=1) if self.topk else None
+        return torch.cat([f for f, _ in pieces], dim=1), hidden
 
     def _pieces(self, input_ids: torch.Tensor):
         """(first position, end, cache) of each piece of the prefill: one pass without a cache, or pieces of
