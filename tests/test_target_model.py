@@ -334,11 +334,20 @@ def test_eager_scores_joined_to_fp32_sinks_are_planned_in_fp32():
         assert scores == 4096 * keys * info.num_attention_heads * per_score, name
 
 
+def test_an_eager_familys_masks_are_planned_per_row_in_its_dtype():
+    """transformers' eager_mask turns each boolean mask into an additive one per row in the activations'
+    dtype, which the layers add to their scores as it is (gpt-oss: its full and its sliding mask)."""
+    info = target_info_from_config(transformers.GptOssConfig(num_hidden_layers=4), Path("unused"))
+    load = TargetLoad(0, [3], 4, tokens_per_batch=4096, dtype_bytes=2, prefill_tokens=512, max_seq_len=2048)
+    sliding = info.key_window - 1 + 512  # the window its cache keeps and a piece of one row
+    assert target_memory(info, load).parts["attention mask"] == 512 * (2048 + sliding) * 2
+
+
 def test_deepseek_v4s_cache_and_masks_are_planned_as_its_layers_keep_them():
     """DeepSeek V4's layers cache one tensor as both keys and values, and beside them a compressed key per
     4 positions (per 128 in its heavily compressed layers); in pieces a query attends to the window its
     cache keeps, its piece and the compressed keys, and each compressed layer holds its block bias and the
-    mask joined to it beside the model's mask."""
+    mask joined to it beside the model's one mask."""
     config = transformers.DeepseekV4Config(num_hidden_layers=4)  # 3 heavily compressed layers, then 1 sparse
     info = target_info_from_config(config, Path("unused"))
     load = TargetLoad(0, [3], 4, tokens_per_batch=4096, dtype_bytes=2, prefill_tokens=1024, max_seq_len=4096)
@@ -346,8 +355,10 @@ def test_deepseek_v4s_cache_and_masks_are_planned_as_its_layers_keep_them():
     positions = 3 * (4096 + 4096 // 128) + 4096 + 4096 // 4
     indexer_keys = 4096 // 4 * 128  # the sparse layer's indexer: a key of 128 per compressed block
     assert parts["KV cache"] == (positions * config.head_dim + indexer_keys) * 2
-    own = config.sliding_window - 1 + 1024  # the window the cache keeps and the piece
-    assert parts["attention mask"] == 2 * 1024 * own + 2 * 1024 * (own + 4096 // 4) * 2
+    # one additive mask per row (run eagerly), which every layer reads: the window the cache keeps and the
+    # piece; the sparse layer's block bias over its compressed keys, and the mask joined to it
+    own, compressed = config.sliding_window - 1 + 1024, 4096 // 4
+    assert parts["attention mask"] == 1024 * own * 2 + 1024 * (own + compressed + compressed) * 2
 
 
 def test_the_plan_bounds_what_a_windowed_layers_cache_keeps_for_any_batch_shape():

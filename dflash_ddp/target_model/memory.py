@@ -19,6 +19,12 @@ SOFT_TARGET_CHUNK = 1024  # positions whose full-vocabulary logits exist at once
 # layer types that keep no keys and build no attention mask (None: a layer a family's config leaves out)
 NON_ATTENTION_LAYER_TYPES = ("linear_attention", "conv", "mlp", "moe", None)
 HYBRID_ATTENTION = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+# the mask a kind of layer reads where it is another kind's (the families' mask mappings)
+MASK_READ_BY = {
+    "indexed_attention": "full_attention",  # Mistral Large 4, Kolibri 1.1
+    "compressed_sparse_attention": "sliding_attention",  # DeepSeek V4: one mask for every layer
+    "heavily_compressed_attention": "sliding_attention",
+}
 
 
 @dataclass(frozen=True)
@@ -239,13 +245,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     tokens, keys = load.tokens_per_batch, row_keys(load)
     kinds = set(attention_layer_types(info, load.layers))
     # masks the forward builds that none of these layers reads (Ministral's full one beside sliding layers
-    # only, Qwen2-MoE's sliding one beside full layers only; DeepSeek V4's compressed layers read the sliding
-    # one), sized by the cache's keys: a boolean each
-    unread = (
-        set(info.masks_built)
-        - kinds
-        - ({"sliding_attention"} if kinds & set(WINDOWED_LAYER_TYPES) else set())
-    )
+    # only, Qwen2-MoE's sliding one beside full layers only)
+    unread = set(info.masks_built) - {MASK_READ_BY.get(kind, kind) for kind in kinds}
     scores = score_bytes(info, load)
     if not in_pieces(load) and not scores:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
@@ -257,26 +258,36 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
         return {}
     dtype_bytes, heads = load.dtype_bytes, info.num_attention_heads // load.tp_size
     own = {kind: own_keys(info, load, kind, running) for kind in kinds}
-    # one boolean mask a kind, shared by the rows (a chunked layer's is per row: transformers' chunks start
-    # after each row's left padding); an unread one as wide as the cache's keys
+    # the keys of each mask the layers read (DeepSeek V4's layers all read its sliding one), and of an unread
+    # one the cache's
+    widths: dict[str, int] = {}
+    for kind in kinds:
+        mask = MASK_READ_BY.get(kind, kind)
+        widths[mask] = max(widths.get(mask, 0), own[kind])
+    widths |= {mask: max(own.values(), default=keys) for mask in unread}
+    # a boolean mask each, shared by the rows (a chunked one is per row: transformers' chunks start after
+    # each row's left padding); eagerly, an additive one per row in the activations' dtype instead, which
+    # the layers add to their scores as it is (transformers' eager_mask)
     booleans = {
-        kind: (running if kind == "chunked_attention" else min(running, keys)) * own[kind] for kind in kinds
+        mask: (running if mask == "chunked_attention" else min(running, keys)) * width
+        for mask, width in widths.items()
     }
-    booleans |= {kind: min(running, keys) * max(own.values(), default=keys) for kind in unread}
-    parts = {"attention mask": sum(booleans.values())}
+    held = {mask: running * width * dtype_bytes for mask, width in widths.items()}
+    parts = {"attention mask": sum((held if info.eager_attention else booleans).values())}
     # a windowed mask is built as the causal one and the window's, then their conjunction: two booleans
     # more while it is built (before the layers run)
-    windowed = [size for kind, size in booleans.items() if kind in WINDOWED_LAYER_TYPES]
+    windowed = [size for mask, size in booleans.items() if mask in WINDOWED_LAYER_TYPES]
     if windowed:
         parts["building a windowed mask"] = 2 * max(windowed)
     if not kinds:
         return parts
-    # DeepSeek V4's compressed layers attend to their own keys and the compressed ones after them, and the
-    # additive copy of the largest mask per row
+    # DeepSeek V4's compressed layers attend to their own keys and the compressed ones after them
     attended = max(own[kind] + compressed_keys(info, kind, keys) for kind in kinds)
-    parts["attention mask"] += running * attended * dtype_bytes
-    if any(kind in COMPRESSED_LAYER_TYPES for kind in kinds):  # their block bias and the mask joined to it
+    if not info.eager_attention:  # the additive copy of the largest mask per row, which SDPA's call makes
         parts["attention mask"] += running * attended * dtype_bytes
+    if any(kind in COMPRESSED_LAYER_TYPES for kind in kinds):  # their block bias and the mask joined to it
+        compressed = max(compressed_keys(info, kind, keys) for kind in kinds)
+        parts["attention mask"] += running * (attended + compressed) * dtype_bytes
     if info.num_attention_heads > info.num_key_value_heads or info.eager_attention:
         # the keys all rows attend to: at most every position (a batch of rows shorter than the window)
         repeated = max(tokens + compressed_keys(info, kind, tokens) for kind in kinds)
