@@ -226,13 +226,13 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     pass in sliding-window or chunked layers over rows longer than their window (the extractor gives the
     model no padding mask, so SDPA's full-attention layers need none then: TargetFeatureExtractor._piece),
     and always in a family transformers runs eagerly (no SDPA: gpt-oss, DeepSeek V4). A boolean [queries,
-    keys] mask per kind of such layer, held through the forward, which each layer's call turns into an
-    additive mask of the activations' dtype for every row; grouped keys and values repeated to every query
+    keys] mask per mask such layers read, held through the forward, which each layer's call turns into an
+    additive mask of the activations' dtype for every row (eagerly, transformers builds it so at once); grouped keys and values repeated to every query
     head (SDPA's grouped path takes no mask on CUDA); eagerly, each layer's scores [rows, heads, queries,
     keys], at long context the largest part, which pieces bound. In pieces a windowed layer's queries
     attend to its cached window and their piece (DeepSeek V4's also to the compressed keys), not to every
     key before them (the most where a row runs alone): on CPU forwards of one row of 4096 in pieces of
-    1024, the plan 1.34x, 1.79x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
+    1024, the plan 1.33x, 1.78x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
     1.32x while every key counted); the repeated keys stay the batch's (rows shorter than the window keep
     every key). Masks the forward builds that no layer reads (`TargetInfo.masks_built`: Ministral's full
     one beside sliding layers only, Qwen2-MoE's sliding one with a window of 0 beside full ones) count as
