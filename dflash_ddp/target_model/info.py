@@ -102,9 +102,8 @@ class TargetInfo:
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
     linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
     sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
-    key_compression: dict = field(
-        default_factory=dict
-    )  # per layer type, positions a compressed key stands for
+    # per layer type, the positions a compressed key stands for (DeepSeek V4: beside a layer's own keys)
+    key_compression: dict = field(default_factory=dict)
     shared_key_value: frozenset[str] = frozenset()  # layer types caching one tensor as keys and values
     key_window: int = 0  # a windowed layer's window (its cache keeps one key fewer), else 0
     masks_built: frozenset[str] = frozenset()  # kinds whose mask the forward builds whatever its layers
@@ -401,6 +400,7 @@ def mask_building(config) -> MaskBuilding | None:
 
 @functools.cache
 def _mask_building_of(model_class: type | None) -> MaskBuilding | None:
+    """`mask_building` of the class's forward, read once per class."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(model_class.forward)))
     except (AttributeError, TypeError, OSError, SyntaxError):
