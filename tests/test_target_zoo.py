@@ -460,6 +460,21 @@ def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path
     assert "BertModel (bert) has no causal-LM text head" in line
 
 
+def test_a_target_that_insists_on_its_own_cache_is_refused_pieces_in_one_line(chat_data, tmp_path, capsys):
+    """MiniMax's forward refuses any cache but its own (MiniMaxCache), so it cannot be prefilled in pieces,
+    whose shared cache this project lays out: refused at start with the setting to change (in one pass it
+    trains)."""
+    target = tmp_path / "minimax"
+    tok = build_tokenizer(target)
+    transformers.MiniMaxForCausalLM(make_config("MiniMaxConfig", vocab_size=len(tok))).save_pretrained(target)
+    assert inspect_target(target).own_cache == "MiniMaxCache"
+    capsys.readouterr()  # the save's progress bar
+    flags = [*train_flags(target, chat_data, tmp_path / "run"), "--target_prefill_tokens", "64", "--plan"]
+    assert train_main(flags) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--target_prefill_tokens 64: minimax" in line and "pass --target_prefill_tokens 0" in line
+
+
 def test_a_zoo_config_sets_only_the_fields_its_class_defines():
     """The zoo builds each family from its config class's defaults; a field the class does not define (which
     no released checkpoint has) is refused, so a zoo target cannot hide a failure a real one shows."""

@@ -105,6 +105,12 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         (cfg.sliding_window, cfg.sliding_layers),
     )
     warm = plan_warm_start(cfg, info, drafter_config, source_drafter) if source_drafter else None
+    if cfg.target_prefill_tokens and info.own_cache:
+        raise ValueError(
+            f"--target_prefill_tokens {cfg.target_prefill_tokens}: {info.model_type} ({info.path}/config.json) "
+            f"runs only with its own cache ({info.own_cache}), which a prefill in pieces cannot share; "
+            "pass --target_prefill_tokens 0 (one pass)"
+        )
     if cfg.target_topk > info.vocab_size:
         raise ValueError(
             f"--target_topk {cfg.target_topk} is more than the target's {info.vocab_size} tokens "

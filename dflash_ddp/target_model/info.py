@@ -107,6 +107,7 @@ class TargetInfo:
     shared_key_value: frozenset[str] = frozenset()  # layer types caching one tensor as keys and values
     key_window: int = 0  # a windowed layer's window (its cache keeps one key fewer), else 0
     masks_built: frozenset[str] = frozenset()  # kinds whose mask the forward builds whatever its layers
+    own_cache: str | None = None  # the cache class its forward insists on (no prefill in pieces)
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -304,6 +305,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         shared_key_value=shared_key_value(config),
         key_window=key_window(config),
         masks_built=getattr(mask_building(config), "always", frozenset()),
+        own_cache=own_cache_class(config),
         stack=stack,
     )
 
@@ -399,11 +401,21 @@ def mask_building(config) -> MaskBuilding | None:
 
 
 @functools.cache
+def _forward_source(model_class: type | None) -> str | None:
+    """The source of the class's forward, read once per class (None where it cannot be read)."""
+    try:
+        return textwrap.dedent(inspect.getsource(model_class.forward))
+    except (AttributeError, TypeError, OSError):
+        return None
+
+
+@functools.cache
 def _mask_building_of(model_class: type | None) -> MaskBuilding | None:
     """`mask_building` of the class's forward, read once per class."""
+    source = _forward_source(model_class)
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(model_class.forward)))
-    except (AttributeError, TypeError, OSError, SyntaxError):
+        tree = ast.parse(source)
+    except (TypeError, SyntaxError):
         return None
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     always, by_window = set(), False
@@ -422,6 +434,18 @@ def _mask_building_of(model_class: type | None) -> MaskBuilding | None:
         ):
             always.add(MASK_BUILDERS[name.id])
     return MaskBuilding(frozenset(always), by_window)
+
+
+GENERIC_CACHES = ("Cache", "DynamicCache", "EncoderDecoderCache")
+OWN_CACHE_CHECK = re.compile(r"not isinstance\((?:cache|past_key_values), (\w+)\)")
+
+
+def own_cache_class(config) -> str | None:
+    """The cache class the text model's forward insists on instead of transformers' shared one, read from
+    its code (MiniMax's `MiniMaxCache`), else None: such a target cannot be prefilled in pieces, whose
+    cache this project lays out."""
+    found = OWN_CACHE_CHECK.findall(_forward_source(text_model_class(config)) or "")
+    return next((name for name in found if name not in GENERIC_CACHES), None)
 
 
 def key_window(config) -> int:
