@@ -272,8 +272,10 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
         mask: (running if mask == "chunked_attention" else min(running, keys)) * width
         for mask, width in widths.items()
     }
-    held = {mask: running * width * dtype_bytes for mask, width in widths.items()}
-    parts = {"attention mask": sum((held if info.eager_attention else booleans).values())}
+    if info.eager_attention:
+        parts = {"attention mask": sum(running * width * dtype_bytes for width in widths.values())}
+    else:
+        parts = {"attention mask": sum(booleans.values())}
     # a windowed mask is built as the causal one and the window's, then their conjunction: two booleans
     # more while it is built (before the layers run)
     windowed = [size for mask, size in booleans.items() if mask in WINDOWED_LAYER_TYPES]
