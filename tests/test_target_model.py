@@ -313,6 +313,20 @@ def test_the_masks_a_targets_forward_builds_are_read_from_its_code(config_class,
     assert mask_building(getattr(transformers, config_class)()) == MaskBuilding(frozenset(always), by_window)
 
 
+def test_an_unread_full_mask_counts_only_where_no_full_layer_past_the_cut_sizes_it():
+    """Ministral (every layer sliding) builds its full mask in each piece as wide as the sliding cache's
+    keys; Gemma 3 cut before its first full layer sizes it by that layer's empty cache, and SDPA skips it."""
+    load = TargetLoad(0, [2], 3, tokens_per_batch=4096, dtype_bytes=2, prefill_tokens=1024, max_seq_len=4096)
+    own = 512 - 1 + 1024  # the window the cache keeps and the piece
+    sliding = 1024 * own + 1024 * own * 2  # the boolean, and the additive copy per row
+    for config, unread in (
+        (transformers.MinistralConfig(num_hidden_layers=4, sliding_window=512, head_dim=16), 1024 * own),
+        (transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=512), 0),  # full: layer 5
+    ):
+        info = target_info_from_config(config, Path("unused"))
+        assert target_memory(info, load).parts["attention mask"] == sliding + unread, type(config).__name__
+
+
 def test_a_family_that_picks_its_mask_by_the_window_is_planned_as_sliding_where_one_is_set():
     """MiniMax names its attention layers full, yet gives them the sliding mask where the config sets a
     window (Mistral's choice of mask)."""

@@ -232,7 +232,7 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     keys], at long context the largest part, which pieces bound. In pieces a windowed layer's queries
     attend to its cached window and their piece (DeepSeek V4's also to the compressed keys), not to every
     key before them (the most where a row runs alone): on CPU forwards of one row of 4096 in pieces of
-    1024, the plan 1.33x, 1.78x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
+    1024, the plan 1.33x, 1.68x and 1.31x the peaks of DeepSeek V4, Gemma 3 and gpt-oss (2.47x, 3.26x and
     1.32x while every key counted); the repeated keys stay the batch's (rows shorter than the window keep
     every key). Masks the forward builds that no layer reads (`TargetInfo.masks_built`: Ministral's full
     one beside sliding layers only, Qwen2-MoE's sliding one with a window of 0 beside full ones) count as
@@ -247,6 +247,9 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     # masks the forward builds that none of these layers reads (Ministral's full one beside sliding layers
     # only, Qwen2-MoE's sliding one beside full layers only)
     unread = set(info.masks_built) - {MASK_READ_BY.get(kind, kind) for kind in kinds}
+    if "full_attention" in attention_layer_types(info, info.num_layers):
+        # a full layer past the cut: the full mask is sized against its empty cache and skipped
+        unread.discard("full_attention")
     scores = score_bytes(info, load)
     if not in_pieces(load) and not scores:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
