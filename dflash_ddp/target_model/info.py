@@ -304,7 +304,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         key_compression=key_compression(config),
         shared_key_value=shared_key_value(config),
         key_window=key_window(config),
-        masks_built=getattr(mask_building(config), "always", frozenset()),
+        masks_built=mask_building(config).always,
         own_cache=own_cache_class(config),
         stack=stack,
     )
@@ -366,8 +366,7 @@ def layer_types(config) -> tuple[str, ...]:
         return types
     if not types:
         return ("sliding_attention",) * config.num_hidden_layers
-    building = mask_building(config)
-    if building and building.by_window:
+    if mask_building(config).by_window:
         return tuple("sliding_attention" if t == FULL_ATTENTION else t for t in types)
     return types
 
@@ -391,9 +390,9 @@ class MaskBuilding:
     by_window: bool
 
 
-def mask_building(config) -> MaskBuilding | None:
-    """How the text model's forward builds its masks, read from its code (None where transformers has no
-    class for `config` or its source cannot be read). A builder named outside any condition on the kinds of
+def mask_building(config) -> MaskBuilding:
+    """How the text model's forward builds its masks, read from its code (none always, none by the window
+    where transformers has no class for `config` or its source cannot be read). A builder named outside any condition on the kinds of
     layers present (an `if` on sliding layers, a lambda called per present type) builds its mask whatever
     they are: Ministral's full mask beside sliding layers only, Qwen2-MoE's sliding one (a window of 0)
     beside full layers only."""
@@ -410,13 +409,12 @@ def _forward_source(model_class: type | None) -> str | None:
 
 
 @functools.cache
-def _mask_building_of(model_class: type | None) -> MaskBuilding | None:
+def _mask_building_of(model_class: type | None) -> MaskBuilding:
     """`mask_building` of the class's forward, read once per class."""
-    source = _forward_source(model_class)
     try:
-        tree = ast.parse(source)
-    except (TypeError, SyntaxError):
-        return None
+        tree = ast.parse(_forward_source(model_class) or "")
+    except SyntaxError:
+        return MaskBuilding(frozenset(), False)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     always, by_window = set(), False
     for name in ast.walk(tree):
@@ -452,8 +450,8 @@ def key_window(config) -> int:
     """A windowed layer's window (`sliding_window`, or Llama 4's `attention_chunk_size`; its cache keeps
     one key fewer) where some layer type is windowed or the forward builds a sliding mask whatever the
     layers are, else 0."""
-    built = getattr(mask_building(config), "always", frozenset())
-    if not set(layer_types(config)) & set(WINDOWED_LAYER_TYPES) and "sliding_attention" not in built:
+    windowed = set(layer_types(config)) & set(WINDOWED_LAYER_TYPES)
+    if not windowed and "sliding_attention" not in mask_building(config).always:
         return 0
     return layer_attribute(config, "sliding_window") or layer_attribute(config, "attention_chunk_size") or 0
 
