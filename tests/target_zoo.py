@@ -560,6 +560,23 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "exaone4": _exaone4,
     "smollm3": _smollm3,
     "seed_oss": _plain("SeedOssConfig", "SeedOssForCausalLM"),
+    # older layouts, in their own field names: decoder layers at `transformer.h` or `.blocks`, the MLP's width
+    # under other names or none, ALiBi instead of position ids
+    "falcon": _plain("FalconConfig", "FalconForCausalLM", ffn_hidden_size=128),  # 7B's: one KV head, parallel
+    "gpt_bigcode": _plain(  # StarCoder: one KV head
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        n_inner=128,
+        n_positions=512,
+    ),
+    "bloom": _plain("BloomConfig", "BloomForCausalLM", n_layer=4, n_head=4),  # ALiBi, an MLP of 4x hidden
+    "mpt": _plain(  # ALiBi, `use_cache` false as MPT ships
+        "MptConfig", "MptForCausalLM", d_model=64, n_layers=4, n_heads=4, expansion_ratio=2, max_seq_len=512
+    ),
+    "opt": _plain("OPTConfig", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=64),
 }
 ZOO_NAMES = tuple(ZOO)
 

@@ -249,11 +249,20 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
         ("DeepseekV4Config", {2048 * 6 + 2048}),
         ("GptOssConfig", {2880 * 4}),  # intermediate_size names the experts' width
         ("NemotronHConfig", {0, 21504, 7688 * 2 + 7688}),  # Mamba/attention blocks have no MLP
+        # the older families' names for the dense width, or their convention where they name none
+        ("FalconConfig", {18176}),  # ffn_hidden_size
+        ("OPTConfig", {3072}),  # ffn_dim
+        ("GPT2Config", {4 * 768}),  # n_inner unset: 4x the hidden size, as its class documents
+        ("GPTNeoConfig", {4 * 2048}),  # intermediate_size unset: likewise
+        ("MptConfig", {4 * 2048}),  # expansion_ratio
+        ("BloomConfig", {4 * 64}),  # no field: 4x the hidden size in its code
+        # Kolibri's first layers are dense at their own width, the others 6 experts of 512 + 1 shared
+        (("Kolibri1_1Config", {"mlp_only_intermediate_size": 1024}), {1024, 512 * 6 + 512}),
     ],
 )
 def test_a_targets_mlp_width_is_read_by_meaning_per_layer(config_class, widths):
-    config = getattr(transformers, config_class)()
-    assert set(layer_mlp_widths(config)) == widths
+    name, fields = config_class if isinstance(config_class, tuple) else (config_class, {})
+    assert set(layer_mlp_widths(getattr(transformers, name)(**fields))) == widths
 
 
 HCA = "heavily_compressed_attention"
@@ -297,20 +306,37 @@ def test_the_keys_a_windowed_layer_keeps_are_read_from_its_config(config_class, 
 
 
 @pytest.mark.parametrize(
-    ("config_class", "always", "by_window"),
+    ("config_class", "always", "by_window", "causal_skip"),
     [
-        ("Qwen3Config", {"full_attention"}, False),  # its sliding mask only where a layer slides
-        ("MinistralConfig", {"full_attention", "sliding_attention"}, False),  # both, whatever the layers
-        ("Qwen2MoeConfig", {"full_attention", "sliding_attention"}, False),  # a window of 0: never skipped
-        ("Llama4TextConfig", set(), False),  # a mask per kind of layer present
-        ("MistralConfig", set(), True),  # one mask for every layer, sliding where a window is set
+        ("Qwen3Config", {"full_attention"}, False, True),  # its sliding mask only where a layer slides
+        (
+            "MinistralConfig",
+            {"full_attention", "sliding_attention"},
+            False,
+            True,
+        ),  # both, whatever the layers
+        (
+            "Qwen2MoeConfig",
+            {"full_attention", "sliding_attention"},
+            False,
+            True,
+        ),  # a window of 0: never skipped
+        ("Llama4TextConfig", set(), False, True),  # a mask per kind of layer present
+        ("MistralConfig", set(), True, True),  # one mask for every layer, sliding where a window is set
+        ("FalconConfig", {"full_attention"}, False, False),  # built even where SDPA's causal flag would do
+        ("DogeConfig", set(), True, False),  # likewise, through a variable naming the builder
+        ("DeepseekV32Config", {"full_attention"}, False, False),  # ... through its dict of keywords
     ],
 )
-def test_the_masks_a_targets_forward_builds_are_read_from_its_code(config_class, always, by_window):
+def test_the_masks_a_targets_forward_builds_are_read_from_its_code(
+    config_class, always, by_window, causal_skip
+):
     """transformers builds some masks that no layer reads (Ministral's full mask beside sliding layers only
     in a prefill in pieces, Qwen2-MoE's sliding one in one pass: a boolean queries x keys each, and the
-    windowed one two more while it is built); the plan counts those its code builds."""
-    assert mask_building(getattr(transformers, config_class)()) == MaskBuilding(frozenset(always), by_window)
+    windowed one two more while it is built), and some families build theirs in one pass where SDPA's causal
+    flag would do (`allow_is_causal_skip=False`); the plan counts those its code builds."""
+    building = MaskBuilding(frozenset(always), by_window, causal_skip)
+    assert mask_building(getattr(transformers, config_class)()) == building
 
 
 def test_an_unread_full_mask_counts_only_where_no_full_layer_past_the_cut_sizes_it():

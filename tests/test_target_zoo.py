@@ -181,22 +181,29 @@ def test_a_windowed_layer_is_planned_with_its_window_of_keys(zoo, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
-def test_a_mask_that_no_layer_reads_is_planned_where_the_forward_builds_it(tmp_path):
+def test_masks_a_forward_builds_beyond_what_its_layers_need_are_planned(tmp_path):
     """Ministral builds a full mask beside its sliding layers, Qwen2-MoE a sliding one with a window of 0
-    beside its full layers (never skipped: a boolean queries x keys, and two more while it is built). One
-    row of 4096: Ministral (every layer sliding, a window of 2048) in pieces of 1024, 1.22x; Qwen2-MoE in
-    one pass, 1.04x (0.58x while the mask's building was not counted, 0.26x before the mask was)."""
+    beside its full layers (never skipped: a boolean queries x keys, and two more while it is built); Falcon
+    builds its full mask even in one pass, where SDPA's causal flag would do, and with ALiBi adds that onto
+    it, a mask per head. One row of 4096: Ministral (every layer sliding, a window of 2048) in pieces of 1024,
+    1.22x; Qwen2-MoE in one pass, 1.04x (0.58x while the mask's building was not counted, 0.26x before the
+    mask was); Falcon in one pass 1.09x, with ALiBi 1.04x (0.29x and 0.08x at 2048 before they counted)."""
     targets = []
     for name, model_class, family in (
         ("ministral", "MinistralForCausalLM", dict(sliding_window=2048, head_dim=16)),
         ("qwen2_moe", "Qwen2MoeForCausalLM", {}),
+        ("falcon", "FalconForCausalLM", dict(ffn_hidden_size=128)),
+        ("falcon_alibi", "FalconForCausalLM", dict(ffn_hidden_size=128, alibi=True)),
     ):
         config = make_config(model_class.replace("ForCausalLM", "Config"), **family)
         torch.manual_seed(0)
         getattr(transformers, model_class)(config).save_pretrained(tmp_path / name)
         targets.append(tmp_path / name)
-    measurements = planned_and_measured((targets[0], [1, 2], 1024), (targets[1], [1, 2]), rows=1, length=4096)
-    for name, (plan, measured) in zip(("ministral", "qwen2_moe"), measurements, strict=True):
+    forwards = [(targets[0], [1, 2], 1024), *((t, [1, 2]) for t in targets[1:])]
+    measurements = planned_and_measured(*forwards, rows=1, length=4096)
+    for name, (plan, measured) in zip(
+        ("ministral", "qwen2_moe", "falcon", "falcon_alibi"), measurements, strict=True
+    ):
         assert 1.0 <= plan.total / measured <= 1.6, (name, plan.describe(), measured / 2**30)
 
 

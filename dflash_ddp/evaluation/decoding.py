@@ -303,6 +303,7 @@ def transformers_generate(
             max_new_tokens=max_new_tokens,
             eos_token_id=eos or None,
             pad_token_id=eos[0] if eos else 0,  # never used at batch size 1; set to silence a warning
+            use_cache=True,  # assisted decoding needs one, whatever the checkpoint says (MPT ships use_cache false)
             **generate_kwargs,
         )
         _sync(device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import shlex
 import sys
@@ -93,6 +94,17 @@ def hyper_connection_note(target) -> str | None:
         f"transformers' DFlash generate passes the drafter all {streams} residual streams of model type "
         f"'{target.config.get_text_config(decoder=True).model_type}', not their mean as vLLM does: no "
         "transformers row"
+    )
+
+
+def position_ids_note(target) -> str | None:
+    """Why transformers' DFlash generate cannot run on this target, or None when it can: it hands the drafter
+    the target's position ids, which a target with ALiBi takes none of (BLOOM, MPT)."""
+    if "position_ids" in inspect.signature(target.forward).parameters:
+        return None
+    return (
+        f"transformers' DFlash generate reads the target's position ids, which model type "
+        f"'{target.config.get_text_config(decoder=True).model_type}' takes none of (ALiBi): no transformers row"
     )
 
 
@@ -231,7 +243,7 @@ def run_evaluation(
     }
     if transformers_note(setup.drafter.config):
         del runs["transformers_dflash"]
-    if hyper_connection_note(target):
+    if hyper_connection_note(target) or position_ids_note(target):
         runs.pop("transformers_dflash", None)
     if assisted_decoding_note(target):
         runs.pop("transformers_dflash", None)
@@ -335,6 +347,7 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
                 sampled_row_note(setup.drafter.config),
                 assisted_decoding_note(setup.target),
                 hyper_connection_note(setup.target),
+                position_ids_note(setup.target),
             )
             if n
         ],

@@ -17,7 +17,7 @@ from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
 from dflash_ddp.target_model.tensor_parallel import load_sharded
-from dflash_ddp.target_model.text_stack import load_text_model, text_model_of
+from dflash_ddp.target_model.text_stack import LAYER_LISTS, load_text_model, text_model_of
 
 
 class _StopForward(Exception):
@@ -35,6 +35,11 @@ def layer_output(output) -> torch.Tensor:
     return out.mean(dim=-2) if out.dim() == 4 else out
 
 
+# a text model's final norm, under the names families give it: Llama's and most; GPT-2's family, Falcon and
+# BLOOM; OPT; MPT
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "norm_f")
+
+
 def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> nn.Module | None:
     """The target's final norm when `layer_ids` include its last decoder layer N-1, else None.
 
@@ -45,12 +50,14 @@ def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> 
     of its streams as for any other layer: the engines take it before the model's own reduction and norm."""
     if num_layers - 1 not in layer_ids or residual_streams(model.config) > 1:
         return None
-    norm = getattr(getattr(model, "model", model), "norm", None)
-    if not isinstance(norm, nn.Module):
+    owners = (getattr(model, "model", model), text_model_of(model))
+    norms = [getattr(owner, name, None) for owner in owners for name in FINAL_NORMS]
+    norm = next((n for n in norms if isinstance(n, nn.Module)), None)
+    if norm is None:
         raise ValueError(
             f"--target_layer_ids {list(layer_ids)} include the target's last layer {num_layers - 1}, whose "
-            f"features are its final-normed output, but {type(model).__name__} has no final norm at `.norm` "
-            f"or `.model.norm`; tap layers below {num_layers - 1}"
+            f"features are its final-normed output, but {type(model).__name__} has no final norm at "
+            f"{', '.join('`.' + n + '`' for n in FINAL_NORMS)} of its text model; tap layers below {num_layers - 1}"
         )
     return norm
 
@@ -92,16 +99,16 @@ def capture_layer_outputs(
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a text model, a causal LM, or a wrapper loaded whole (GLM-5: those of the
-    module that owns the input embedding)."""
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        layers = getattr(text_model_of(model), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__} (expected `.model.layers`)"
-        )
-    return layers
+    module that owns the input embedding), under the names families give them."""
+    for owner in (getattr(model, "model", model), text_model_of(model)):
+        for name in LAYER_LISTS:
+            layers = getattr(owner, name, None)
+            if isinstance(layers, nn.ModuleList):
+                return layers
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__} (expected one of "
+        f"{', '.join('`.' + n + '`' for n in LAYER_LISTS)} on its text model)"
+    )
 
 
 class TargetFeatureExtractor:

@@ -10,7 +10,7 @@ import hashlib
 import inspect
 import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -97,6 +97,7 @@ class TargetInfo:
     other_parameters: int = 0  # parameters of the checkpoint a target rank never loads (a vision tower)
     eager_attention: bool = False  # transformers runs its attention eagerly (no SDPA): scores materialised
     fp32_sinks: bool = False  # its attention sinks are kept in fp32: eager scores joined to them go fp32
+    alibi_mask: bool = False  # ALiBi added onto SDPA's mask, one per head (Falcon with `alibi`)
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
@@ -107,6 +108,7 @@ class TargetInfo:
     shared_key_value: frozenset[str] = frozenset()  # layer types caching one tensor as keys and values
     key_window: int = 0  # a windowed layer's window (its cache keeps one key fewer), else 0
     masks_built: frozenset[str] = frozenset()  # kinds whose mask the forward builds whatever its layers
+    causal_skip: bool = True  # transformers may skip a mask SDPA's causal flag expresses (not Falcon's)
     own_cache: str | None = None  # the cache class its forward insists on (no prefill in pieces)
     stack: TextStack | None = field(default=None, compare=False, repr=False)
 
@@ -197,12 +199,40 @@ def full_attention_rope(config) -> dict:
     return dict(rope)
 
 
+# a dense MLP's width under the names families give it: Llama's and most, Kolibri's MLP-only layers, Falcon,
+# OPT and XGLM, GPT-2's family (GPT-J, CodeGen, StarCoder), CTRL; else as a multiple of the hidden size
+DENSE_WIDTHS = (
+    "intermediate_size",
+    "mlp_only_intermediate_size",
+    "ffn_hidden_size",
+    "ffn_dim",
+    "n_inner",
+    "dff",
+)
+DENSE_RATIOS = ("expansion_ratio", "intermediate_multiple_size")  # MPT, GPT-NeoX-Japanese
+# families whose MLP is 4x the hidden size with no field to say so
+FOUR_TIMES_HIDDEN = frozenset({"bloom"})
+
+
 def _dense_width(config) -> int | None:
-    """`intermediate_size` where the class defines it as its own field (DeepSeek V4's is only an alias of
-    its experts' width), else None."""
-    if "intermediate_size" in getattr(type(config), "attribute_map", {}):
-        return None
-    return layer_attribute(config, "intermediate_size")
+    """A dense MLP's width: the first width field the class defines (`intermediate_size` only where it is
+    not an alias of its experts' width, as in DeepSeek V4), 4x the hidden size where that field is unset
+    (GPT-2's `n_inner`, GPT-Neo's `intermediate_size`: their classes' documented default), a ratio of the
+    hidden size (MPT), or 4x for BLOOM; None where the config names no dense width (all-expert models)."""
+    aliases = getattr(type(config), "attribute_map", {})
+    own = {f.name for f in fields(config)} if is_dataclass(config) else set()
+    for name in DENSE_WIDTHS:
+        if name in aliases:
+            continue
+        width = layer_attribute(config, name)
+        if width is not None:
+            return width
+        if name in own and name != "mlp_only_intermediate_size":
+            return 4 * config.hidden_size
+    ratio = _first(config, DENSE_RATIOS)
+    if ratio is not None:
+        return int(ratio * config.hidden_size)
+    return 4 * config.hidden_size if config.model_type in FOUR_TIMES_HIDDEN else None
 
 
 def _first(config, names: tuple[str, ...]):
@@ -297,6 +327,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         architecture=stack.architecture if stack else "",
         other_parameters=stack.other_parameters if stack else 0,
         eager_attention=eager_attention_only(config),
+        alibi_mask=bool(getattr(config, "alibi", False)) and not eager_attention_only(config),
         fp32_sinks=fp32_attention_sinks(config),
         latent_attention=latent_attention(config),
         linear_mixer=linear_mixer(config),
@@ -305,6 +336,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         shared_key_value=shared_key_value(config),
         key_window=key_window(config),
         masks_built=mask_building(config).always,
+        causal_skip=mask_building(config).causal_skip,
         own_cache=own_cache_class(config),
         stack=stack,
     )
@@ -384,10 +416,13 @@ LAYER_TYPE_TEST = re.compile(r"sliding|chunk|layer_type")  # a condition on the 
 class MaskBuilding:
     """How a text model's forward builds its attention masks: `always`, the kinds whose mask it builds
     whatever kinds its layers are; `by_window`, one mask for every layer, the sliding one where the config
-    sets a window (Mistral's `create_causal_mask if sliding_window is None else ...`)."""
+    sets a window (Mistral's `create_causal_mask if sliding_window is None else ...`); `causal_skip`, whether
+    transformers may skip a mask that SDPA's causal flag expresses (Falcon and Doge build theirs always:
+    `allow_is_causal_skip=False`)."""
 
     always: frozenset[str]
     by_window: bool
+    causal_skip: bool = True
 
 
 def mask_building(config) -> MaskBuilding:
@@ -431,7 +466,29 @@ def _mask_building_of(model_class: type | None) -> MaskBuilding:
             for n in enclosing
         ):
             always.add(MASK_BUILDERS[name.id])
-    return MaskBuilding(frozenset(always), by_window)
+    return MaskBuilding(frozenset(always), by_window, not _forbids_causal_skip(tree))
+
+
+def _forbids_causal_skip(tree: ast.AST) -> bool:
+    """The forward passes `allow_is_causal_skip=False` to a mask builder, as a keyword or in the dict of
+    keywords it hands them (DeepSeek V3.2's `mask_kwargs`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "allow_is_causal_skip":
+            value = node.value
+        elif isinstance(node, ast.Dict):
+            value = next(
+                (
+                    v
+                    for k, v in zip(node.keys, node.values, strict=True)
+                    if isinstance(k, ast.Constant) and k.value == "allow_is_causal_skip"
+                ),
+                None,
+            )
+        else:
+            continue
+        if isinstance(value, ast.Constant) and value.value is False:
+            return True
+    return False
 
 
 GENERIC_CACHES = ("Cache", "DynamicCache", "EncoderDecoderCache")

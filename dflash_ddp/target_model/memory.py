@@ -251,7 +251,7 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
         # a full layer past the cut: the full mask is sized against its empty cache and skipped
         unread.discard("full_attention")
     scores = score_bytes(info, load)
-    if not in_pieces(load) and not scores:  # one pass: SDPA's causal kernel, no mask
+    if not in_pieces(load) and not scores and info.causal_skip:  # one pass: SDPA's causal kernel, no mask
         kinds.discard("full_attention")
         unread.discard("full_attention")
         if keys < info.key_window:  # nor in windowed layers whose window spans the row
@@ -290,6 +290,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
     attended = max(own[kind] + compressed_keys(info, kind, keys) for kind in kinds)
     if not info.eager_attention:  # the additive copy of the largest mask per row, which SDPA's call makes
         parts["attention mask"] += running * attended * dtype_bytes
+    if info.alibi_mask:  # Falcon adds ALiBi onto that copy: a mask per head, held through the layers
+        parts["attention mask"] += running * heads * attended * dtype_bytes
     if any(kind in COMPRESSED_LAYER_TYPES for kind in kinds):  # their block bias and the mask joined to it
         compressed = max(compressed_keys(info, kind, keys) for kind in kinds)
         parts["attention mask"] += running * (attended + compressed) * dtype_bytes

@@ -27,6 +27,12 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 
 from dflash_ddp.hub import check_safetensors
 
+# a text model's decoder layers, under the names families give them: Llama's and most; GPT-2's family, Falcon
+# and BLOOM; MPT
+LAYER_LISTS = ("layers", "h", "blocks")
+LAYER_NAME = re.compile(rf"\.(?:{'|'.join(LAYER_LISTS)})\.\d+\.")  # a tensor inside a decoder layer
+LATER_LAYER = re.compile(rf"\.(?:{'|'.join(LAYER_LISTS)})\.[1-9]\d*\.")  # ... inside one after the first
+
 
 @dataclass(frozen=True)
 class TextStack:
@@ -193,7 +199,7 @@ def read_text_stack(path: str | Path) -> TextStack:
 
 
 def _outside_later_layers(name: str) -> bool:
-    return not re.search(r"\.layers\.[1-9]\d*\.", f".{name}")
+    return not LATER_LAYER.search(f".{name}")
 
 
 def _base_key_mapping(text: PretrainedConfig, saved: list[str]) -> dict[str, str] | None:
@@ -227,7 +233,7 @@ def _truncatable(text: PretrainedConfig) -> bool:
     def shapes(layers: int) -> dict[str, tuple]:
         with torch.device("meta"):
             model = AutoModel.from_config(_cut(text, layers))
-        return {n: tuple(p.shape) for n, p in model.named_parameters() if ".layers." not in f".{n}"}
+        return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_NAME.search(f".{n}")}
 
     return text.num_hidden_layers < 2 or shapes(1) == shapes(text.num_hidden_layers)
 
