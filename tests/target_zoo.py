@@ -172,6 +172,24 @@ def _gemma4_text(vocab_size: int) -> Any:
     )
 
 
+def _kolibri(vocab_size: int) -> Built:
+    """Kolibri 1.1: a dense first layer at its own width (`mlp_only_intermediate_size`, no
+    `intermediate_size`), experts after it, 4 sliding layers then one whose sparse attention an indexer picks
+    (the default top-k, past every test context)."""
+    return "Kolibri1_1ForCausalLM", make_config(
+        "Kolibri1_1Config",
+        vocab_size=vocab_size,
+        num_hidden_layers=5,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 4 + ["indexed_attention"],
+        index_layers=[4],
+        kv_source_layers=[0, 1, 2, 3, 4],
+        index_num_heads=2,
+        mlp_only_layers=[0],
+        mlp_only_intermediate_size=128,
+    )
+
+
 def _plain(config_class: str, model_class: str, **family) -> Callable[[int], Built]:
     """A family whose tiny target is its shrunk defaults plus `family`."""
 
@@ -560,6 +578,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "exaone4": _exaone4,
     "smollm3": _smollm3,
     "seed_oss": _plain("SeedOssConfig", "SeedOssForCausalLM"),
+    "kolibri1_1": _kolibri,
     # older layouts, in their own field names: decoder layers at `transformer.h` or `.blocks`, the MLP's width
     # under other names or none, ALiBi instead of position ids
     "falcon": _plain("FalconConfig", "FalconForCausalLM", ffn_hidden_size=128),  # 7B's: one KV head, parallel
