@@ -103,8 +103,7 @@ def test_a_rows_features_do_not_depend_on_its_batch_or_the_prefills_pieces(name,
     ids = torch.randint(4, 200, (2, 24), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 13:] = 0  # the second row ends inside the third piece
-    # the last layer is tapped through the final norm, which these two keep elsewhere (refused, tested)
-    for taps in ([1, 2],) if name in ("falcon_h1", "nemotron_h") else ([1, 2], [1, 3]):
+    for taps in ([1, 2], [1, 3]):  # the last layer through the final norm, whatever the family calls it
         alone = TargetFeatureExtractor(info, taps, CPU, torch.float32)
         rows = [alone(ids[i : i + 1, :n], mask[i : i + 1, :n])[0][0] for i, n in enumerate((24, 13))]
         for prefill, tolerance in ((0, 1e-5), (10, 1e-4)):  # pieces: sums over fewer positions round apart
@@ -143,6 +142,24 @@ def planned_and_measured(
         (target_memory(inspect_target(t), peak_load(taps, piece, rows, length)), m)
         for (t, taps, piece), m in zip(runs, peaks, strict=True)
     ]
+
+
+@pytest.mark.parametrize("name", ["falcon", "opt", "mpt", "nemotron_h", "falcon_h1"])
+def test_a_tap_on_the_last_layer_reads_transformers_final_normed_output_whatever_the_norm_is_called(
+    name, zoo
+):
+    """transformers' hidden_states[N] is the final-normed output, whose norm the families call `ln_f`
+    (Falcon), `final_layer_norm` (OPT), `norm_f` (MPT, Nemotron-H) or `final_layernorm` (Falcon-H1)."""
+    target = zoo(name)
+    info = inspect_target(target)
+    ids = torch.randint(4, 200, (2, 20), generator=torch.Generator().manual_seed(0))
+    taps = [1, info.num_layers - 1]
+    features, _ = TargetFeatureExtractor(info, taps, CPU, torch.float32)(ids, torch.ones_like(ids))
+    whole = load_causal_lm(info, CPU, torch.float32)
+    with torch.no_grad():
+        hidden = whole(input_ids=ids, output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[i + 1] for i in taps], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")

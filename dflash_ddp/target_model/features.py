@@ -36,8 +36,8 @@ def layer_output(output) -> torch.Tensor:
 
 
 # a text model's final norm, under the names families give it: Llama's and most; GPT-2's family, Falcon and
-# BLOOM; OPT; MPT
-FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "norm_f")
+# BLOOM; OPT; MPT and Nemotron-H; Phi-2, Falcon-H1, Jamba and Zamba; RecurrentGemma
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "norm_f", "final_layernorm", "final_norm")
 
 
 def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> nn.Module | None:
