@@ -479,9 +479,27 @@ def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path
             intermediate_size=64,
         )
     ).save_pretrained(target)
+    capsys.readouterr()  # the save's progress bar, where transformers' logging shows it
     assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "BertModel (bert) has no causal-LM text head" in line
+
+
+def test_a_target_whose_embedding_is_narrower_than_its_hidden_states_is_refused_in_one_line(
+    chat_data, tmp_path, capsys
+):
+    """OPT-350m projects its 512-wide embedding to 1024-wide hidden states and back before its LM head; a
+    drafter shares the embedding and head at the hidden width, so it cannot draft for it (a shape error deep
+    in the drafter's first step before)."""
+    target = tmp_path / "opt"
+    tok = build_tokenizer(target)
+    _, config = zoo_config("opt", len(tok))
+    config.word_embed_proj_dim = 32
+    transformers.OPTForCausalLM(config).save_pretrained(target)
+    capsys.readouterr()  # the save's progress bar
+    assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "OPTForCausalLM (opt) projects between its hidden states (64 wide) and its input embedding" in line
 
 
 def test_a_target_that_insists_on_its_own_cache_is_refused_pieces_in_one_line(chat_data, tmp_path, capsys):

@@ -152,6 +152,13 @@ def read_text_stack(path: str | Path) -> TextStack:
             f"--target_model {path}: {cls.__name__} ({config.model_type}) has no causal-LM text head "
             "(get_output_embeddings() is None): a drafter needs a target that generates text"
         )
+    widths = sorted({embed.weight.shape[-1], head.weight.shape[-1]})
+    if widths != [text.hidden_size]:  # OPT-350m's word_embed_proj_dim
+        raise ValueError(
+            f"--target_model {path}: {cls.__name__} ({config.model_type}) projects between its hidden states "
+            f"({text.hidden_size} wide) and its input embedding and LM head ({' and '.join(map(str, widths))} "
+            "wide); a DFlash drafter shares those at the hidden width, so it cannot draft for this target"
+        )
     names = _module_names(model)
     prefix, text_model = _owner_of(model, embed)
     embed_name = f"{names[id(embed)]}.weight"
