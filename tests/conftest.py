@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -187,12 +185,14 @@ DEFAULT_EVAL_PROMPTS, DEFAULT_EVAL_TOKENS = 8, 64
 
 @pytest.fixture(scope="session")
 def trained_default(tmp_path_factory) -> Path:
-    """The embedded default trained colocated for 30 of its 150 steps (`python -m dflash_ddp.train`), then
-    evaluated on DEFAULT_EVAL_PROMPTS held-out prompts x DEFAULT_EVAL_TOKENS: the run's directory with its
-    eval.json. Trained once for the tests that read it (about a minute on 2 cores)."""
+    """The embedded default trained colocated for 30 of its 150 steps (`python -m dflash_ddp.train`'s `main`,
+    in this process: a process start saved), then evaluated on DEFAULT_EVAL_PROMPTS held-out prompts x
+    DEFAULT_EVAL_TOKENS: the run's directory with its eval.json. Trained once for the tests that read it
+    (about a minute on 2 cores)."""
+    from dflash_ddp.train import main as train_main
+
     out = tmp_path_factory.mktemp("trained_default") / "run"
-    cmd = [sys.executable, "-m", "dflash_ddp.train", "--output_dir", str(out), "--max_steps", "30"]
-    cmd += ["--eval_prompts", str(DEFAULT_EVAL_PROMPTS), "--eval_max_new_tokens", str(DEFAULT_EVAL_TOKENS)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=2400)  # only catches a hang
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--output_dir", str(out), "--max_steps", "30"]
+    argv += ["--eval_prompts", str(DEFAULT_EVAL_PROMPTS), "--eval_max_new_tokens", str(DEFAULT_EVAL_TOKENS)]
+    assert train_main(argv) == 0
     return out

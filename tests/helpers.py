@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from dflash_ddp.parallel.jobs import SMALL_JOB, as_flags, torchrun_cmd
 from dflash_ddp.parallel.jobs import worker_pids as rank_pids
 
@@ -44,6 +46,27 @@ def small_draft_config(**overrides):
         block_size=4,
     )
     return DFlashDraftConfig(**{**settings, **overrides})
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One torch thread, as torchrun's workers have (OMP_NUM_THREADS=1): a matrix product can round
+    differently when its sums are split over more threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_colocated(args: list[str]) -> None:
+    """`python -m dflash_ddp.train` (`args` as `python -m dflash_ddp.train ...` takes them after the module,
+    from its `-m dflash_ddp.train` on) colocated in this process, with one thread as torchrun's workers."""
+    from dflash_ddp.train import main
+
+    with one_thread():
+        assert main(args[2:]) == 0
 
 
 def train_flags(target, data, out, **settings) -> list[str]:

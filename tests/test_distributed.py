@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from dflash_ddp.parallel.topology import Topology
 
-from helpers import kill_job, rank_pids, torchrun_cmd, train_flags
+from helpers import kill_job, rank_pids, torchrun_cmd, train_colocated, train_flags
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -58,23 +58,25 @@ def test_topology_roles_and_invalid_splits():
         Topology(8, 0, 0)
 
 
-def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_path):
-    """Colocated, 1+1 and 3+1 give the same losses and the same final weights, bit for bit, with the
-    drafter's batches processed in chunks (some sequences split across two). The 1+1 job resumes from the
-    step-0 checkpoint of a --max_steps 0 job, which streamed nothing and exited 0."""
-    from dflash_ddp.train import main
+CHUNKED = {"drafter_chunk_tokens": 24}  # 8 anchors x block 4 = 32 draft positions: split 6 + 2
 
-    chunked = {"drafter_chunk_tokens": 24}  # 8 anchors x block 4 = 32 draft positions: split 6 + 2
-    # torchrun starts its workers with OMP_NUM_THREADS=1; a matrix product can round differently when its
-    # sums are split over more threads, so the colocated run uses one thread too
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(train_args(tiny_target, chat_data, tmp_path / "colocated", **chunked)[2:]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    reference = final_weights(tmp_path / "colocated")
-    untrained = torchrun(2, train_args(tiny_target, chat_data, tmp_path / "1+1", max_steps=0, **chunked))
+
+@pytest.fixture(scope="module")
+def chunked_colocated(tiny_target, chat_data, tmp_path_factory) -> Path:
+    """The default job trained colocated, in this process, with the drafter's batches processed in chunks
+    (some sequences split across two): the run the split jobs below must train bit for bit."""
+    out = tmp_path_factory.mktemp("chunked") / "colocated"
+    train_colocated(train_args(tiny_target, chat_data, out, **CHUNKED))
+    return out
+
+
+def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_path, chunked_colocated):
+    """Colocated and 1+1 give the same losses and the same final weights, bit for bit, with the drafter's
+    batches processed in chunks (some sequences split across two). The 1+1 job resumes from the step-0
+    checkpoint of a --max_steps 0 job, which streamed nothing and exited 0. (A 3+1 job across two nodes
+    trains the same weights: test_two_nodes_on_localhost_train_a_3_plus_1_job.)"""
+    reference = final_weights(chunked_colocated)
+    untrained = torchrun(2, train_args(tiny_target, chat_data, tmp_path / "1+1", max_steps=0, **CHUNKED))
     assert untrained.returncode == 0, untrained.stderr[-3000:]
     assert "Traceback" not in untrained.stderr and not (tmp_path / "1+1" / "metrics.jsonl").exists()
     state = json.loads(
@@ -82,16 +84,15 @@ def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_pat
     )
     assert state["global_step"] == state["batches_consumed"] == state["tokens_seen"] == 0
     assert state["topology"]["target_ranks"] == 1 and state["config"]["max_steps"] == 0
-    for world in (2, 4):
-        out = tmp_path / f"{world - 1}+1"
-        result = torchrun(world, train_args(tiny_target, chat_data, out, **chunked))
-        assert result.returncode == 0, result.stderr[-3000:]
-        if world == 2:  # resumed from step 0, without --resume_override: the 6 steps as the others train them
-            assert "max_steps: 0 -> 6 (from a checkpoint of step 0)" in result.stdout
-            assert f"resuming from {out / 'checkpoints' / 'step-00000000'}" in result.stdout
-        assert losses(out) == losses(tmp_path / "colocated")
-        weights = final_weights(out)
-        assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{out.name} differs"
+    out = tmp_path / "1+1"
+    result = torchrun(2, train_args(tiny_target, chat_data, out, **CHUNKED))
+    assert result.returncode == 0, result.stderr[-3000:]
+    # resumed from step 0, without --resume_override: the 6 steps as the colocated run trains them
+    assert "max_steps: 0 -> 6 (from a checkpoint of step 0)" in result.stdout
+    assert f"resuming from {out / 'checkpoints' / 'step-00000000'}" in result.stdout
+    assert losses(out) == losses(chunked_colocated)
+    weights = final_weights(out)
+    assert all(torch.equal(weights[k], reference[k]) for k in reference), f"{out.name} differs"
 
 
 SOFT_TARGETS = {"loss": "tv", "target_topk": 4, "ce_weight": 0.1}
@@ -107,26 +108,21 @@ OBJECTIVES = {
 
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, name):
-    """2+2 (data-parallel drafter) trains the same function as one drafter accumulating 2 batches per step,
-    with every position weighting, with soft targets and with Muon: the loss is normalised over every rank's
-    blocks, not per rank, and every optimizer steps on the summed gradient; and a DFlash2 drafter (its
-    selector's loss is normalised with the rest). The one drafter runs colocated, in this process: the split
-    jobs' tests hold a 1+1 job to the colocated run bit for bit (the default objective, DFlash2, soft
-    targets), and a resumed 1+1 job accumulating 2 batches to a 2+2 job in test_resume.py."""
-    from dflash_ddp.train import main
-
+    """1+2 (one target rank feeding a data-parallel drafter of 2 ranks) trains the same function as one
+    drafter accumulating 2 batches per step, with every position weighting, with soft targets and with Muon:
+    the loss is normalised over every rank's blocks, not per rank, and every optimizer steps on the summed
+    gradient; and a DFlash2 drafter (its selector's loss is normalised with the rest). The one drafter runs
+    colocated, in this process: the split jobs' tests hold a 1+1 job to the colocated run bit for bit (the
+    default objective, DFlash2, soft targets), and a 2+2 job resumed as 1+1 accumulating 2 batches to it in
+    test_resume.py."""
     objective = OBJECTIVES[name]
-    one = train_args(tiny_target, chat_data, tmp_path / "one", gradient_accumulation_steps=2, **objective)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun's workers
-    try:
-        assert main(one[2:]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    two = torchrun(4, train_args(tiny_target, chat_data, tmp_path / "2+2", drafter_ranks=2, **objective))
+    train_colocated(
+        train_args(tiny_target, chat_data, tmp_path / "one", gradient_accumulation_steps=2, **objective)
+    )
+    two = torchrun(3, train_args(tiny_target, chat_data, tmp_path / "1+2", drafter_ranks=2, **objective))
     assert two.returncode == 0, two.stderr[-3000:]
-    assert losses(tmp_path / "2+2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
-    a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "2+2")
+    assert losses(tmp_path / "1+2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    a, b = final_weights(tmp_path / "one"), final_weights(tmp_path / "1+2")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
@@ -134,14 +130,7 @@ def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data
 def colocated_and_split(tiny_target, data, tmp_path, **settings) -> tuple[dict, dict]:
     """The final weights of a colocated run (one thread, as torchrun's workers: see above) and of a 2+1 job
     with the same settings, after checking that they logged the same losses."""
-    from dflash_ddp.train import main
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(train_args(tiny_target, data, tmp_path / "colocated", **settings)[2:]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    train_colocated(train_args(tiny_target, data, tmp_path / "colocated", **settings))
     split = torchrun(3, train_args(tiny_target, data, tmp_path / "2+1", **settings))
     assert split.returncode == 0, split.stderr[-3000:]
     assert losses(tmp_path / "2+1") == losses(tmp_path / "colocated")
@@ -177,9 +166,11 @@ def test_messages_of_varying_length_arrive_intact(tiny_target, topk):
     assert "all 6 messages intact" in result.stdout
 
 
-def test_two_nodes_on_localhost_train_a_3_plus_1_job(tiny_target, chat_data, tmp_path):
+def test_two_nodes_on_localhost_train_a_3_plus_1_job(tiny_target, chat_data, tmp_path, chunked_colocated):
+    """Two torchrun agents of 2 processes each meet at one rendezvous as a 3+1 job, which trains the colocated
+    run's losses and weights bit for bit, the drafter's batches processed in chunks."""
     port = free_port()
-    args = train_args(tiny_target, chat_data, tmp_path / "2nodes")
+    args = train_args(tiny_target, chat_data, tmp_path / "2nodes", **CHUNKED)
     nodes = [
         subprocess.Popen(
             [
@@ -216,6 +207,9 @@ def test_two_nodes_on_localhost_train_a_3_plus_1_job(tiny_target, chat_data, tmp
         "drafter_ranks": 1,
         "colocated": False,
     }
+    assert losses(tmp_path / "2nodes") == losses(chunked_colocated)
+    weights, reference = final_weights(tmp_path / "2nodes"), final_weights(chunked_colocated)
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
 def kill_rank_while_training(nproc: int, args: list[str], out: Path, rank: int) -> tuple[str, int, dict]:
@@ -396,24 +390,32 @@ def test_the_channel_header_travels_as_named_fields():
     assert Header.decode(Header(kind=END).encode()).kind == END
 
 
-def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tiny_target, tmp_path):
+def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tmp_path):
     """Two 16K-token multi-turn conversations (every assistant turn in the loss), the target prefilled in
     pieces of 4096: a 2+1 job trains the colocated run's weights bit for bit, and each target's outstanding
     sends never held more than --max_inflight messages (measured by the sender, logged per target), nor the
-    drafter's messages received ahead of training (measured by the receiver)."""
-    from conftest import conversation
+    drafter's messages received ahead of training (measured by the receiver). The target is the tiny one's
+    shape with one attention head, tapped at its first two layers (the layers after them never run): its
+    attention over 16K tokens is most of the test's time."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from conftest import TINY_SHAPE, build_tokenizer, conversation
+
+    target = tmp_path / "one_head"
+    heads = {"num_attention_heads": 1, "num_key_value_heads": 1}
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(build_tokenizer(target)), num_hidden_layers=4, **TINY_SHAPE | heads)
+    Qwen3ForCausalLM(config).save_pretrained(target)
     data = tmp_path / "long.jsonl"
     turns = lambda seed: [m for t in range(230) for m in conversation(seed * 1000 + t)["messages"]]  # noqa: E731
     data.write_text("".join(json.dumps({"messages": turns(i)}) + "\n" for i in range(2)))
     settings = {"max_seq_len": 16384, "tokens_per_batch": 16384, "target_prefill_tokens": 4096}
-    reference, weights = colocated_and_split(
-        tiny_target, data, tmp_path, max_steps=2, max_inflight=1, **settings
-    )
+    settings |= {"target_layer_ids": "0,1"}
+    reference, weights = colocated_and_split(target, data, tmp_path, max_steps=2, max_inflight=1, **settings)
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
     records = [json.loads(line) for line in (tmp_path / "2+1" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["tokens_seen"] == 2 * 16384
-    message_mib = 16384 * (3 * 64 * 4 + 2 * 8) / 2**20  # tokens x (3 taps x hidden 64 x fp32 + 2 int64 ids)
+    message_mib = 16384 * (2 * 64 * 4 + 2 * 8) / 2**20  # tokens x (2 taps x hidden 64 x fp32 + 2 int64 ids)
     peaks = [mib for r in records for mib in r["target_peak_send_mib"].values()]
     assert peaks and all(message_mib <= mib <= 1.01 * message_mib for mib in peaks)  # one message at most
     # the drafter's side too: one message received ahead of the one in training, never more

@@ -129,8 +129,9 @@ def test_a_v2_runner_export_is_refused_by_vllms_cpu_build_in_one_line_naming_the
 ):
     """vLLM serves DFlash2 and LiLiCorr (candidate heads) and DSpark on its V2 runner (GPU) only: the CPU
     build's refusal, which comes after its config validation accepted the export, is the message and the exit
-    is 2, never a silent fallback to another family."""
-    argv = ["--output_dir", str(tmp_path / "run"), "--drafter", family, "--max_steps", "2", "--eval_data", ""]
+    is 2, never a silent fallback to another family. The refusal reads the export's layout, not its weights:
+    the family's drafter as it starts (`--max_steps 0` saves it as step 0), exported as a trained one is."""
+    argv = ["--output_dir", str(tmp_path / "run"), "--drafter", family, "--max_steps", "0", "--eval_data", ""]
     assert train_main([*argv, *flags]) == 0
     assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
     capsys.readouterr()

@@ -236,8 +236,9 @@ def test_a_failing_metrics_append_is_a_save_error(tmp_path):
 
 
 def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_over(
-    tiny_target, chat_data, tmp_path
+    tiny_target, chat_data, tmp_path, capsys
 ):
+    """The first job runs in a process of its own (SIGKILLed below); the second and third in this one."""
     out = tmp_path / "run"
     train = [sys.executable, "-m", "dflash_ddp.train"]
     first = subprocess.Popen(
@@ -250,10 +251,11 @@ def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_
         while not (out / "metrics.jsonl").exists():
             assert time.time() < deadline and first.poll() is None
             time.sleep(0.05)
-        second = subprocess.run([*train, *flags(tiny_target, chat_data, out)], capture_output=True, text=True)
-        assert second.returncode == 2
-        assert f"--output_dir {out} is in use by another job (host " in second.stderr
-        assert f"pid {first.pid}, started " in second.stderr
+        capsys.readouterr()
+        assert main(flags(tiny_target, chat_data, out)) == 2
+        refused = capsys.readouterr().err
+        assert f"--output_dir {out} is in use by another job (host " in refused
+        assert f"pid {first.pid}, started " in refused
     finally:
         first.kill()  # SIGKILL: the lock file still names it
         first.wait()
@@ -263,10 +265,10 @@ def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_
         (root / leftover).mkdir()
         (root / leftover / "model.safetensors").write_bytes(b"partial")
     (root / ".latest-99").write_text("step-0000")
-    third = subprocess.run([*train, *flags(tiny_target, chat_data, out)], capture_output=True, text=True)
-    assert third.returncode == 0, third.stderr[-3000:]
-    assert f"took over the lock of {out} from a job that ended without releasing it" in third.stdout
-    assert f"pid {first.pid}" in third.stdout
+    assert main(flags(tiny_target, chat_data, out)) == 0
+    third = capsys.readouterr().out
+    assert f"took over the lock of {out} from a job that ended without releasing it" in third
+    assert f"pid {first.pid}" in third
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
 
 

@@ -2,6 +2,7 @@
 huggingface_hub writes it (models--org--name/refs/main, snapshots/<commit>/...), HF_HUB_OFFLINE=1, and the
 real commands by name. No test reaches the network."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from dflash_ddp.target_model.loading import load_causal_lm, whole_target
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer, conversation
-from helpers import SMALL_JOB, as_flags, torchrun_cmd, train_flags
+from helpers import SMALL_JOB, as_flags, one_thread, torchrun_cmd, train_flags
 
 COMMIT_A, COMMIT_B, DATA_COMMIT = "a" * 40, "b" * 40, "d" * 40
 TIMEOUT_S = 900  # only catches a hang
@@ -273,12 +274,8 @@ def test_training_a_wrapper_by_hub_name_reads_no_vision_shard(name, tmp_path, mo
     assert train_main([*flags, "--plan"]) == 0
     plan = capsys.readouterr().out
     assert f"{layers + 1} safetensors file(s)" in plan and skipped in plan, plan
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         assert train_main([*flags, "--max_steps", "2"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     assert f"--target_model org/vl: {skipped}" in capsys.readouterr().out
     assert (out / "checkpoints" / "step-00000002").is_dir()
     [view] = (out / "cache").glob("org--vl-*")
@@ -413,123 +410,95 @@ def test_a_cut_short_weights_file_is_named_with_how_to_fetch_it_again(tiny_targe
 # ----------------------------------------------------------------------------------------------- commands
 
 
-def test_training_by_hub_names_offline_reads_only_the_shards_it_needs(hub_cache, tmp_path):
-    """Colocated, then a 1 + 1 torchrun job, both by hub name from the cache alone, with the shards of the
-    layers after the last tap removed from the cache (so they cannot have been opened); the commit is in the
-    run identity; after refs/main moves to another commit, the resume is refused with one line."""
+@contextlib.contextmanager
+def offline(monkeypatch, cache: Path):
+    """Commands run in this process as offline_env's run: hub names read from `cache` alone, one thread."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    with one_thread():
+        yield
+
+
+def test_training_by_hub_names_offline_reads_only_the_shards_it_needs(
+    hub_cache, tmp_path, monkeypatch, capsys
+):
+    """Colocated (the command in this process), then a 1 + 1 torchrun job (the real command, offline by its
+    environment), both by hub name from the cache alone, with the shards of the layers after the last tap
+    removed from the cache (so they cannot have been opened); the commit is in the run identity; after
+    refs/main moves to another commit, the resume is refused with one line."""
     folder = hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A
     late = shards_of_late_layers(folder, 4)  # default taps of a 6-layer target: [1, 2, 3]
     assert late
     for shard in late:
         shard.unlink()
-    out = tmp_path / "run"
-    flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
-    done = run(["-m", "dflash_ddp.train", *flags, "--max_steps", "2"], hub_cache)
-    assert done.returncode == 0, done.stderr
-    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
-    assert state["fingerprints"]["target_commit"] == COMMIT_A
-    assert state["config"]["target_model"] == "org/tiny" and state["config"]["data"] == ["org/chat"]
-    assert json.loads((out / "data_stats.json").read_text())["rows"] == 48  # the train split only
+    with offline(monkeypatch, hub_cache):
+        out = tmp_path / "run"
+        flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
+        assert train_main([*flags, "--max_steps", "2"]) == 0
+        state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+        assert state["fingerprints"]["target_commit"] == COMMIT_A
+        assert state["config"]["target_model"] == "org/tiny" and state["config"]["data"] == ["org/chat"]
+        assert json.loads((out / "data_stats.json").read_text())["rows"] == 48  # the train split only
 
-    split = tmp_path / "split"
-    flags = as_flags({"target_model": "org/tiny", "data": "org/chat:test", "output_dir": split, **SMALL_JOB})
-    done = run(["-m", "dflash_ddp.train", *flags, "--max_steps", "2"], hub_cache, torchrun=2)
-    assert done.returncode == 0, done.stderr
-    assert json.loads((split / "data_stats.json").read_text())["rows"] == 6
+        split = tmp_path / "split"
+        flags = as_flags(
+            {"target_model": "org/tiny", "data": "org/chat:test", "output_dir": split, **SMALL_JOB}
+        )
+        done = run(["-m", "dflash_ddp.train", *flags, "--max_steps", "2"], hub_cache, torchrun=2)
+        assert done.returncode == 0, done.stderr
+        assert json.loads((split / "data_stats.json").read_text())["rows"] == 6
 
-    moved = snapshot(hub_cache, "org/tiny", COMMIT_B)  # the branch moves to a new commit of the same files
-    for item in folder.iterdir():
-        shutil.copy(item, moved / item.name)
-    flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
-    done = run(["-m", "dflash_ddp.train", *flags, "--max_steps", "4"], hub_cache)
-    assert done.returncode == 2
-    [line] = done.stderr.strip().splitlines()
-    assert (
-        "belongs to a different run" in line
-        and f"fingerprints.target_commit: checkpoint '{COMMIT_A}'" in line
-    )
-    assert f"pass --target_model org/tiny@{COMMIT_A}" in line
-    pinned = as_flags(
-        {"target_model": f"org/tiny@{COMMIT_A}", "data": "org/chat", "output_dir": out, **SMALL_JOB}
-    )
-    done = run(
-        ["-m", "dflash_ddp.train", *pinned, "--max_steps", "4", "--resume_override", "max_steps"], hub_cache
-    )
-    assert done.returncode == 0, done.stderr
+        # the branch moves to a new commit of the same files
+        moved = snapshot(hub_cache, "org/tiny", COMMIT_B)
+        for item in folder.iterdir():
+            shutil.copy(item, moved / item.name)
+        flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
+        capsys.readouterr()
+        assert train_main([*flags, "--max_steps", "4"]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert (
+            "belongs to a different run" in line
+            and f"fingerprints.target_commit: checkpoint '{COMMIT_A}'" in line
+        )
+        assert f"pass --target_model org/tiny@{COMMIT_A}" in line
+        pinned = as_flags(
+            {"target_model": f"org/tiny@{COMMIT_A}", "data": "org/chat", "output_dir": out, **SMALL_JOB}
+        )
+        assert train_main([*pinned, "--max_steps", "4", "--resume_override", "max_steps"]) == 0
 
 
-def test_evaluate_regenerate_and_export_take_hub_names(hub_cache, tmp_path):
-    out = tmp_path / "run"
-    flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
-    done = run(
-        [
-            "-m",
-            "dflash_ddp.train",
-            *flags,
-            "--max_steps",
-            "2",
-            "--eval_data",
-            "org/chat:test",
-            "--eval_prompts",
-            "2",
-            "--eval_max_new_tokens",
-            "8",
-        ],
-        hub_cache,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads((out / "eval.json").read_text())["lossless"]
+def test_evaluate_regenerate_and_export_take_hub_names(hub_cache, tmp_path, monkeypatch):
+    """Each command in this process (the hub cache read as offline_env's commands read it): training with a
+    final evaluation, the export, the evaluation of the export and regeneration."""
+    from dflash_ddp.evaluate import main as evaluate_main
+    from dflash_ddp.export import main as export_main
 
-    export = tmp_path / "export"
-    done = run(["-m", "dflash_ddp.export", str(out), str(export)], hub_cache)
-    assert done.returncode == 0, done.stderr
-    card = (export / "README.md").read_text()
-    header = yaml.safe_load(card.split("---")[1])
-    assert header["base_model"] == "org/tiny" and header["license"] == "apache-2.0"
-    assert {"dflash", "speculative-decoding"} <= set(header["tags"]) and header["library_name"]
-    assert "| DFlash, this drafter |" in card  # the final evaluation's table
-    assert "--speculative-algorithm DFLASH" in card and '"method": "dflash"' in card
-    assert 'speculation_type="dflash"' in card and str(export.resolve()) in card
-    assert f"at commit `{COMMIT_A}`" in card and "2 optimizer steps" in card
-    stamp = json.loads((export / "config.json").read_text())["dflash_ddp"]
-    assert stamp["target_model"] == "org/tiny" and stamp["target_commit"] == COMMIT_A
-    assert load_file(export / "model.safetensors")
+    with offline(monkeypatch, hub_cache):
+        out = tmp_path / "run"
+        flags = as_flags({"target_model": "org/tiny", "data": "org/chat", "output_dir": out, **SMALL_JOB})
+        evaluation = ["--eval_data", "org/chat:test", "--eval_prompts", "2", "--eval_max_new_tokens", "8"]
+        assert train_main([*flags, "--max_steps", "2", *evaluation]) == 0
+        assert json.loads((out / "eval.json").read_text())["lossless"]
 
-    done = run(
-        [
-            "-m",
-            "dflash_ddp.evaluate",
-            "--target_model",
-            "org/tiny",
-            "--drafter",
-            str(export),
-            "--data",
-            "org/chat:test",
-            "--num_prompts",
-            "2",
-            "--max_new_tokens",
-            "8",
-        ],
-        hub_cache,
-    )
-    assert done.returncode == 0, done.stderr
+        export = tmp_path / "export"
+        assert export_main([str(out), str(export)]) == 0
+        card = (export / "README.md").read_text()
+        header = yaml.safe_load(card.split("---")[1])
+        assert header["base_model"] == "org/tiny" and header["license"] == "apache-2.0"
+        assert {"dflash", "speculative-decoding"} <= set(header["tags"]) and header["library_name"]
+        assert "| DFlash, this drafter |" in card  # the final evaluation's table
+        assert "--speculative-algorithm DFLASH" in card and '"method": "dflash"' in card
+        assert 'speculation_type="dflash"' in card and str(export.resolve()) in card
+        assert f"at commit `{COMMIT_A}`" in card and "2 optimizer steps" in card
+        stamp = json.loads((export / "config.json").read_text())["dflash_ddp"]
+        assert stamp["target_model"] == "org/tiny" and stamp["target_commit"] == COMMIT_A
+        assert load_file(export / "model.safetensors")
 
-    regenerated = tmp_path / "regenerated.jsonl"
-    done = run(
-        [
-            "-m",
-            "dflash_ddp.regenerate",
-            "--target_model",
-            "org/tiny",
-            "--data",
-            "org/chat:test",
-            "--out",
-            str(regenerated),
-            "--max_new_tokens",
-            "8",
-        ],
-        hub_cache,
-    )
-    assert done.returncode == 0, done.stderr
-    settings = json.loads(regenerated.with_name(regenerated.name + ".settings.json").read_text())
-    assert settings["target_model"] == f"org/tiny@{COMMIT_A}"
+        evaluate = ["--target_model", "org/tiny", "--drafter", str(export), "--data", "org/chat:test"]
+        assert evaluate_main([*evaluate, "--num_prompts", "2", "--max_new_tokens", "8"]) == 0
+
+        regenerated = tmp_path / "regenerated.jsonl"
+        regenerate = ["--target_model", "org/tiny", "--data", "org/chat:test", "--out", str(regenerated)]
+        assert regenerate_main([*regenerate, "--max_new_tokens", "8"]) == 0
+        settings = json.loads(regenerated.with_name(regenerated.name + ".settings.json").read_text())
+        assert settings["target_model"] == f"org/tiny@{COMMIT_A}"

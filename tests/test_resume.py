@@ -3,6 +3,7 @@ torchrun restarts. Real torchrun processes on CPU/gloo."""
 
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -10,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import kill_job, torchrun_cmd, train_flags
+from helpers import kill_job, one_thread, torchrun_cmd, train_colocated, train_flags
 
 STEPS = 24
 
@@ -45,12 +47,12 @@ def assert_same_run(a: Path, b: Path):
 
 
 def reference(tiny_target, chat_data, tmp_path_factory, cache={}):  # noqa: B006 - one uninterrupted run per session
+    """The uninterrupted run, colocated in this process: a split job trains it bit for bit, the same losses and
+    weights (test_split_jobs_train_bit_identical_drafters in test_distributed.py), so every interrupted job
+    below, whatever its split, must end exactly where it ends."""
     if "out" not in cache:
         out = tmp_path_factory.mktemp("reference") / "run"
-        result = subprocess.run(
-            torchrun(4, train_args(tiny_target, chat_data, out)), capture_output=True, text=True
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+        train_colocated(train_args(tiny_target, chat_data, out))
         cache["out"] = out
     return cache["out"]
 
@@ -63,10 +65,12 @@ def wait_for_checkpoint(out: Path, step: int, job: subprocess.Popen, timeout=120
 
 
 def test_sigkill_then_resume_is_bit_identical(tiny_target, chat_data, tmp_path, tmp_path_factory):
+    """A 2+1 job killed after its step-8 checkpoint (every process, without warning) and started again ends
+    with the uninterrupted run's metrics and weights: the resume crosses an epoch (12 batches) boundary."""
     ref = reference(tiny_target, chat_data, tmp_path_factory)
     out = tmp_path / "run"
     job = subprocess.Popen(
-        torchrun(4, train_args(tiny_target, chat_data, out)),
+        torchrun(3, train_args(tiny_target, chat_data, out)),
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -75,7 +79,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_target, chat_data, tmp_path, 
     kill_job(job)  # every process of the job, without warning
     assert not (out / "checkpoints" / f"step-{STEPS:08d}").exists()
     result = subprocess.run(
-        torchrun(4, train_args(tiny_target, chat_data, out)), capture_output=True, text=True
+        torchrun(3, train_args(tiny_target, chat_data, out)), capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
@@ -121,10 +125,12 @@ def test_sigterm_saves_exits_0_and_resumes_as_2_plus_1(tiny_target, chat_data, t
 def test_torchrun_restarts_after_a_killed_target_rank_and_finishes_identically(
     tiny_target, chat_data, tmp_path, tmp_path_factory
 ):
+    """Target rank 1 of a 2+1 job killed after the step-8 checkpoint: torchrun restarts every worker, which
+    resume from the checkpoint and end with the uninterrupted run's metrics and weights."""
     ref = reference(tiny_target, chat_data, tmp_path_factory)
     out = tmp_path / "run"
     job = subprocess.Popen(
-        torchrun(4, train_args(tiny_target, chat_data, out), "--max-restarts", "1"),
+        torchrun(3, train_args(tiny_target, chat_data, out), "--max-restarts", "1"),
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -146,17 +152,11 @@ def test_torchrun_restarts_after_a_killed_target_rank_and_finishes_identically(
 def test_fewer_drafter_ranks_keep_the_global_batch(tiny_target, chat_data, tmp_path):
     """A 2+2 job killed and resumed as 1+1 accumulates 2 batches per step: same global batch, same model
     (the model of one drafter accumulating 2 batches, trained here colocated, in this process: an
-    uninterrupted 2+2 job trains it too, test_two_drafter_ranks_match_one_with_twice_the_batch)."""
-    from dflash_ddp.train import main
+    uninterrupted 1+2 job trains it too, test_two_drafter_ranks_match_one_with_twice_the_batch)."""
 
     args = {"max_steps": 12, "save_steps": 4}
     ref = tmp_path / "ref"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun's workers
-    try:
-        assert main(train_args(tiny_target, chat_data, ref, gradient_accumulation_steps=2, **args)[2:]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    train_colocated(train_args(tiny_target, chat_data, ref, gradient_accumulation_steps=2, **args))
     out = tmp_path / "run"
     job = subprocess.Popen(
         torchrun(4, train_args(tiny_target, chat_data, out, drafter_ranks=2, **args)),
@@ -200,19 +200,22 @@ def test_a_second_ctrl_c_ends_the_process_at_once_a_second_sigterm_does_not():
 
 
 def test_a_random_op_in_the_step_resumes_exactly_after_the_leader_changes_rank(
-    tiny_target, chat_data, tmp_path
+    tiny_target, chat_data, tmp_path, monkeypatch
 ):
-    """1+1, then resumed as 2+1 (the leader moves from rank 1 to rank 2): its generator is restored by
-    drafter index, so a step that draws random numbers continues the same stream."""
+    """Trained colocated (the drafter's generator on rank 0), then resumed as 2+1 (the leader on rank 2): its
+    generator is restored by drafter index, so a step that draws random numbers continues the same stream.
+    The colocated run is scripts/train_with_random_step.py run in this process, with one thread like
+    torchrun's workers."""
+    from dflash_ddp.drafter import trainer
+
     script = str(Path(__file__).parent / "scripts" / "train_with_random_step.py")
     ref = tmp_path / "ref"
     settings = {"max_steps": 6, "save_steps": 3}
-    done = subprocess.run(
-        torchrun(2, [script, *train_args(tiny_target, chat_data, ref, **settings)[2:]]),
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.setattr(trainer.DrafterTrainer, "step", trainer.DrafterTrainer.step)  # undone after the test
+    monkeypatch.setattr(sys, "argv", [script, *train_args(tiny_target, chat_data, ref, **settings)[2:]])
+    with one_thread(), pytest.raises(SystemExit) as done:
+        runpy.run_path(script, run_name="__main__")
+    assert done.value.code == 0
     out = tmp_path / "run"
     shutil.copytree(ref, out)
     shutil.rmtree(out / "checkpoints" / "step-00000006")
@@ -223,7 +226,7 @@ def test_a_random_op_in_the_step_resumes_exactly_after_the_leader_changes_rank(
         text=True,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "saved as 1+1, now 2+1" in resumed.stdout
+    assert "saved as 1+1, now 2+1" in resumed.stdout  # a colocated run counts as 1+1
     a = load_file(ref / "checkpoints" / "step-00000006" / "model.safetensors")
     b = load_file(out / "checkpoints" / "step-00000006" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run drew other random numbers"

@@ -33,7 +33,7 @@ from dflash_ddp.target_model.memory import TargetLoad, target_memory
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
-from helpers import target_forward_peaks, torchrun_cmd, train_flags
+from helpers import one_thread, target_forward_peaks, torchrun_cmd, train_flags
 
 CPU = torch.device("cpu")
 HYBRIDS = ("qwen3_5", "qwen3_next", "falcon_h1", "nemotron_h", "kimi_linear")  # recurrent layers
@@ -57,14 +57,10 @@ def zoo(tmp_path_factory):
 def train(target: Path, data: Path, out: Path, **settings) -> None:
     """Two colocated steps of the CLI (`python -m dflash_ddp.train`'s main, in this process with one thread
     as torchrun's workers have), taps 1 and 2: every zoo target has 4 layers."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         assert (
             train_main(train_flags(target, data, out, max_steps=2, target_layer_ids="1,2", **settings)) == 0
         )
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)

@@ -24,6 +24,7 @@ from dflash_ddp.evaluation.decoding import as_transformers_assistant, speculativ
 from dflash_ddp.evaluation.evaluate import prepare_evaluation
 from dflash_ddp.parallel.topology import Topology
 from dflash_ddp.serving.export import export_checkpoint, load_drafter, save_drafter
+from dflash_ddp.serving.export import main as export_main
 from dflash_ddp.setup.run import prepare
 from dflash_ddp.setup.trainer import build_trainer
 from dflash_ddp.train import main as train_main
@@ -60,17 +61,16 @@ def train(args: list[str], out: Path, nproc: int = 0) -> subprocess.CompletedPro
 
 
 def export(run: Path, out: Path) -> Path:
-    cmd = [sys.executable, "-m", "dflash_ddp.export", str(run), str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-2000:]
+    """`python -m dflash_ddp.export RUN OUT`, from its `main` in this process (a process start saved)."""
+    assert export_main([str(run), str(out)]) == 0
     return out
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    """An export of the embedded default after 6 steps."""
+    """An export of the embedded default after 6 steps (the CLI's `main` in this process)."""
     root = tmp_path_factory.mktemp("source")
-    train([], root / "run")
+    assert train_main([*SHORT, "--output_dir", str(root / "run")]) == 0
     return export(root / "run", root / "export")
 
 
