@@ -46,7 +46,10 @@ MODEL_FILES = [
 ]
 WEIGHTS_INDEX = "model.safetensors.index.json"
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-LAYER_OF_WEIGHT = re.compile(r"\.layers\.(\d+)\.")
+# a text model's decoder layers, under the names families give them: Llama's and most; GPT-2's family, Falcon
+# and BLOOM; MPT
+LAYER_LISTS = ("layers", "h", "blocks")
+LAYER_OF_WEIGHT = re.compile(rf"\.(?:{'|'.join(LAYER_LISTS)})\.(\d+)\.")
 
 
 @dataclass(frozen=True)

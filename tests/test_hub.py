@@ -181,6 +181,16 @@ def test_only_the_shards_of_the_layers_a_run_needs_are_named(hub_cache):
     assert weight_files(folder, None) == sorted(set(index.values()))
 
 
+@pytest.mark.parametrize("layers", ["model.layers", "transformer.h", "transformer.blocks"])
+def test_the_layers_shards_are_found_under_each_familys_name_for_them(tmp_path, layers):
+    """Llama's and most families keep their decoder layers at `model.layers`, GPT-2's family, Falcon and BLOOM
+    at `transformer.h`, MPT at `transformer.blocks`: the later layers' shards are left out under each."""
+    weight_map = {f"{layers}.{i}.mlp.weight": f"layer{i}.safetensors" for i in range(3)}
+    weight_map |= {"embed.weight": "rest.safetensors", "lm_head.weight": "rest.safetensors"}
+    (tmp_path / hub.WEIGHTS_INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    assert weight_files(tmp_path, 2) == ["layer0.safetensors", "layer1.safetensors", "rest.safetensors"]
+
+
 def test_a_wrappers_vision_shards_are_never_named_for_target_ranks(vl_cache):
     """The text model's tensors are found from the config by the model's own classes (text_stack.py): the
     selection leaves the vision shard out, whatever the layers, and names it as the wrapper's other part."""

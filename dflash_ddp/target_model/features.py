@@ -13,11 +13,12 @@ from transformers import DynamicCache
 from transformers import logging as hf_logging
 
 from dflash_ddp.data.batch import SoftTargets
+from dflash_ddp.hub import LAYER_LISTS
 from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
 from dflash_ddp.target_model.tensor_parallel import load_sharded
-from dflash_ddp.target_model.text_stack import LAYER_LISTS, load_text_model, text_model_of
+from dflash_ddp.target_model.text_stack import load_text_model, text_model_of
 
 
 class _StopForward(Exception):

@@ -303,7 +303,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
             "num_attention_heads), whose shape the drafter takes: pure state-space models (Mamba, Mamba-2) are "
             "not supported as targets; hybrids with attention layers are"
         )
-    widths = layer_mlp_widths(config)
+    widths, masks = layer_mlp_widths(config), mask_building(config)
     return TargetInfo(
         path=path,
         model_type=config.model_type,
@@ -335,8 +335,8 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         key_compression=key_compression(config),
         shared_key_value=shared_key_value(config),
         key_window=key_window(config),
-        masks_built=mask_building(config).always,
-        causal_skip=mask_building(config).causal_skip,
+        masks_built=masks.always,
+        causal_skip=masks.causal_skip,
         own_cache=own_cache_class(config),
         stack=stack,
     )

@@ -25,13 +25,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-from dflash_ddp.hub import check_safetensors
-
-# a text model's decoder layers, under the names families give them: Llama's and most; GPT-2's family, Falcon
-# and BLOOM; MPT
-LAYER_LISTS = ("layers", "h", "blocks")
-LAYER_NAME = re.compile(rf"\.(?:{'|'.join(LAYER_LISTS)})\.\d+\.")  # a tensor inside a decoder layer
-LATER_LAYER = re.compile(rf"\.(?:{'|'.join(LAYER_LISTS)})\.[1-9]\d*\.")  # ... inside one after the first
+from dflash_ddp.hub import LAYER_OF_WEIGHT, check_safetensors
 
 
 @dataclass(frozen=True)
@@ -206,7 +200,8 @@ def read_text_stack(path: str | Path) -> TextStack:
 
 
 def _outside_later_layers(name: str) -> bool:
-    return not LATER_LAYER.search(f".{name}")
+    layer = LAYER_OF_WEIGHT.search(f".{name}")
+    return layer is None or layer.group(1) == "0"
 
 
 def _base_key_mapping(text: PretrainedConfig, saved: list[str]) -> dict[str, str] | None:
@@ -240,7 +235,7 @@ def _truncatable(text: PretrainedConfig) -> bool:
     def shapes(layers: int) -> dict[str, tuple]:
         with torch.device("meta"):
             model = AutoModel.from_config(_cut(text, layers))
-        return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_NAME.search(f".{n}")}
+        return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_OF_WEIGHT.search(f".{n}")}
 
     return text.num_hidden_layers < 2 or shapes(1) == shapes(text.num_hidden_layers)
 
