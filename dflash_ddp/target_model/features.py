@@ -41,6 +41,25 @@ def layer_output(output) -> torch.Tensor:
 FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "norm_f", "final_layernorm", "final_norm")
 
 
+def _text_model_part(model: nn.Module, names: tuple[str, ...], kind: type) -> nn.Module | None:
+    """The first of `names` that the model's `.model` (or the model itself) holds as a `kind`, else that its
+    text model holds (a wrapper loaded whole: searched for only then); None where neither holds one."""
+
+    def owners():
+        yield getattr(model, "model", model)
+        yield text_model_of(model)
+
+    return next(
+        (
+            part
+            for owner in owners()
+            for name in names
+            if isinstance(part := getattr(owner, name, None), kind)
+        ),
+        None,
+    )
+
+
 def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> nn.Module | None:
     """The target's final norm when `layer_ids` include its last decoder layer N-1, else None.
 
@@ -51,9 +70,7 @@ def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> 
     of its streams as for any other layer: the engines take it before the model's own reduction and norm."""
     if num_layers - 1 not in layer_ids or residual_streams(model.config) > 1:
         return None
-    owners = (getattr(model, "model", model), text_model_of(model))
-    norms = [getattr(owner, name, None) for owner in owners for name in FINAL_NORMS]
-    norm = next((n for n in norms if isinstance(n, nn.Module)), None)
+    norm = _text_model_part(model, FINAL_NORMS, nn.Module)
     if norm is None:
         raise ValueError(
             f"--target_layer_ids {list(layer_ids)} include the target's last layer {num_layers - 1}, whose "
@@ -101,11 +118,9 @@ def capture_layer_outputs(
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a text model, a causal LM, or a wrapper loaded whole (GLM-5: those of the
     module that owns the input embedding), under the names families give them."""
-    for owner in (getattr(model, "model", model), text_model_of(model)):
-        for name in LAYER_LISTS:
-            layers = getattr(owner, name, None)
-            if isinstance(layers, nn.ModuleList):
-                return layers
+    layers = _text_model_part(model, LAYER_LISTS, nn.ModuleList)
+    if layers is not None:
+        return layers
     raise ValueError(
         f"cannot find the decoder layers of {type(model).__name__} (expected one of "
         f"{', '.join('`.' + n + '`' for n in LAYER_LISTS)} on its text model)"

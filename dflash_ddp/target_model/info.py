@@ -212,6 +212,8 @@ DENSE_WIDTHS = (
 DENSE_RATIOS = ("expansion_ratio", "intermediate_multiple_size")  # MPT, GPT-NeoX-Japanese
 # families whose MLP is 4x the hidden size with no field to say so
 FOUR_TIMES_HIDDEN = frozenset({"bloom"})
+# width fields whose classes document an unset value as 4x the hidden size (GPT-2's family, GPT-Neo)
+FOUR_TIMES_IF_UNSET = ("intermediate_size", "n_inner")
 
 
 def _dense_width(config) -> int | None:
@@ -227,7 +229,7 @@ def _dense_width(config) -> int | None:
         width = layer_attribute(config, name)
         if width is not None:
             return width
-        if name in own and name != "mlp_only_intermediate_size":
+        if name in own and name in FOUR_TIMES_IF_UNSET:
             return 4 * config.hidden_size
     ratio = _first(config, DENSE_RATIOS)
     if ratio is not None:
@@ -303,7 +305,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
             "num_attention_heads), whose shape the drafter takes: pure state-space models (Mamba, Mamba-2) are "
             "not supported as targets; hybrids with attention layers are"
         )
-    widths, masks = layer_mlp_widths(config), mask_building(config)
+    widths, masks, eager = layer_mlp_widths(config), mask_building(config), eager_attention_only(config)
     return TargetInfo(
         path=path,
         model_type=config.model_type,
@@ -326,8 +328,8 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         logit_scale=stack.logit_scale if stack else 1.0,
         architecture=stack.architecture if stack else "",
         other_parameters=stack.other_parameters if stack else 0,
-        eager_attention=eager_attention_only(config),
-        alibi_mask=bool(getattr(config, "alibi", False)) and not eager_attention_only(config),
+        eager_attention=eager,
+        alibi_mask=bool(getattr(config, "alibi", False)) and not eager,
         fp32_sinks=fp32_attention_sinks(config),
         latent_attention=latent_attention(config),
         linear_mixer=linear_mixer(config),
