@@ -543,6 +543,27 @@ def _granite(vocab_size: int) -> Built:
     return "GraniteForCausalLM", config
 
 
+# DBRX's rope base as its checkpoints give it: in `attn_config`, where transformers 5 no longer reads it
+DBRX_ROPE_THETA = 500000.0
+
+
+def _dbrx(vocab_size: int) -> Built:
+    """DBRX: its KV heads in `attn_config`, its experts' count, width and top-k in `ffn_config`, every layer
+    sparse, decoder layers at `transformer.blocks`; the sub-configs as DBRX's config.json writes them."""
+    attention = {"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": DBRX_ROPE_THETA}
+    experts = {"ffn_hidden_size": EXPERT_WIDTH, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K}
+    return "DbrxForCausalLM", make_config(
+        "DbrxConfig",
+        vocab_size=vocab_size,
+        d_model=64,
+        n_heads=4,
+        n_layers=4,
+        max_seq_len=512,
+        attn_config=attention,
+        ffn_config=experts,
+    )
+
+
 ZOO: dict[str, Callable[[int], Built]] = {
     "llama": _plain("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": _plain("Qwen2Config", "Qwen2ForCausalLM"),
@@ -596,6 +617,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
         "MptConfig", "MptForCausalLM", d_model=64, n_layers=4, n_heads=4, expansion_ratio=2, max_seq_len=512
     ),
     "opt": _plain("OPTConfig", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=64),
+    "dbrx": _dbrx,
 }
 ZOO_NAMES = tuple(ZOO)
 

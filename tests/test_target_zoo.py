@@ -13,7 +13,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from target_zoo import ZOO_NAMES, build_zoo_target, defined_fields, make_config, zoo_config
+from target_zoo import (
+    DBRX_ROPE_THETA,
+    EXPERT_WIDTH,
+    TOP_K,
+    ZOO_NAMES,
+    build_zoo_target,
+    defined_fields,
+    make_config,
+    zoo_config,
+)
 from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM
 
 from dflash_ddp.drafter.config import drafter_config_for
@@ -140,12 +149,12 @@ def planned_and_measured(
     ]
 
 
-@pytest.mark.parametrize("name", ["falcon", "opt", "mpt", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("name", ["falcon", "opt", "mpt", "nemotron_h", "falcon_h1", "dbrx"])
 def test_a_tap_on_the_last_layer_reads_transformers_final_normed_output_whatever_the_norm_is_called(
     name, zoo
 ):
     """transformers' hidden_states[N] is the final-normed output, whose norm the families call `ln_f`
-    (Falcon), `final_layer_norm` (OPT), `norm_f` (MPT, Nemotron-H) or `final_layernorm` (Falcon-H1)."""
+    (Falcon), `final_layer_norm` (OPT), `norm_f` (MPT, Nemotron-H, DBRX) or `final_layernorm` (Falcon-H1)."""
     target = zoo(name)
     info = inspect_target(target)
     ids = torch.randint(4, 200, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -156,6 +165,20 @@ def test_a_tap_on_the_last_layer_reads_transformers_final_normed_output_whatever
         hidden = whole(input_ids=ids, output_hidden_states=True).hidden_states
     expected = torch.cat([hidden[i + 1] for i in taps], dim=-1)
     torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_dbrx_is_read_from_its_sub_configs_and_runs_with_its_checkpoints_rope_theta(zoo):
+    """DBRX keeps its KV heads in `attn_config` and its experts in `ffn_config`, and its rope base in
+    `attn_config`, which transformers 5 reads no more (the model would run with the 10000 default)."""
+    info = inspect_target(zoo("dbrx"))
+    assert (info.num_attention_heads, info.num_key_value_heads) == (4, 2)
+    assert info.mlp_widths == (EXPERT_WIDTH * TOP_K,) * 4
+    assert info.rope_parameters["rope_theta"] == DBRX_ROPE_THETA
+    assert drafter_config_for(info, 1, [1, 2], 0, 4).rope_parameters["rope_theta"] == DBRX_ROPE_THETA
+    rotary = load_causal_lm(info, CPU, torch.float32).transformer.rotary_emb
+    head_dim = info.head_dim
+    expected = 1.0 / DBRX_ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    torch.testing.assert_close(rotary.inv_freq, expected)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")

@@ -174,13 +174,21 @@ def _full_attention_layer(config) -> int:
     return types.index(FULL_ATTENTION) if FULL_ATTENTION in types else 0
 
 
-def layer_attribute(config, name: str, default=None):
+# sub-configs that hold a layer's settings in some families (DBRX: its KV heads in `attn_config`, its experts'
+# count, width and top-k in `ffn_config`)
+NESTED_CONFIGS = ("attn_config", "ffn_config")
+
+
+def layer_attribute(config, name: str):
     """`config.name`, or for a setting given per layer (Gemma 4's head sizes) the full-attention layers'
-    value, whose shape and rope the drafter takes."""
+    value, whose shape and rope the drafter takes, or the value of a sub-config in NESTED_CONFIGS; None
+    where the config gives none."""
     try:
-        return getattr(config, name, default)
+        value = getattr(config, name, None)
     except AmbiguousGlobalPerLayerAttributeError:
-        return getattr(config.per_layer_config[_full_attention_layer(config)], name, default)
+        value = getattr(config.per_layer_config[_full_attention_layer(config)], name, None)
+    nested = (getattr(config, sub, None) for sub in NESTED_CONFIGS)
+    return value if value is not None else next((getattr(c, name) for c in nested if hasattr(c, name)), None)
 
 
 def full_attention_rope(config) -> dict:
@@ -269,11 +277,11 @@ def layer_mlp_widths(config) -> tuple[int, ...]:
     `intermediate_size`; a sparse layer's expert width (`moe_intermediate_size`, or `intermediate_size` where
     the family names its experts' width so) times the experts per token, plus its shared experts'. A field the
     config lacks is one line naming the model type and the field."""
-    experts = _first(config, ("num_experts", "num_local_experts", "n_routed_experts"))
+    experts = _first(config, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
     expert_width, dense = layer_attribute(config, "moe_intermediate_size"), _dense_width(config)
     if experts and expert_width is None:  # gpt-oss, MiniMax-M2, Llama 4: intermediate_size is the experts'
         expert_width, dense = dense, layer_attribute(config, "intermediate_size_mlp")
-    per_token = _first(config, ("num_experts_per_tok", "top_k_experts"))
+    per_token = _first(config, ("num_experts_per_tok", "top_k_experts", "moe_top_k"))
     shared = _first(config, ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"))
     widths = []
     for i, sparse in enumerate(_sparse_layers(config, experts)):
@@ -315,7 +323,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         mlp_widths=widths,
         residual_streams=getattr(config, "hc_mult", 1) or 1,
         num_attention_heads=heads,
-        num_key_value_heads=layer_attribute(config, "num_key_value_heads") or heads,
+        num_key_value_heads=_first(config, ("num_key_value_heads", "kv_n_heads")) or heads,
         head_dim=layer_attribute(config, "head_dim") or config.hidden_size // heads,
         vocab_size=config.vocab_size,
         rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),

@@ -132,11 +132,21 @@ def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(module): name for name, module in model.named_modules()}
 
 
+def _restore_nested_rope_theta(text: PretrainedConfig) -> None:
+    """DBRX's checkpoints give their rope_theta in `attn_config` (500000), which transformers 5 no longer
+    reads: its `rope_parameters` keep the 10000 default, and the model runs with those. Set from the
+    checkpoint, so that the target runs with its own positions and the drafter is built with them."""
+    theta = getattr(getattr(text, "attn_config", None), "rope_theta", None)
+    if theta is not None and getattr(text, "rope_parameters", None):
+        text.rope_parameters = {**text.rope_parameters, "rope_theta": float(theta)}
+
+
 def read_text_stack(path: str | Path) -> TextStack:
     """The text model of the checkpoint in `path` (config only; the model is built on the meta device)."""
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True)
+    _restore_nested_rope_theta(text)
     cls = checkpoint_class(config, path)
     with torch.device("meta"):
         model = cls._from_config(copy.deepcopy(config))
