@@ -256,6 +256,8 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
         ("GPTNeoConfig", {4 * 2048}),  # intermediate_size unset: likewise
         ("MptConfig", {4 * 2048}),  # expansion_ratio
         ("BloomConfig", {4 * 64}),  # no field: 4x the hidden size in its code
+        ("DbrxConfig", {3584 * 1}),  # its experts' width and count in `ffn_config`
+        ("DogeConfig", {2048}),  # 16384 experts configured, `is_moe` false
         # Kolibri's first layers are dense at their own width, the others 6 experts of 512 + 1 shared
         (("Kolibri1_1Config", {"mlp_only_intermediate_size": 1024}), {1024, 512 * 6 + 512}),
     ],

@@ -278,6 +278,8 @@ def layer_mlp_widths(config) -> tuple[int, ...]:
     the family names its experts' width so) times the experts per token, plus its shared experts'. A field the
     config lacks is one line naming the model type and the field."""
     experts = _first(config, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
+    if getattr(config, "is_moe", None) is False:  # Doge: experts configured, switched off
+        experts = None
     expert_width, dense = layer_attribute(config, "moe_intermediate_size"), _dense_width(config)
     if experts and expert_width is None:  # gpt-oss, MiniMax-M2, Llama 4: intermediate_size is the experts'
         expert_width, dense = dense, layer_attribute(config, "intermediate_size_mlp")
