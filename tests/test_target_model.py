@@ -258,6 +258,15 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
         ("BloomConfig", {4 * 64}),  # no field: 4x the hidden size in its code
         ("DbrxConfig", {3584 * 1}),  # its experts' width and count in `ffn_config`
         ("DogeConfig", {2048}),  # 16384 experts configured, `is_moe` false
+        ("AriaTextConfig", {4096 * 2 + 2 * 4096}),  # `moe_topk` of `moe_num_experts`, 2 shared experts
+        # Cohere's MoE: experts of intermediate_size, dense first layers of prefix_dense_intermediate_size
+        (
+            (
+                "Cohere2MoeConfig",
+                {"mlp_layer_types": ["dense"] + ["sparse"] * 39, "prefix_dense_intermediate_size": 512},
+            ),
+            {512, 22528 * 2},
+        ),
         # Kolibri's first layers are dense at their own width, the others 6 experts of 512 + 1 shared
         (("Kolibri1_1Config", {"mlp_only_intermediate_size": 1024}), {1024, 512 * 6 + 512}),
     ],

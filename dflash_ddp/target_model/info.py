@@ -272,28 +272,36 @@ def _sparse_layers(config, experts: int | None) -> list[bool | None]:
     return [i not in dense_only and (i + 1) % step == 0 for i in range(n)]
 
 
+# a sparse layer's fields under the names families give them
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # DBRX, Aria
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "top_k_experts", "moe_top_k", "moe_topk")
+SHARED_EXPERT_WIDTHS = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
+SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # x expert width
+# the dense layers' width where `intermediate_size` names the experts' (Llama 4; Cohere's MoE's first layers)
+DENSE_BESIDE_EXPERTS = ("intermediate_size_mlp", "prefix_dense_intermediate_size")
+
+
 def layer_mlp_widths(config) -> tuple[int, ...]:
     """The MLP width a token passes through in each decoder layer, read by meaning: a dense layer's
     `intermediate_size`; a sparse layer's expert width (`moe_intermediate_size`, or `intermediate_size` where
     the family names its experts' width so) times the experts per token, plus its shared experts'. A field the
     config lacks is one line naming the model type and the field."""
-    experts = _first(config, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
+    experts = _first(config, EXPERT_COUNTS)
     if getattr(config, "is_moe", None) is False:  # Doge: experts configured, switched off
         experts = None
     expert_width, dense = layer_attribute(config, "moe_intermediate_size"), _dense_width(config)
     if experts and expert_width is None:  # gpt-oss, MiniMax-M2, Llama 4: intermediate_size is the experts'
-        expert_width, dense = dense, layer_attribute(config, "intermediate_size_mlp")
-    per_token = _first(config, ("num_experts_per_tok", "top_k_experts", "moe_top_k"))
-    shared = _first(config, ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"))
+        expert_width, dense = dense, _first(config, DENSE_BESIDE_EXPERTS)
+    per_token = _first(config, EXPERTS_PER_TOKEN)
+    shared = _first(config, SHARED_EXPERT_WIDTHS) or (_first(config, SHARED_EXPERT_COUNTS) or 0) * (
+        expert_width or 0
+    )
     widths = []
     for i, sparse in enumerate(_sparse_layers(config, experts)):
         if sparse is None:
             widths.append(0)
         elif sparse and expert_width and per_token:
-            widths.append(
-                expert_width * per_token
-                + (shared or (getattr(config, "n_shared_experts", 0) or 0) * expert_width)
-            )
+            widths.append(expert_width * per_token + shared)
         elif not sparse and dense:
             widths.append(dense)
         else:
@@ -328,7 +336,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         num_key_value_heads=_first(config, ("num_key_value_heads", "kv_n_heads")) or heads,
         head_dim=layer_attribute(config, "head_dim") or config.hidden_size // heads,
         vocab_size=config.vocab_size,
-        rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+        rms_norm_eps=getattr(config, "rms_norm_eps", None) or 1e-6,  # Cohere's MoE: None, a LayerNorm
         max_position_embeddings=getattr(config, "max_position_embeddings", 32768),
         rope_parameters=full_attention_rope(config),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
