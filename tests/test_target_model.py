@@ -22,6 +22,7 @@ from dflash_ddp.target_model.info import (
     LinearMixer,
     MaskBuilding,
     SparseIndexer,
+    full_attention_rope,
     inspect_target,
     key_compression,
     key_window,
@@ -259,6 +260,9 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
         ("DbrxConfig", {3584 * 1}),  # its experts' width and count in `ffn_config`
         ("DogeConfig", {2048}),  # 16384 experts configured, `is_moe` false
         ("AriaTextConfig", {4096 * 2 + 2 * 4096}),  # `moe_topk` of `moe_num_experts`, 2 shared experts
+        ("Ernie4_5_MoeConfig", {1536 * 6 + 2 * 1536}),  # shared experts as a count of the experts' width
+        ("ErgoConfig", {32768, 4096 * 8 + 8192}),  # a dense first block, then experts + a shared MLP
+        ("OpenAIGPTConfig", {4 * 768}),  # GPT-1: no field, 4x the hidden size in its code
         # Cohere's MoE: experts of intermediate_size, dense first layers of prefix_dense_intermediate_size
         (
             (
@@ -274,6 +278,19 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
 def test_a_targets_mlp_width_is_read_by_meaning_per_layer(config_class, widths):
     name, fields = config_class if isinstance(config_class, tuple) else (config_class, {})
     assert set(layer_mlp_widths(getattr(transformers, name)(**fields))) == widths
+
+
+@pytest.mark.parametrize(
+    ("config_class", "theta"),
+    [
+        ("Qwen3Config", 10_000.0),
+        ("Gemma3TextConfig", 1_000_000.0),  # its full-attention layers' entry, not the sliding ones' 10000
+        ("ErgoConfig", 1_000_000.0),  # global layers without positions: the sliding layers' rope
+        ("NemotronHConfig", 10_000.0),  # no positions anywhere: plain rope for the drafter's own
+    ],
+)
+def test_the_drafter_takes_the_rope_of_the_targets_full_attention_layers_or_the_nearest(config_class, theta):
+    assert full_attention_rope(getattr(transformers, config_class)())["rope_theta"] == theta
 
 
 HCA = "heavily_compressed_attention"

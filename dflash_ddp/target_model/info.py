@@ -166,6 +166,7 @@ def inspect_target(path: str | Path) -> TargetInfo:
 
 
 FULL_ATTENTION = "full_attention"
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
 def _full_attention_layer(config) -> int:
@@ -194,32 +195,35 @@ def layer_attribute(config, name: str):
 def full_attention_rope(config) -> dict:
     """The rope of the target's full-attention layers: `rope_parameters` itself, or its full-attention
     entry where the family gives one per layer type (Gemma 3/4, OLMo 3), or its attention's `main` entry
-    (DeepSeek V4); plain rope for a family with none
-    (Nemotron-H's attention has no positions: the drafter's own still needs some)."""
+    (DeepSeek V4); plain rope for a family with none (Nemotron-H's attention has no positions: the drafter's
+    own still need some), the sliding layers' where the full-attention ones have none (Beam, Ergo)."""
     rope = getattr(config, "rope_parameters", None) or {
-        "rope_type": "default",
-        "rope_theta": getattr(config, "rope_theta", 10000.0),
+        **DEFAULT_ROPE,
+        "rope_theta": getattr(config, "rope_theta", 1e4),
     }
-    if FULL_ATTENTION in rope:
-        rope = rope[FULL_ATTENTION]
+    if FULL_ATTENTION in rope:  # Beam, Ergo: global layers without positions (None) take the sliding ones'
+        rope = rope[FULL_ATTENTION] or next((r for r in rope.values() if r), DEFAULT_ROPE)
     elif "main" in rope and "rope_type" not in rope:  # DeepSeek V4: its attention's, beside the compressor's
         rope = rope["main"]
     return dict(rope)
 
 
-# a dense MLP's width under the names families give it: Llama's and most, Kolibri's MLP-only layers, Falcon,
-# OPT and XGLM, GPT-2's family (GPT-J, CodeGen, StarCoder), CTRL; else as a multiple of the hidden size
+# a dense MLP's width under the names families give it: Llama's and most, Kolibri's MLP-only layers, Ergo's
+# dense first blocks, Falcon, OPT and XGLM, GPT-2's family (GPT-J, CodeGen, StarCoder), CTRL, CPM-Ant; else as
+# a multiple of the hidden size
 DENSE_WIDTHS = (
     "intermediate_size",
     "mlp_only_intermediate_size",
+    "first_dense_intermediate_size",
     "ffn_hidden_size",
     "ffn_dim",
     "n_inner",
     "dff",
+    "dim_ff",
 )
 DENSE_RATIOS = ("expansion_ratio", "intermediate_multiple_size")  # MPT, GPT-NeoX-Japanese
-# families whose MLP is 4x the hidden size with no field to say so
-FOUR_TIMES_HIDDEN = frozenset({"bloom"})
+# families whose MLP is 4x the hidden size with no field to say so (in their code)
+FOUR_TIMES_HIDDEN = frozenset({"bloom", "openai-gpt"})
 # width fields whose classes document an unset value as 4x the hidden size (GPT-2's family, GPT-Neo)
 FOUR_TIMES_IF_UNSET = ("intermediate_size", "n_inner")
 
@@ -275,7 +279,11 @@ def _sparse_layers(config, experts: int | None) -> list[bool | None]:
 # a sparse layer's fields under the names families give them
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # DBRX, Aria
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "top_k_experts", "moe_top_k", "moe_topk")
-SHARED_EXPERT_WIDTHS = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
+SHARED_EXPERT_WIDTHS = (
+    "shared_expert_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "shared_intermediate_size",  # Granite's MoE families, Ergo
+)
 SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # x expert width
 # the dense layers' width where `intermediate_size` names the experts' (Llama 4; Cohere's MoE's first layers)
 DENSE_BESIDE_EXPERTS = ("intermediate_size_mlp", "prefix_dense_intermediate_size")
