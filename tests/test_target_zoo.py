@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 from target_zoo import (
     DBRX_ROPE_THETA,
     EXPERT_WIDTH,
@@ -484,6 +485,27 @@ def launch_tp2(target: Path, data: Path, out: Path) -> subprocess.CompletedProce
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.parametrize(
+    ("config_class", "refusal"),
+    [
+        ("Gemma3nConfig", "'gemma3n_text' passes 4 AltUp streams between its decoder layers"),
+        ("LongcatFlashConfig", "'longcat_flash' holds 2 attention layers in each of its 28 decoder layers"),
+    ],
+)
+def test_decoder_layers_that_are_not_one_stream_each_are_refused_in_one_line(
+    config_class, refusal, chat_data, tmp_path, capsys
+):
+    """Gemma 3n's AltUp streams and LongCat-Flash's two attention layers per decoder layer: refused from the
+    config before anything is built (a shape error in the first forward, an index error at the taps before)."""
+    target = tmp_path / "target"
+    build_tokenizer(target)
+    getattr(transformers, config_class)().save_pretrained(target)
+    save_file({"unread": torch.zeros(1)}, target / "model.safetensors")  # refused before any weight is read
+    assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert refusal in line and "not supported as a target yet" in line, line
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

@@ -132,6 +132,28 @@ def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(module): name for name, module in model.named_modules()}
 
 
+def _refuse_unsupported_layers(text: PretrainedConfig, path: Path) -> None:
+    """One line, before anything is built, for decoder layers that are not one residual stream each: the
+    drafter taps a layer's output as the stream, and the plan and the cut count layers one by one."""
+    where = f"--target_model {path}: target model type '{text.model_type}'"
+    streams = getattr(text, "altup_num_inputs", None)
+    if streams:  # Gemma 3n
+        raise ValueError(
+            f"{where} passes {streams} AltUp streams between its decoder layers ([streams, batch, positions, "
+            "hidden]) and gives each layer its own MLP width; it is not supported as a target yet"
+        )
+    modules = getattr(text, "num_layers", None)
+    if (
+        isinstance(getattr(type(text), "num_hidden_layers", None), property)
+        and modules != text.num_hidden_layers
+    ):
+        raise ValueError(  # LongCat-Flash
+            f"{where} holds {text.num_hidden_layers // modules} attention layers in each of its {modules} decoder "
+            f"layers (its num_hidden_layers, {text.num_hidden_layers}, counts them); it is not supported as a "
+            "target yet"
+        )
+
+
 def _restore_nested_rope_theta(text: PretrainedConfig) -> None:
     """DBRX's checkpoints give their rope_theta in `attn_config` (500000), which transformers 5 no longer
     reads: its `rope_parameters` keep the 10000 default, and the model runs with those. Set from the
@@ -146,6 +168,7 @@ def read_text_stack(path: str | Path) -> TextStack:
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True)
+    _refuse_unsupported_layers(text, path)
     _restore_nested_rope_theta(text)
     cls = checkpoint_class(config, path)
     with torch.device("meta"):
