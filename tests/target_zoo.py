@@ -593,6 +593,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "glm4_moe": _glm4_moe,
     "glm5_next": _glm5_next,
     "minimax_m2": _minimax_m2,
+    "minimax": _plain("MiniMaxConfig", "MiniMaxForCausalLM"),  # lightning attention; a cache of its own
     "nemotron_h": _nemotron_h,
     "kimi_linear": _kimi_linear,
     "falcon_h1": _falcon_h1,

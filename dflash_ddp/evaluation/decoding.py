@@ -5,6 +5,7 @@ greedy decoding (the ground truth) and transformers' generate, each counting tar
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
 from dflash_ddp.target_model.head import embed_as_target
+from dflash_ddp.target_model.info import own_cache_class
 
 
 @dataclass
@@ -98,6 +100,15 @@ class _Chooser:
         return draw(probs, self.generator), probs
 
 
+def new_target_cache(target: nn.Module) -> DynamicCache:
+    """An empty cache of the kind the target's forward takes: transformers' shared one, or the family's own
+    where its forward insists on it (MiniMax's `MiniMaxCache`, a DynamicCache that cannot be cropped)."""
+    own = own_cache_class(target.config)
+    if own is None:
+        return DynamicCache(config=target.config)
+    return getattr(sys.modules[type(target).__module__], own)()
+
+
 @torch.inference_mode()
 def greedy_generate(
     target: nn.Module,
@@ -113,7 +124,7 @@ def greedy_generate(
     device = target.device
     ids = _as_input(prompt_ids, device)
     eos = set(eos_token_ids)
-    cache = DynamicCache(config=target.config)
+    cache = new_target_cache(target)
     choose = _Chooser(sampling, device)
     _sync(device)
     start = time.perf_counter()
@@ -137,7 +148,7 @@ class VerifiedCache:
         # block_size states (their recurrent state cannot be cut like keys and values), as transformers does
         cache.activate_past_recording(recurrent_states_to_keep=block_size)
         self.cache = cache
-        self.croppable = all(getattr(layer, "is_croppable", True) for layer in cache.layers)
+        self.croppable = cache.is_croppable
         self.before: DynamicCache | None = None
 
     def before_verify(self) -> None:
@@ -202,7 +213,7 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     scale = getattr(config, "input_embedding_scale", 1.0)
     masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
     target_cache, drafter_cache = (
-        VerifiedCache(DynamicCache(config=target.config), block_size),
+        VerifiedCache(new_target_cache(target), block_size),
         DynamicCache(),
     )
     accepted: list[int] = []
