@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer, row_template_kwargs
 from dflash_ddp.data.sources import read_conversations
@@ -73,13 +74,14 @@ NO_TRANSFORMERS_WINDOW = (
 def assisted_decoding_note(target) -> str | None:
     """Why transformers' assisted decoding (the prompt-lookup and transformers rows) cannot run on this target,
     or None when it can: it crops the target's cache after each verify, and some caches cannot be cropped."""
-    if new_target_cache(target).is_croppable:
+    cache = new_target_cache(target)
+    if cache.is_croppable:
         return None
+    why = "compressed attention" if type(cache) is DynamicCache else f"its own {type(cache).__name__}"
     return (
         f"transformers' assisted decoding crops the target's cache, which model type "
-        f"'{target.config.get_text_config(decoder=True).model_type}' cannot (compressed attention, or a cache "
-        "of its own): no prompt_lookup or transformers rows; this project's decoder restores a copy of the "
-        "cache instead"
+        f"'{target.config.get_text_config(decoder=True).model_type}' cannot ({why}): no prompt_lookup or "
+        "transformers rows; this project's decoder restores a copy of the cache instead"
     )
 
 

@@ -143,10 +143,8 @@ def _refuse_unsupported_layers(text: PretrainedConfig, path: Path) -> None:
             "hidden]) and gives each layer its own MLP width; it is not supported as a target yet"
         )
     modules = getattr(text, "num_layers", None)
-    if (
-        isinstance(getattr(type(text), "num_hidden_layers", None), property)
-        and modules != text.num_hidden_layers
-    ):
+    derived = isinstance(getattr(type(text), "num_hidden_layers", None), property)  # as Nemotron-H's too
+    if derived and isinstance(modules, int) and modules != text.num_hidden_layers:
         raise ValueError(  # LongCat-Flash
             f"{where} holds {text.num_hidden_layers // modules} attention layers in each of its {modules} decoder "
             f"layers (its num_hidden_layers, {text.num_hidden_layers}, counts them); it is not supported as a "
