@@ -20,7 +20,7 @@ from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
 from dflash_ddp.target_model.head import embed_as_target
-from dflash_ddp.target_model.info import own_cache_class
+from dflash_ddp.target_model.info import own_cache_class, text_model_class
 
 
 @dataclass
@@ -106,7 +106,9 @@ def new_target_cache(target: nn.Module) -> DynamicCache:
     own = own_cache_class(target.config)
     if own is None:
         return DynamicCache(config=target.config)
-    return getattr(sys.modules[type(target).__module__], own)()
+    return getattr(
+        sys.modules[text_model_class(target.config).__module__], own
+    )()  # where its forward reads it
 
 
 @torch.inference_mode()

@@ -197,10 +197,8 @@ def full_attention_rope(config) -> dict:
     entry where the family gives one per layer type (Gemma 3/4, OLMo 3), or its attention's `main` entry
     (DeepSeek V4); plain rope for a family with none (Nemotron-H's attention has no positions: the drafter's
     own still need some), the sliding layers' where the full-attention ones have none (Beam, Ergo)."""
-    rope = getattr(config, "rope_parameters", None) or {
-        **DEFAULT_ROPE,
-        "rope_theta": getattr(config, "rope_theta", 1e4),
-    }
+    theta = getattr(config, "rope_theta", DEFAULT_ROPE["rope_theta"])
+    rope = getattr(config, "rope_parameters", None) or {**DEFAULT_ROPE, "rope_theta": theta}
     if FULL_ATTENTION in rope:  # Beam, Ergo: global layers without positions (None) take the sliding ones'
         rope = rope[FULL_ATTENTION] or next((r for r in rope.values() if r), DEFAULT_ROPE)
     elif "main" in rope and "rope_type" not in rope:  # DeepSeek V4: its attention's, beside the compressor's
