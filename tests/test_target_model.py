@@ -280,6 +280,13 @@ def test_a_targets_mlp_width_is_read_by_meaning_per_layer(config_class, widths):
     assert set(layer_mlp_widths(getattr(transformers, name)(**fields))) == widths
 
 
+def test_an_mpt_checkpoints_kv_n_heads_is_not_read_as_its_kv_heads():
+    """llm-foundry's MPT exports carry `attn_config.kv_n_heads`, which transformers' MPT never reads (its
+    attention is multi-head): only DBRX's sub-configs are read."""
+    mpt = transformers.MptConfig(attn_config={"attn_type": "multihead_attention", "kv_n_heads": 1})
+    assert target_info_from_config(mpt, Path("mpt")).num_key_value_heads == mpt.n_heads
+
+
 @pytest.mark.parametrize(
     ("config_class", "theta"),
     [

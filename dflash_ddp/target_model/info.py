@@ -175,20 +175,20 @@ def _full_attention_layer(config) -> int:
     return types.index(FULL_ATTENTION) if FULL_ATTENTION in types else 0
 
 
-# sub-configs that hold a layer's settings in some families (DBRX: its KV heads in `attn_config`, its experts'
-# count, width and top-k in `ffn_config`)
-NESTED_CONFIGS = ("attn_config", "ffn_config")
+# per family, the sub-configs that hold its layers' settings (DBRX: its KV heads in `attn_config`, its experts'
+# count, width and top-k in `ffn_config`); not MPT's `attn_config`, whose `kv_n_heads` its model never reads
+NESTED_CONFIGS = {"dbrx": ("attn_config", "ffn_config")}
 
 
 def layer_attribute(config, name: str):
     """`config.name`, or for a setting given per layer (Gemma 4's head sizes) the full-attention layers'
-    value, whose shape and rope the drafter takes, or the value of a sub-config in NESTED_CONFIGS; None
-    where the config gives none."""
+    value, whose shape and rope the drafter takes, or the value of the family's sub-config (NESTED_CONFIGS);
+    None where the config gives none."""
     try:
         value = getattr(config, name, None)
     except AmbiguousGlobalPerLayerAttributeError:
         value = getattr(config.per_layer_config[_full_attention_layer(config)], name, None)
-    nested = (getattr(config, sub, None) for sub in NESTED_CONFIGS)
+    nested = (getattr(config, sub, None) for sub in NESTED_CONFIGS.get(config.model_type, ()))
     return value if value is not None else next((getattr(c, name) for c in nested if hasattr(c, name)), None)
 
 

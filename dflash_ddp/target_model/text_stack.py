@@ -152,13 +152,18 @@ def _refuse_unsupported_layers(text: PretrainedConfig, path: Path) -> None:
         )
 
 
+DROPPED_ROPE_THETA = 10000.0  # what transformers 5's DbrxConfig sets in place of the checkpoint's
+
+
 def _restore_nested_rope_theta(text: PretrainedConfig) -> None:
     """DBRX's checkpoints give their rope_theta in `attn_config` (500000), which transformers 5 no longer
     reads: its `rope_parameters` keep the 10000 default, and the model runs with those. Set from the
-    checkpoint, so that the target runs with its own positions and the drafter is built with them."""
+    checkpoint where they still hold that default (a base set in `rope_parameters` stands), so that the target
+    runs with its own positions and the drafter is built with them."""
     theta = getattr(getattr(text, "attn_config", None), "rope_theta", None)
-    if theta is not None and getattr(text, "rope_parameters", None):
-        text.rope_parameters = {**text.rope_parameters, "rope_theta": float(theta)}
+    rope = getattr(text, "rope_parameters", None) or {}
+    if text.model_type == "dbrx" and theta is not None and rope.get("rope_theta") == DROPPED_ROPE_THETA:
+        text.rope_parameters = {**rope, "rope_theta": float(theta)}
 
 
 def read_text_stack(path: str | Path) -> TextStack:
