@@ -261,6 +261,7 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
         ("DogeConfig", {2048}),  # 16384 experts configured, `is_moe` false
         ("AriaTextConfig", {4096 * 2 + 2 * 4096}),  # `moe_topk` of `moe_num_experts`, 2 shared experts
         ("Ernie4_5_MoeConfig", {1536 * 6 + 2 * 1536}),  # shared experts as a count of the experts' width
+        ("AfmoeConfig", {6144, 1408 * 6 + 2 * 1408}),  # `num_dense_layers` dense first layers
         ("ErgoConfig", {32768, 4096 * 8 + 8192}),  # a dense first block, then experts + a shared MLP
         ("OpenAIGPTConfig", {4 * 768}),  # GPT-1: no field, 4x the hidden size in its code
         # Cohere's MoE: experts of intermediate_size, dense first layers of prefix_dense_intermediate_size

@@ -263,9 +263,15 @@ def _sparse_layers(config, experts: int | None) -> list[bool | None]:
     kinds = getattr(config, "mlp_layer_types", None)
     if kinds:
         return [kind != "dense" for kind in kinds]
-    first_dense = getattr(config, "first_k_dense_replace", None)
+    first_dense = _first(config, ("first_k_dense_replace", "num_dense_layers"))  # DeepSeek's, AfMoE's
     if first_dense is not None:
         return [i >= first_dense for i in range(n)]
+    start = getattr(config, "moe_layer_start_index", None)
+    if isinstance(start, int):  # Ernie 4.5: every `moe_layer_interval`-th layer from start to end
+        end = getattr(config, "moe_layer_end_index", None)
+        end = n - 1 if end is None or end < 0 else end
+        interval = getattr(config, "moe_layer_interval", None) or 1
+        return [(i + 1) % interval == 0 and start <= i <= end for i in range(n)]
     moe_layers = getattr(config, "moe_layers", None)
     if moe_layers is not None:
         return [i in moe_layers for i in range(n)]
@@ -283,8 +289,9 @@ SHARED_EXPERT_WIDTHS = (
     "shared_intermediate_size",  # Granite's MoE families, Ergo
 )
 SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # x expert width
-# the dense layers' width where `intermediate_size` names the experts' (Llama 4; Cohere's MoE's first layers)
-DENSE_BESIDE_EXPERTS = ("intermediate_size_mlp", "prefix_dense_intermediate_size")
+# the dense layers' width where `intermediate_size` names the experts' (Llama 4; Cohere's MoE's first layers;
+# MiniMax-M3)
+DENSE_BESIDE_EXPERTS = ("intermediate_size_mlp", "prefix_dense_intermediate_size", "dense_intermediate_size")
 
 
 def layer_mlp_widths(config) -> tuple[int, ...]:
