@@ -5,7 +5,6 @@ greedy decoding (the ground truth) and transformers' generate, each counting tar
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
 from dflash_ddp.target_model.head import embed_as_target
-from dflash_ddp.target_model.info import own_cache_class, text_model_class
+from dflash_ddp.target_model.info import own_cache_class
 
 
 @dataclass
@@ -104,11 +103,7 @@ def new_target_cache(target: nn.Module) -> DynamicCache:
     """An empty cache of the kind the target's forward takes: transformers' shared one, or the family's own
     where its forward insists on it (MiniMax's `MiniMaxCache`, a DynamicCache that cannot be cropped)."""
     own = own_cache_class(target.config)
-    if own is None:
-        return DynamicCache(config=target.config)
-    return getattr(
-        sys.modules[text_model_class(target.config).__module__], own
-    )()  # where its forward reads it
+    return DynamicCache(config=target.config) if own is None else own()
 
 
 @torch.inference_mode()

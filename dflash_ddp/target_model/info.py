@@ -9,6 +9,7 @@ import functools
 import hashlib
 import inspect
 import re
+import sys
 import textwrap
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -370,7 +371,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         key_window=key_window(config),
         masks_built=masks.always,
         causal_skip=masks.causal_skip,
-        own_cache=own_cache_class(config),
+        own_cache=getattr(own_cache_class(config), "__name__", None),
         stack=stack,
     )
 
@@ -528,12 +529,18 @@ GENERIC_CACHES = ("Cache", "DynamicCache", "EncoderDecoderCache")
 OWN_CACHE_CHECK = re.compile(r"not isinstance\((?:cache|past_key_values), (\w+)\)")
 
 
-def own_cache_class(config) -> str | None:
+def own_cache_class(config) -> type | None:
     """The cache class the text model's forward insists on instead of transformers' shared one, read from
     its code (MiniMax's `MiniMaxCache`), else None: such a target cannot be prefilled in pieces, whose
-    cache this project lays out."""
-    found = OWN_CACHE_CHECK.findall(_forward_source(text_model_class(config)) or "")
-    return next((name for name in found if name not in GENERIC_CACHES), None)
+    cache this project lays out, and is decoded with that cache."""
+    return _own_cache_of(text_model_class(config))
+
+
+@functools.cache
+def _own_cache_of(model_class: type | None) -> type | None:
+    found = OWN_CACHE_CHECK.findall(_forward_source(model_class) or "")
+    name = next((name for name in found if name not in GENERIC_CACHES), None)
+    return None if name is None else getattr(sys.modules[model_class.__module__], name)
 
 
 def key_window(config) -> int:
