@@ -543,6 +543,27 @@ def _granite(vocab_size: int) -> Built:
     return "GraniteForCausalLM", config
 
 
+def _longcat_flash(vocab_size: int) -> Built:
+    """LongCat-Flash: two latent-attention and two dense MLP sublayers in each decoder layer beside a shortcut
+    MoE with zero (identity) experts; `num_hidden_layers` counts the attention layers, `num_layers` the
+    decoder layers (4, as every zoo target)."""
+    return "LongcatFlashForCausalLM", _mla(
+        "LongcatFlashConfig",
+        vocab_size=vocab_size,
+        num_layers=4,
+        ffn_hidden_size=128,
+        expert_ffn_hidden_size=EXPERT_WIDTH,
+        moe_topk=TOP_K,
+        zero_expert_num=2,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=8,
+    )
+
+
 # DBRX's rope base as its checkpoints give it: in `attn_config`, where transformers 5 no longer reads it
 DBRX_ROPE_THETA = 500000.0
 
@@ -619,6 +640,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     ),
     "opt": _plain("OPTConfig", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=64),
     "dbrx": _dbrx,
+    "longcat_flash": _longcat_flash,
 }
 ZOO_NAMES = tuple(ZOO)
 
@@ -629,8 +651,15 @@ def zoo_config(name: str, vocab_size: int) -> tuple[type, Any]:
     return getattr(transformers, model_class), config
 
 
-def build_zoo_target(name: str, out: Path, vocab_size: int, seed: int = 0) -> None:
-    """Build the tiny `name` target with random weights from `seed` and save it to `out` (safetensors)."""
+def build_zoo_target(
+    name: str, out: Path, vocab_size: int, seed: int = 0, unwritten: tuple[int, ...] = ()
+) -> None:
+    """Build the tiny `name` target with random weights from `seed` and save it to `out` (safetensors). Tokens
+    in `unwritten` get LM-head rows of zeros, whose logit of 0 a random model never ranks first: its decoding
+    writes the tokens a test asks for instead of stopping where it happens to draw the end of a turn."""
     model_class, config = zoo_config(name, vocab_size)
     torch.manual_seed(seed)
-    model_class(config).save_pretrained(out)
+    model = model_class(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[list(unwritten)] = 0
+    model.save_pretrained(out)

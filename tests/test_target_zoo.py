@@ -24,7 +24,7 @@ from target_zoo import (
     make_config,
     zoo_config,
 )
-from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM
+from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM, DynamicCache
 
 from dflash_ddp.drafter.config import drafter_config_for
 from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
@@ -40,6 +40,7 @@ from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
+from dflash_ddp.target_model.text_stack import load_text_model
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
@@ -58,7 +59,7 @@ def zoo(tmp_path_factory):
         out = root / name
         if not (out / "config.json").is_file():
             tok = build_tokenizer(out)
-            build_zoo_target(name, out, len(tok))
+            build_zoo_target(name, out, len(tok), unwritten=(tok.eos_token_id,))
         return out
 
     return target
@@ -263,6 +264,23 @@ def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
     narrow, load = inspect_target(zoo("deepseek_v3")), peak_load([1, 2])
     assert "attention scores" in target_memory(narrow, load).parts
     assert "attention scores" not in target_memory(narrow, replace(load, device_type="cuda")).parts
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "longcat_flash"])
+def test_the_plan_counts_the_kv_cache_of_every_attention_layer_it_runs(name, zoo):
+    """A prefill in pieces keeps the batch's keys and values until its last piece: the plan counts exactly
+    the bytes of the cache transformers fills for the layers cut at the last tap (grouped heads; latent
+    attention's latent and rope key; LongCat-Flash's two attention layers in every decoder layer, where a
+    plan of one per layer said half)."""
+    info = inspect_target(zoo(name))
+    taps, rows, length = [1, 2], 2, 24
+    model = load_text_model(info.path, info.text_stack(), max(taps) + 1, torch.float32)
+    assert len(decoder_layers(model)) == max(taps) + 1
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(4, 200, (rows, length)), cache=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in {layer.keys, layer.values})
+    assert target_memory(info, peak_load(taps, piece=8, rows=rows, length=length)).parts["KV cache"] == held
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
@@ -488,25 +506,17 @@ def launch_tp2(target: Path, data: Path, out: Path) -> subprocess.CompletedProce
     )
 
 
-@pytest.mark.parametrize(
-    ("config_class", "refusal"),
-    [
-        ("Gemma3nConfig", "'gemma3n_text' passes 4 AltUp streams between its decoder layers"),
-        ("LongcatFlashConfig", "'longcat_flash' holds 2 attention layers in each of its 28 decoder layers"),
-    ],
-)
-def test_decoder_layers_that_are_not_one_stream_each_are_refused_in_one_line(
-    config_class, refusal, chat_data, tmp_path, capsys
-):
-    """Gemma 3n's AltUp streams and LongCat-Flash's two attention layers per decoder layer: refused from the
-    config before anything is built (a shape error in the first forward, an index error at the taps before)."""
+def test_decoder_layers_that_pass_several_streams_are_refused_in_one_line(chat_data, tmp_path, capsys):
+    """Gemma 3n's AltUp streams: refused from the config before anything is built (a shape error in the
+    first forward before)."""
     target = tmp_path / "target"
     build_tokenizer(target)
-    getattr(transformers, config_class)().save_pretrained(target)
+    transformers.Gemma3nConfig().save_pretrained(target)
     save_file({"unread": torch.zeros(1)}, target / "model.safetensors")  # refused before any weight is read
     assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert refusal in line and "not supported as a target yet" in line, line
+    assert "'gemma3n_text' passes 4 AltUp streams between its decoder layers" in line, line
+    assert "not supported as a target yet" in line, line
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

@@ -219,11 +219,12 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     skipped = 0
     _sync(device)
     start = time.perf_counter()
-    final_norm = last_layer_norm(target, layer_ids, target.config.get_text_config().num_hidden_layers)
+    layers = decoder_layers(target)
+    final_norm = last_layer_norm(target, layer_ids, len(layers))
     # the last position's logits only, named by index: an integer would let Gemma 4 run its KV-shared
     # layers on the last position alone, and those layers' outputs at every prompt position are context
     last = torch.tensor([ids.shape[1] - 1], device=device)
-    with capture_layer_outputs(decoder_layers(target), layer_ids, False, final_norm) as captured:
+    with capture_layer_outputs(layers, layer_ids, False, final_norm) as captured:
         logits = target(input_ids=ids, cache=target_cache.cache, use_cache=True, logits_to_keep=last).logits
         context = torch.cat([captured[i] for i in layer_ids], dim=-1)
         context_start = 0  # position of context[:, 0]

@@ -18,7 +18,13 @@ import torch
 from transformers import AutoModel, DynamicCache
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
-from dflash_ddp.target_model.text_stack import TextStack, read_text_stack, truncated_text_config
+from dflash_ddp.target_model.text_stack import (
+    TextStack,
+    attention_layers_per_decoder_layer,
+    decoder_layer_count,
+    read_text_stack,
+    truncated_text_config,
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class TargetInfo:
 
     path: Path
     model_type: str
-    num_layers: int
+    num_layers: int  # decoder layers, whose outputs the drafter taps
     hidden_size: int
     intermediate_size: int  # the drafter's MLP width: the target's dense one, else its widest layer's
     num_attention_heads: int
@@ -101,6 +107,7 @@ class TargetInfo:
     alibi_mask: bool = False  # ALiBi added onto SDPA's mask, one per head (Falcon with `alibi`)
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
+    attention_per_layer: int = 1  # attention layers in each decoder layer (LongCat-Flash: 2)
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
     linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
     sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
@@ -255,7 +262,7 @@ def _first(config, names: tuple[str, ...]):
 def _sparse_layers(config, experts: int | None) -> list[bool | None]:
     """Per decoder layer: True for experts, False for a dense MLP, None for a layer without an MLP
     (Nemotron-H's Mamba and attention blocks), each from the fields its family states it in."""
-    n = config.num_hidden_layers
+    n = decoder_layer_count(config)
     if not experts:
         return [False] * n
     layer_types = list(getattr(config, "layer_types", None) or ())
@@ -293,13 +300,16 @@ SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_share
 # the dense layers' width where `intermediate_size` names the experts' (Llama 4; Cohere's MoE's first layers;
 # MiniMax-M3)
 DENSE_BESIDE_EXPERTS = ("intermediate_size_mlp", "prefix_dense_intermediate_size", "dense_intermediate_size")
+# families whose every decoder layer runs its dense MLPs beside its experts, as a shared expert runs (LongCat-
+# Flash: two dense sublayers and a shortcut MoE whose output joins the second's)
+DENSE_AND_EXPERTS_IN_EVERY_LAYER = frozenset({"longcat_flash"})
 
 
 def layer_mlp_widths(config) -> tuple[int, ...]:
     """The MLP width a token passes through in each decoder layer, read by meaning: a dense layer's
     `intermediate_size`; a sparse layer's expert width (`moe_intermediate_size`, or `intermediate_size` where
-    the family names its experts' width so) times the experts per token, plus its shared experts'. A field the
-    config lacks is one line naming the model type and the field."""
+    the family names its experts' width so) times the experts per token, plus its shared experts' (LongCat-
+    Flash: its dense sublayer's). A field the config lacks is one line naming the model type and the field."""
     experts = _first(config, EXPERT_COUNTS)
     if getattr(config, "is_moe", None) is False:  # Doge: experts configured, switched off
         experts = None
@@ -310,6 +320,8 @@ def layer_mlp_widths(config) -> tuple[int, ...]:
     shared = _first(config, SHARED_EXPERT_WIDTHS) or (_first(config, SHARED_EXPERT_COUNTS) or 0) * (
         expert_width or 0
     )
+    if config.model_type in DENSE_AND_EXPERTS_IN_EVERY_LAYER:
+        shared += dense
     widths = []
     for i, sparse in enumerate(_sparse_layers(config, experts)):
         if sparse is None:
@@ -341,7 +353,8 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
     return TargetInfo(
         path=path,
         model_type=config.model_type,
-        num_layers=config.num_hidden_layers,
+        num_layers=decoder_layer_count(config),
+        attention_per_layer=attention_layers_per_decoder_layer(config),
         hidden_size=config.hidden_size,
         intermediate_size=_dense_width(config) or max(widths),
         mlp_widths=widths,
@@ -431,7 +444,7 @@ def layer_types(config) -> tuple[str, ...]:
     if layer_attribute(config, "sliding_window") is None:
         return types
     if not types:
-        return ("sliding_attention",) * config.num_hidden_layers
+        return ("sliding_attention",) * decoder_layer_count(config)
     if mask_building(config).by_window:
         return tuple("sliding_attention" if t == FULL_ATTENTION else t for t in types)
     return types

@@ -132,12 +132,13 @@ def attention_width(info: TargetInfo) -> int:
 
 
 def attention_layer_types(info: TargetInfo, layers: int) -> list[str]:
-    """The softmax-attention kind of each of the first `layers` decoder layers that has one, skipping
+    """The softmax-attention kind of each attention layer in the first `layers` decoder layers, skipping
     linear-attention, convolution, Mamba and MLP blocks; a type not known to lack attention counts as one
-    (the plan errs high). Every layer is "full_attention" where the family names no types; a hybrid layer
-    (attention beside Mamba-2: Falcon-H1's "hybrid", "hybrid_sliding") is the attention it runs."""
+    (the plan errs high). Every layer is "full_attention" where the family names no types (LongCat-Flash: two
+    in each decoder layer); a hybrid layer (attention beside Mamba-2: Falcon-H1's "hybrid",
+    "hybrid_sliding") is the attention it runs."""
     if not info.layer_types:
-        return ["full_attention"] * layers
+        return ["full_attention"] * layers * info.attention_per_layer
     kinds = [t for t in info.layer_types[:layers] if t not in NON_ATTENTION_LAYER_TYPES]
     return [HYBRID_ATTENTION.get(t, t) for t in kinds]
 

@@ -132,23 +132,31 @@ def _module_names(model: nn.Module) -> dict[int, str]:
     return {id(module): name for name, module in model.named_modules()}
 
 
+def attention_layers_per_decoder_layer(text: PretrainedConfig) -> int:
+    """Attention layers in each decoder layer: 1, or where `num_hidden_layers` is a property counting the
+    attention layers of `num_layers` decoder layers, their ratio (LongCat-Flash: 2, each decoder layer
+    running two attention and two MLP sublayers beside a shortcut MoE, its layers' outputs one stream)."""
+    modules = getattr(text, "num_layers", None)
+    derived = isinstance(getattr(type(text), "num_hidden_layers", None), property)  # as Nemotron-H's too
+    if derived and isinstance(modules, int) and 0 < modules != text.num_hidden_layers:
+        return text.num_hidden_layers // modules
+    return 1
+
+
+def decoder_layer_count(text: PretrainedConfig) -> int:
+    """The text model's decoder layers, whose outputs the drafter taps (LongCat-Flash: its `num_layers`)."""
+    return text.num_hidden_layers // attention_layers_per_decoder_layer(text)
+
+
 def _refuse_unsupported_layers(text: PretrainedConfig, path: Path) -> None:
-    """One line, before anything is built, for decoder layers that are not one residual stream each: the
-    drafter taps a layer's output as the stream, and the plan and the cut count layers one by one."""
-    where = f"--target_model {path}: target model type '{text.model_type}'"
+    """One line, before anything is built, for decoder layers that do not pass one residual stream: the
+    drafter taps a layer's output as the stream."""
     streams = getattr(text, "altup_num_inputs", None)
     if streams:  # Gemma 3n
         raise ValueError(
-            f"{where} passes {streams} AltUp streams between its decoder layers ([streams, batch, positions, "
-            "hidden]) and gives each layer its own MLP width; it is not supported as a target yet"
-        )
-    modules = getattr(text, "num_layers", None)
-    derived = isinstance(getattr(type(text), "num_hidden_layers", None), property)  # as Nemotron-H's too
-    if derived and isinstance(modules, int) and modules != text.num_hidden_layers:
-        raise ValueError(  # LongCat-Flash
-            f"{where} holds {text.num_hidden_layers // modules} attention layers in each of its {modules} decoder "
-            f"layers (its num_hidden_layers, {text.num_hidden_layers}, counts them); it is not supported as a "
-            "target yet"
+            f"--target_model {path}: target model type '{text.model_type}' passes {streams} AltUp streams "
+            "between its decoder layers ([streams, batch, positions, hidden]) and gives each layer its own MLP "
+            "width; it is not supported as a target yet"
         )
 
 
@@ -273,7 +281,7 @@ def _truncatable(text: PretrainedConfig) -> bool:
             model = AutoModel.from_config(_cut(text, layers))
         return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_OF_WEIGHT.search(f".{n}")}
 
-    return text.num_hidden_layers < 2 or shapes(1) == shapes(text.num_hidden_layers)
+    return decoder_layer_count(text) < 2 or shapes(1) == shapes(decoder_layer_count(text))
 
 
 def truncated_text_config(stack: TextStack, layers: int) -> PretrainedConfig:
@@ -300,8 +308,8 @@ def _load_checkpoint_class(path: Path, stack: TextStack, dtype: torch.dtype, **k
 
 def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
     config = copy.deepcopy(text)
-    whole = config.num_hidden_layers
-    config.num_hidden_layers = layers
+    whole = decoder_layer_count(config)
+    config.num_hidden_layers = layers * attention_layers_per_decoder_layer(config)
     if getattr(config, "layer_types", None):
         with contextlib.suppress(AttributeError):  # Falcon-H1 derives them from its layer count
             config.layer_types = list(config.layer_types[:layers])
