@@ -17,10 +17,10 @@ from dflash_ddp.target_model.features import (
     decoder_layers,
     last_layer_norm,
 )
+from dflash_ddp.target_model.forward_code import MaskBuilding, mask_building
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import (
     LinearMixer,
-    MaskBuilding,
     SparseIndexer,
     full_attention_rope,
     inspect_target,
@@ -29,7 +29,6 @@ from dflash_ddp.target_model.info import (
     layer_mlp_widths,
     layer_types,
     linear_mixer,
-    mask_building,
     sparse_indexer,
     target_info_from_config,
 )
@@ -261,6 +260,9 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
         ("DogeConfig", {2048}),  # 16384 experts configured, `is_moe` false
         ("AriaTextConfig", {4096 * 2 + 2 * 4096}),  # `moe_topk` of `moe_num_experts`, 2 shared experts
         ("Ernie4_5_MoeConfig", {1536 * 6 + 2 * 1536}),  # shared experts as a count of the experts' width
+        # experts per modality (text, vision): text tokens pass the text experts and the shared ones, as wide
+        ("Ernie4_5_VLMoeTextConfig", {12288, 1536 * 6 + 2 * 1536}),
+        ("LongcatFlashConfig", {2048 * 12 + 12288}),  # the dense sublayers beside the shortcut MoE's experts
         ("AfmoeConfig", {6144, 1408 * 6 + 2 * 1408}),  # `num_dense_layers` dense first layers
         ("ErgoConfig", {32768, 4096 * 8 + 8192}),  # a dense first block, then experts + a shared MLP
         ("OpenAIGPTConfig", {4 * 768}),  # GPT-1: no field, 4x the hidden size in its code

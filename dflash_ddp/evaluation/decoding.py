@@ -18,8 +18,8 @@ from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
+from dflash_ddp.target_model.forward_code import own_cache_class
 from dflash_ddp.target_model.head import embed_as_target
-from dflash_ddp.target_model.info import own_cache_class
 
 
 @dataclass

@@ -4,13 +4,7 @@ the fingerprint a checkpoint records, the default tapped layers, and parameter c
 
 from __future__ import annotations
 
-import ast
-import functools
 import hashlib
-import inspect
-import re
-import sys
-import textwrap
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -18,6 +12,12 @@ import torch
 from transformers import AutoModel, DynamicCache
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
+from dflash_ddp.target_model.forward_code import (
+    FULL_ATTENTION,
+    mask_building,
+    own_cache_class,
+    text_model_class,
+)
 from dflash_ddp.target_model.text_stack import (
     TextStack,
     attention_layers_per_decoder_layer,
@@ -173,7 +173,6 @@ def inspect_target(path: str | Path) -> TargetInfo:
     return target_info_from_config(stack.config, path, stack)
 
 
-FULL_ATTENTION = "full_attention"
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
@@ -314,6 +313,8 @@ def layer_mlp_widths(config) -> tuple[int, ...]:
     if getattr(config, "is_moe", None) is False:  # Doge: experts configured, switched off
         experts = None
     expert_width, dense = layer_attribute(config, "moe_intermediate_size"), _dense_width(config)
+    if isinstance(expert_width, (list, tuple)):  # per modality (Ernie 4.5 VL: text, vision): text tokens' own
+        expert_width = expert_width[0]
     if experts and expert_width is None:  # gpt-oss, MiniMax-M2, Llama 4: intermediate_size is the experts'
         expert_width, dense = dense, _first(config, DENSE_BESIDE_EXPERTS)
     per_token = _first(config, EXPERTS_PER_TOKEN)
@@ -450,112 +451,6 @@ def layer_types(config) -> tuple[str, ...]:
     return types
 
 
-# transformers' attention-mask builders, by the kind of layer whose mask each builds
-MASK_BUILDERS = {
-    "create_causal_mask": FULL_ATTENTION,
-    "create_sliding_window_causal_mask": "sliding_attention",
-    "create_chunked_causal_mask": "chunked_attention",
-}
-LAYER_TYPE_TEST = re.compile(r"sliding|chunk|layer_type")  # a condition on the kinds of layers present
-
-
-@dataclass(frozen=True)
-class MaskBuilding:
-    """How a text model's forward builds its attention masks: `always`, the kinds whose mask it builds
-    whatever kinds its layers are; `by_window`, one mask for every layer, the sliding one where the config
-    sets a window (Mistral's `create_causal_mask if sliding_window is None else ...`); `causal_skip`, whether
-    transformers may skip a mask that SDPA's causal flag expresses (Falcon and Doge build theirs always:
-    `allow_is_causal_skip=False`)."""
-
-    always: frozenset[str]
-    by_window: bool
-    causal_skip: bool = True
-
-
-def mask_building(config) -> MaskBuilding:
-    """How the text model's forward builds its masks, read from its code (none always, none by the window
-    where transformers has no class for `config` or its source cannot be read). A builder named outside any condition on the kinds of
-    layers present (an `if` on sliding layers, a lambda called per present type) builds its mask whatever
-    they are: Ministral's full mask beside sliding layers only, Qwen2-MoE's sliding one (a window of 0)
-    beside full layers only."""
-    return _mask_building_of(text_model_class(config))
-
-
-@functools.cache
-def _forward_source(model_class: type | None) -> str | None:
-    """The source of the class's forward, read once per class (None where it cannot be read)."""
-    try:
-        return textwrap.dedent(inspect.getsource(model_class.forward))
-    except (AttributeError, TypeError, OSError):
-        return None
-
-
-@functools.cache
-def _mask_building_of(model_class: type | None) -> MaskBuilding:
-    """`mask_building` of the class's forward, read once per class."""
-    try:
-        tree = ast.parse(_forward_source(model_class) or "")
-    except SyntaxError:
-        return MaskBuilding(frozenset(), False)
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    always, by_window = set(), False
-    for name in ast.walk(tree):
-        if not (isinstance(name, ast.Name) and name.id in MASK_BUILDERS):
-            continue
-        enclosing, node = [], name
-        while node in parents:
-            node = parents[node]
-            enclosing.append(node)
-        if any(isinstance(n, ast.IfExp) and "sliding_window" in ast.unparse(n.test) for n in enclosing):
-            by_window = True
-        elif not any(
-            isinstance(n, ast.Lambda) or isinstance(n, ast.If) and LAYER_TYPE_TEST.search(ast.unparse(n.test))
-            for n in enclosing
-        ):
-            always.add(MASK_BUILDERS[name.id])
-    return MaskBuilding(frozenset(always), by_window, not _forbids_causal_skip(tree))
-
-
-def _forbids_causal_skip(tree: ast.AST) -> bool:
-    """The forward passes `allow_is_causal_skip=False` to a mask builder, as a keyword or in the dict of
-    keywords it hands them (DeepSeek V3.2's `mask_kwargs`)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "allow_is_causal_skip":
-            value = node.value
-        elif isinstance(node, ast.Dict):
-            value = next(
-                (
-                    v
-                    for k, v in zip(node.keys, node.values, strict=True)
-                    if isinstance(k, ast.Constant) and k.value == "allow_is_causal_skip"
-                ),
-                None,
-            )
-        else:
-            continue
-        if isinstance(value, ast.Constant) and value.value is False:
-            return True
-    return False
-
-
-GENERIC_CACHES = ("Cache", "DynamicCache", "EncoderDecoderCache")
-OWN_CACHE_CHECK = re.compile(r"not isinstance\((?:cache|past_key_values), (\w+)\)")
-
-
-def own_cache_class(config) -> type | None:
-    """The cache class the text model's forward insists on instead of transformers' shared one, read from
-    its code (MiniMax's `MiniMaxCache`), else None: such a target cannot be prefilled in pieces, whose
-    cache this project lays out, and is decoded with that cache."""
-    return _own_cache_of(text_model_class(config))
-
-
-@functools.cache
-def _own_cache_of(model_class: type | None) -> type | None:
-    found = OWN_CACHE_CHECK.findall(_forward_source(model_class) or "")
-    name = next((name for name in found if name not in GENERIC_CACHES), None)
-    return None if name is None else getattr(sys.modules[model_class.__module__], name)
-
-
 def key_window(config) -> int:
     """A windowed layer's window (`sliding_window`, or Llama 4's `attention_chunk_size`; its cache keeps
     one key fewer) where some layer type is windowed or the forward builds a sliding mask whatever the
@@ -585,11 +480,6 @@ def latent_attention(config) -> LatentAttention | None:
     rope = layer_attribute(config, "qk_rope_head_dim") or 0
     nope = layer_attribute(config, "qk_nope_head_dim") or 0
     return LatentAttention(nope, rope, layer_attribute(config, "v_head_dim") or nope + rope, latent)
-
-
-def text_model_class(config) -> type | None:
-    """The transformers class that builds the text model of `config`, where transformers knows one."""
-    return AutoModel._model_mapping.get(type(config), None)
 
 
 def fp32_attention_sinks(config) -> bool:
