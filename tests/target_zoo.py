@@ -228,6 +228,18 @@ def _qwen3_5_moe(vocab_size: int) -> Built:
     return "Qwen3_5MoeForConditionalGeneration", config
 
 
+def _qwen3_vl_moe(vocab_size: int) -> Built:
+    """Qwen3-VL-MoE as shipped: the vision-language wrapper over a sparse text stack with interleaved
+    multimodal rope, which transformers has no causal LM of (decoded as the wrapper, whose generation gives
+    rows of multimodal positions)."""
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    text = make_config("Qwen3VLMoeTextConfig", vocab_size=vocab_size, rope_parameters=rope)
+    config = _wrapper(
+        "Qwen3VLMoeConfig", text, _qwen_vision("Qwen3VLMoeVisionConfig"), tie_word_embeddings=False
+    )
+    return "Qwen3VLMoeForConditionalGeneration", config
+
+
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
     config = make_config(
@@ -595,6 +607,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "qwen3_5_text": _qwen3_5_text_only,
     "qwen3_5_moe": _qwen3_5_moe,
     "qwen3_5_moe_text": _qwen3_5_moe_text_only,
+    "qwen3_vl_moe": _qwen3_vl_moe,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,

@@ -101,12 +101,22 @@ def hyper_connection_note(target) -> str | None:
 
 def position_ids_note(target) -> str | None:
     """Why transformers' DFlash generate cannot run on this target, or None when it can: it hands the drafter
-    the target's position ids, which a target with ALiBi takes none of (BLOOM, MPT)."""
-    if "position_ids" in inspect.signature(target.forward).parameters:
+    the target's position ids, which a target with ALiBi takes none of (BLOOM, MPT), and slices them as
+    [batch, positions], which a vision-language target decoded as its wrapper gives as rows of multimodal
+    rotary positions ([rows, batch, positions]: Qwen2-VL to Qwen3-VL, GLM-4.5V), asked of its generation."""
+    model_type = target.config.get_text_config(decoder=True).model_type
+    if "position_ids" not in inspect.signature(target.forward).parameters:
+        return (
+            f"transformers' DFlash generate reads the target's position ids, which model type '{model_type}' "
+            "takes none of (ALiBi): no transformers row"
+        )
+    prompt = torch.zeros(1, 2, dtype=torch.long, device=target.device)
+    positions = target._prepare_position_ids_for_generation(prompt, {"attention_mask": torch.ones_like(prompt)})
+    if positions.dim() <= 2:
         return None
     return (
-        f"transformers' DFlash generate reads the target's position ids, which model type "
-        f"'{target.config.get_text_config(decoder=True).model_type}' takes none of (ALiBi): no transformers row"
+        f"transformers' DFlash generate slices the target's position ids as [batch, positions], which model type "
+        f"'{model_type}' gives as {positions.shape[0]} rows of multimodal rotary positions: no transformers row"
     )
 
 
