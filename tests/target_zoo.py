@@ -240,6 +240,35 @@ def _qwen3_vl_moe(vocab_size: int) -> Built:
     return "Qwen3VLMoeForConditionalGeneration", config
 
 
+def _mllama(vocab_size: int) -> Built:
+    """Llama 3.2 Vision as shipped: the wrapper over a text model that transformers builds only through its
+    family's own class (no AutoModel of its config), 4 self-attention layers then a cross-attention layer
+    (skipped on text; its released layouts put one after every 4), a config that requires token ids; a
+    two-layer vision tower."""
+    text = make_config(
+        "MllamaTextConfig",
+        vocab_size=vocab_size,
+        num_hidden_layers=5,
+        cross_attention_layers=[4],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    vision = _vision(
+        "MllamaVisionConfig",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_global_layers=1,
+        attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=64,
+        intermediate_layers_indices=[0],
+    )
+    return "MllamaForConditionalGeneration", _wrapper("MllamaConfig", text, vision)
+
+
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
     config = make_config(
@@ -608,6 +637,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "qwen3_5_moe": _qwen3_5_moe,
     "qwen3_5_moe_text": _qwen3_5_moe_text_only,
     "qwen3_vl_moe": _qwen3_vl_moe,
+    "mllama": _mllama,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,

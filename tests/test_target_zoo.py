@@ -26,7 +26,7 @@ from target_zoo import (
 )
 from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM, DynamicCache
 
-from dflash_ddp.drafter.config import drafter_config_for
+from dflash_ddp.drafter.config import drafter_config_for, resolve_target_layer_ids
 from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
 from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.evaluate import main as evaluate_main
@@ -37,7 +37,7 @@ from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model import kernels
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers
 from dflash_ddp.target_model.head import SharedTargetHead
-from dflash_ddp.target_model.info import inspect_target, truncated_parameter_count
+from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
 from dflash_ddp.target_model.text_stack import load_text_model
@@ -517,6 +517,18 @@ def test_decoder_layers_that_pass_several_streams_are_refused_in_one_line(chat_d
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "'gemma3n_text' passes 4 AltUp streams between its decoder layers" in line, line
     assert "not supported as a target yet" in line, line
+
+
+def test_taps_skip_the_layers_a_vision_targets_forward_skips_on_text(zoo, chat_data, tmp_path, capsys):
+    """Llama 3.2 Vision's cross-attention layers run only with an image: its default taps (40 layers: 1, 10,
+    19, 28, 37) move off layer 28 to the layer before, whose output is the stream layer 28 passes on; a tap
+    asked on such a layer is one line (a KeyError at the first batch before)."""
+    info = target_info_from_config(transformers.MllamaTextConfig(), Path("llama-3.2-vision"))
+    assert resolve_target_layer_ids(info, None) == [1, 10, 19, 27, 37]
+    target = zoo("mllama")  # its layer 4 attends to images
+    assert train_main(train_flags(target, chat_data, tmp_path / "run", target_layer_ids="2,4")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "layers [4] of model type 'mllama_text_model' attend to an image and are skipped on text" in line
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

@@ -157,8 +157,14 @@ def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
 
 
 def resolve_target_layer_ids(info: TargetInfo, requested: list[int] | None) -> list[int]:
-    """--target_layer_ids, else the paper's default; every id must name a decoder layer of the target."""
-    ids = list(requested) if requested is not None else default_target_layer_ids(info.num_layers)
+    """--target_layer_ids, else the paper's default; every id must name a decoder layer of the target that runs
+    on text. A default tap on a layer the forward skips on text (Llama 3.2 Vision's cross-attention layers)
+    moves to the layer before it, whose output is the stream that layer would pass on."""
+    skipped = set(info.image_only_layers)
+    if requested is None:
+        ids = sorted({i - 1 if i in skipped else i for i in default_target_layer_ids(info.num_layers)})
+    else:
+        ids = list(requested)
     bad = [i for i in ids if not 0 <= i < info.num_layers]
     if bad:
         raise ValueError(
@@ -166,6 +172,12 @@ def resolve_target_layer_ids(info: TargetInfo, requested: list[int] | None) -> l
         )
     if sorted(set(ids)) != ids:
         raise ValueError(f"--target_layer_ids {ids}: give distinct ids in increasing order")
+    image_only = [i for i in ids if i in skipped]
+    if image_only:
+        raise ValueError(
+            f"--target_layer_ids {ids}: layers {image_only} of model type '{info.model_type}' attend to an image "
+            f"and are skipped on text, so they have no output to tap; tap another layer (those: {sorted(skipped)})"
+        )
     return ids
 
 

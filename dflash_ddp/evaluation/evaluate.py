@@ -111,7 +111,9 @@ def position_ids_note(target) -> str | None:
             "takes none of (ALiBi): no transformers row"
         )
     prompt = torch.zeros(1, 2, dtype=torch.long, device=target.device)
-    positions = target._prepare_position_ids_for_generation(prompt, {"attention_mask": torch.ones_like(prompt)})
+    positions = target._prepare_position_ids_for_generation(
+        prompt, {"attention_mask": torch.ones_like(prompt)}
+    )
     if positions.dim() <= 2:
         return None
     return (

@@ -5,20 +5,47 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import inspect
 import re
 import sys
 import textwrap
 from dataclasses import dataclass
 
-from transformers import AutoModel
+from transformers import AutoModel, PreTrainedModel
 
 FULL_ATTENTION = "full_attention"
 
 
 def text_model_class(config) -> type | None:
-    """The transformers class that builds the text model of `config`, where transformers knows one."""
-    return AutoModel._model_mapping.get(type(config), None)
+    """The transformers class that builds the text model of `config`: AutoModel's, or where AutoModel maps
+    none (the text configs of Ernie 4.5 VL, Llama 3.2 Vision, Qwen3-Omni's thinker and other wrappers) the
+    model without a head that its family's modeling code builds for that config class; None where
+    transformers has neither."""
+    mapped = AutoModel._model_mapping.get(type(config), None)
+    return mapped if mapped is not None else _family_text_model(type(config))
+
+
+HEADED = re.compile(r"PreTrainedModel$|For[A-Z]\w*$")  # a base class, or a model with a head
+
+
+@functools.cache
+def _family_text_model(config_class: type) -> type | None:
+    try:
+        module = importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return None
+    built = {
+        cls
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+        and issubclass(cls, PreTrainedModel)
+        and getattr(cls, "config_class", None) is config_class
+        and not HEADED.search(cls.__name__)
+    }
+    # a renamed class kept as a subclass of the new one (Ernie 4.5 VL's) is the same model
+    roots = [cls for cls in built if not any(cls is not other and issubclass(cls, other) for other in built)]
+    return roots[0] if len(roots) == 1 else None
 
 
 # transformers' attention-mask builders, by the kind of layer whose mask each builds

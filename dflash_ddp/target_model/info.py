@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModel, DynamicCache
+from transformers import DynamicCache
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from dflash_ddp.target_model.forward_code import (
@@ -108,6 +108,8 @@ class TargetInfo:
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
     attention_per_layer: int = 1  # attention layers in each decoder layer (LongCat-Flash: 2)
+    # decoder layers its forward skips on text (Llama 3.2 Vision's cross-attention layers run with an image only)
+    image_only_layers: tuple[int, ...] = ()
     latent_attention: LatentAttention | None = None  # DeepSeek V2/V3, Kimi, GLM-5: keys from a cached latent
     linear_mixer: LinearMixer | None = None  # a hybrid's linear-attention or state-space layers
     sparse_indexer: SparseIndexer | None = None  # DeepSeek Sparse Attention's indexer before some layers
@@ -356,6 +358,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         model_type=config.model_type,
         num_layers=decoder_layer_count(config),
         attention_per_layer=attention_layers_per_decoder_layer(config),
+        image_only_layers=tuple(getattr(config, "cross_attention_layers", None) or ()),
         hidden_size=config.hidden_size,
         intermediate_size=_dense_width(config) or max(widths),
         mlp_widths=widths,
@@ -508,7 +511,7 @@ def truncated_parameter_count(info: TargetInfo, layers: int) -> int:
     and never counting a vision tower (target ranks do not load one)."""
     config = truncated_text_config(info.text_stack(), layers)
     with torch.device("meta"):
-        return sum(p.numel() for p in AutoModel.from_config(config).parameters())
+        return sum(p.numel() for p in text_model_class(config)._from_config(config).parameters())
 
 
 def soft_target_compute_share(info: TargetInfo, target_layer_ids: list[int]) -> float:

@@ -21,11 +21,12 @@ import torch
 import transformers
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from dflash_ddp.hub import LAYER_OF_WEIGHT, check_safetensors
+from dflash_ddp.target_model.forward_code import text_model_class
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,17 @@ def _saved_names(model: PreTrainedModel, wanted: set[str], saved: list[str]) -> 
         loaded = name if name in wanted else rename_source_key(name, renamings, converters)[0]
         if loaded in wanted:
             found.setdefault(loaded, name)
+    return found
+
+
+def _text_model_class(text: PretrainedConfig) -> type[PreTrainedModel]:
+    """The class that builds the text model of `text` alone (see forward_code.text_model_class)."""
+    found = text_model_class(text)
+    if found is None:
+        raise ValueError(
+            f"model type '{text.model_type}': transformers {transformers.__version__} has no class that builds "
+            f"its text model ({type(text).__name__}) alone, which target ranks load"
+        )
     return found
 
 
@@ -215,11 +227,7 @@ def read_text_stack(path: str | Path) -> TextStack:
     own_class = AutoModelForCausalLM._model_mapping.get(type(text), None)
     with torch.device("meta"):
         # GLM-5's text config has no causal LM of its own: generation runs the checkpoint's class
-        own = (
-            own_class._from_config(copy.deepcopy(text))
-            if own_class
-            else AutoModel.from_config(copy.deepcopy(text))
-        )
+        own = (own_class or _text_model_class(text))._from_config(copy.deepcopy(text))
     own_head = own.get_output_embeddings() if own_class else None
     counted = {id(p) for p in text_model.parameters()} | {id(head.weight)}
     return TextStack(
@@ -254,7 +262,7 @@ def _base_key_mapping(text: PretrainedConfig, saved: list[str]) -> dict[str, str
     V4: its attention's `.norm.` -> `.kv_norm.` also hits `model.norm.weight`): the prefix stripped first. None
     where every weight loads as it is. Checked on the weights outside layers 1.. (the layers repeat layer 0)."""
     with torch.device("meta"):
-        base = AutoModel.from_config(copy.deepcopy(text))
+        base = _text_model_class(text)._from_config(copy.deepcopy(text))
     transforms = get_model_conversion_mapping(base)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -278,7 +286,7 @@ def _truncatable(text: PretrainedConfig) -> bool:
 
     def shapes(layers: int) -> dict[str, tuple]:
         with torch.device("meta"):
-            model = AutoModel.from_config(_cut(text, layers))
+            model = _text_model_class(text)._from_config(_cut(text, layers))
         return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_OF_WEIGHT.search(f".{n}")}
 
     return decoder_layer_count(text) < 2 or shapes(1) == shapes(decoder_layer_count(text))
@@ -329,7 +337,7 @@ def load_text_model(
     config alone (GLM-5), the whole model `with_head` is the checkpoint's own class."""
     if with_head and not stack.text_lm:
         return _load_checkpoint_class(path, stack, dtype, **kwargs)
-    model_class = AutoModelForCausalLM if with_head else AutoModel
+    model_class = AutoModelForCausalLM if with_head else _text_model_class(stack.config)
     model, loading = model_class.from_pretrained(
         path,
         config=truncated_text_config(stack, layers),
