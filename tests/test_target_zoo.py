@@ -531,6 +531,34 @@ def test_taps_skip_the_layers_a_vision_targets_forward_skips_on_text(zoo, chat_d
     assert "layers [4] of model type 'mllama_text_model' attend to an image and are skipped on text" in line
 
 
+def test_a_checkpoint_only_its_own_class_converts_is_refused_in_one_line(chat_data, tmp_path, capsys):
+    """Ernie 4.5 VL MoE's checkpoints keep Baidu's layout (one expert list, split into text and vision experts
+    as the wrapper loads): its text model alone lacks those weights, and the line says why instead of asking
+    whether the checkpoint is complete."""
+    target = tmp_path / "ernie"
+    tok = build_tokenizer(target)
+    rope = {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}
+    text = make_config(
+        "Ernie4_5_VLMoeTextConfig",
+        vocab_size=len(tok),
+        moe_intermediate_size=[EXPERT_WIDTH, 16],
+        moe_num_experts=4,
+        moe_k=TOP_K,
+        moe_num_shared_experts=1,
+        rope_parameters=rope,
+    )
+    vision = make_config(
+        "Ernie4_5_VLMoeVisionConfig", shrink=(), depth=1, hidden_size=32, num_heads=2, intermediate_size=64
+    )
+    config = make_config("Ernie4_5_VLMoeConfig", shrink=(), text_config=text, vision_config=vision)
+    transformers.Ernie4_5_VLMoeForConditionalGeneration(config).save_pretrained(target)
+    capsys.readouterr()  # the save's progress
+    assert train_main(train_flags(target, chat_data, tmp_path / "run", target_layer_ids="1,2")) != 0
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "transformers converts Ernie4_5_VLMoeForConditionalGeneration's weights as they load" in line, line
+    assert "not supported as a target yet" in line
+
+
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):
     target = tmp_path / "bert"
     tok = build_tokenizer(target)

@@ -22,7 +22,7 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from dflash_ddp.hub import LAYER_OF_WEIGHT, check_safetensors
@@ -352,6 +352,30 @@ def load_text_model(
         raise ValueError(
             f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of its text model's first "
             f"{layers} layers ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); read from "
-            f"'{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by transformers?"
+            f"'{stack.prefix}.' of {stack.architecture}. {_why_weights_are_missing(stack)}"
         )
     return model
+
+
+def _why_weights_are_missing(stack: TextStack) -> str:
+    """The likely reason a text model loaded alone misses weights: conversions transformers applies only as
+    it loads the checkpoint's own class (Ernie 4.5 VL's original layout: one expert list split into text
+    and vision experts), else an incomplete checkpoint."""
+    outer = getattr(getattr(transformers, stack.architecture, None), "config_class", None)
+    outer_type = getattr(outer, "model_type", None)
+    own = {
+        (tuple(t.source_patterns), tuple(t.target_patterns))
+        for t in get_checkpoint_conversion_mapping(stack.config.model_type) or ()
+    }
+    converted = [
+        t
+        for t in (get_checkpoint_conversion_mapping(outer_type) if outer_type else None) or ()
+        if isinstance(t, WeightConverter) and (tuple(t.source_patterns), tuple(t.target_patterns)) not in own
+    ]
+    if converted:
+        return (
+            f"transformers converts {stack.architecture}'s weights as they load ({len(converted)} conversions of "
+            f"model type '{outer_type}' that its text model alone does not get): a checkpoint in that layout is "
+            "not supported as a target yet"
+        )
+    return "Is the checkpoint complete and saved by transformers?"
