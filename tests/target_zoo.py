@@ -269,6 +269,25 @@ def _mllama(vocab_size: int) -> Built:
     return "MllamaForConditionalGeneration", _wrapper("MllamaConfig", text, vision)
 
 
+def _ernie4_5_vl_moe(vocab_size: int) -> Built:
+    """Ernie 4.5 VL MoE as shipped: the wrapper over a text model with text and vision experts (widths per
+    modality) that transformers builds only through its family's own class, saved in Baidu's layout (one
+    expert list per layer, transposed gates), which only the wrapper's conversions read; a one-block vision
+    tower."""
+    rope = {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}
+    text = make_config(
+        "Ernie4_5_VLMoeTextConfig",
+        vocab_size=vocab_size,
+        moe_intermediate_size=[EXPERT_WIDTH, 16],
+        moe_num_experts=EXPERTS,
+        moe_k=TOP_K,
+        moe_num_shared_experts=1,
+        rope_parameters=rope,
+    )
+    vision = _vision("Ernie4_5_VLMoeVisionConfig", depth=1, hidden_size=32, num_heads=2, intermediate_size=64)
+    return "Ernie4_5_VLMoeForConditionalGeneration", _wrapper("Ernie4_5_VLMoeConfig", text, vision)
+
+
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
     config = make_config(
@@ -638,6 +657,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "qwen3_5_moe_text": _qwen3_5_moe_text_only,
     "qwen3_vl_moe": _qwen3_vl_moe,
     "mllama": _mllama,
+    "ernie4_5_vl_moe": _ernie4_5_vl_moe,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from target_zoo import (
     DBRX_ROPE_THETA,
     EXPERT_WIDTH,
@@ -531,32 +531,31 @@ def test_taps_skip_the_layers_a_vision_targets_forward_skips_on_text(zoo, chat_d
     assert "layers [4] of model type 'mllama_text_model' attend to an image and are skipped on text" in line
 
 
-def test_a_checkpoint_only_its_own_class_converts_is_refused_in_one_line(chat_data, tmp_path, capsys):
-    """Ernie 4.5 VL MoE's checkpoints keep Baidu's layout (one expert list, split into text and vision experts
-    as the wrapper loads): its text model alone lacks those weights, and the line says why instead of asking
-    whether the checkpoint is complete."""
-    target = tmp_path / "ernie"
-    tok = build_tokenizer(target)
-    rope = {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]}
-    text = make_config(
-        "Ernie4_5_VLMoeTextConfig",
-        vocab_size=len(tok),
-        moe_intermediate_size=[EXPERT_WIDTH, 16],
-        moe_num_experts=4,
-        moe_k=TOP_K,
-        moe_num_shared_experts=1,
-        rope_parameters=rope,
+@pytest.mark.parametrize("name", ["qwen3_vl_moe", "ernie4_5_vl_moe"])
+def test_a_wrappers_text_model_reads_the_weights_its_wrapper_converts_as_it_loads(name, tmp_path):
+    """Released Qwen3-VL-MoE checkpoints keep their experts as [experts, hidden, 2 x width] and Ernie 4.5 VL's
+    keep Baidu's layout (one expert list split into text and vision experts, transposed gates): transformers
+    converts them as it loads the wrapper, not as it loads the text model alone, which target ranks do. The
+    features equal the wrapper's hidden states (Qwen3-VL-MoE's load stopped on the experts' shapes before,
+    Ernie's on missing weights)."""
+    model_class, config = zoo_config(name, 300)
+    config.text_config.moe_intermediate_size = 24 if name == "qwen3_vl_moe" else [24, 16]  # 2 x 24 != 64
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    model.save_pretrained(tmp_path)
+    if name == "qwen3_vl_moe":  # as its releases ship
+        weights = load_file(tmp_path / "model.safetensors")
+        weights = {
+            k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in weights.items()
+        }
+        save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    features, _ = TargetFeatureExtractor(inspect_target(tmp_path), [1, 2], CPU, torch.float32)(
+        ids, torch.ones_like(ids)
     )
-    vision = make_config(
-        "Ernie4_5_VLMoeVisionConfig", shrink=(), depth=1, hidden_size=32, num_heads=2, intermediate_size=64
-    )
-    config = make_config("Ernie4_5_VLMoeConfig", shrink=(), text_config=text, vision_config=vision)
-    transformers.Ernie4_5_VLMoeForConditionalGeneration(config).save_pretrained(target)
-    capsys.readouterr()  # the save's progress
-    assert train_main(train_flags(target, chat_data, tmp_path / "run", target_layer_ids="1,2")) != 0
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert "transformers converts Ernie4_5_VLMoeForConditionalGeneration's weights as they load" in line, line
-    assert "not supported as a target yet" in line
+    torch.testing.assert_close(features, torch.cat([hidden[2], hidden[3]], dim=-1))
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

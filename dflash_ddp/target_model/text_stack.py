@@ -21,8 +21,18 @@ import torch
 import transformers
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    conversion_mapping,
+)
+from transformers.conversion_mapping import (
+    get_checkpoint_conversion_mapping,
+    get_model_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from dflash_ddp.hub import LAYER_OF_WEIGHT, check_safetensors
@@ -337,45 +347,57 @@ def load_text_model(
     config alone (GLM-5), the whole model `with_head` is the checkpoint's own class."""
     if with_head and not stack.text_lm:
         return _load_checkpoint_class(path, stack, dtype, **kwargs)
-    model_class = AutoModelForCausalLM if with_head else _text_model_class(stack.config)
-    model, loading = model_class.from_pretrained(
-        path,
-        config=truncated_text_config(stack, layers),
-        dtype=dtype,
-        local_files_only=True,
-        key_mapping=stack.key_mapping if with_head or stack.wrapped else stack.base_key_mapping,
-        output_loading_info=True,
-        **kwargs,
-    )
+    model_class = AutoModelForCausalLM._model_mapping[type(stack.config)] if with_head else None
+    model_class = model_class or _text_model_class(stack.config)
+    with _checkpoint_conversions(model_class, stack):
+        model, loading = model_class.from_pretrained(
+            path,
+            config=truncated_text_config(stack, layers),
+            dtype=dtype,
+            local_files_only=True,
+            key_mapping=stack.key_mapping if with_head or stack.wrapped else stack.base_key_mapping,
+            output_loading_info=True,
+            **kwargs,
+        )
     missing = sorted(loading.get("missing_keys", ()))
     if missing:
         raise ValueError(
             f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of its text model's first "
             f"{layers} layers ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); read from "
-            f"'{stack.prefix}.' of {stack.architecture}. {_why_weights_are_missing(stack)}"
+            f"'{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by transformers?"
         )
     return model
 
 
-def _why_weights_are_missing(stack: TextStack) -> str:
-    """The likely reason a text model loaded alone misses weights: conversions transformers applies only as
-    it loads the checkpoint's own class (Ernie 4.5 VL's original layout: one expert list split into text
-    and vision experts), else an incomplete checkpoint."""
-    outer = getattr(getattr(transformers, stack.architecture, None), "config_class", None)
-    outer_type = getattr(outer, "model_type", None)
-    own = {
-        (tuple(t.source_patterns), tuple(t.target_patterns))
-        for t in get_checkpoint_conversion_mapping(stack.config.model_type) or ()
-    }
-    converted = [
-        t
-        for t in (get_checkpoint_conversion_mapping(outer_type) if outer_type else None) or ()
-        if isinstance(t, WeightConverter) and (tuple(t.source_patterns), tuple(t.target_patterns)) not in own
-    ]
-    if converted:
-        return (
-            f"transformers converts {stack.architecture}'s weights as they load ({len(converted)} conversions of "
-            f"model type '{outer_type}' that its text model alone does not get): a checkpoint in that layout is "
-            "not supported as a target yet"
-        )
-    return "Is the checkpoint complete and saved by transformers?"
+def _conversion_key(transform) -> tuple:
+    return type(transform).__name__, tuple(transform.source_patterns), tuple(transform.target_patterns)
+
+
+@contextlib.contextmanager
+def _checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack):
+    """While `model_class` loads from a wrapper's files, the weight conversions transformers applies as it
+    loads the wrapper and not as it loads that class alone (Qwen3-VL-MoE's experts, transposed in its
+    releases; Ernie 4.5 VL's expert lists, split into text and vision experts; GLM-4.5V's per-expert
+    weights), registered for the class beside its own and taken back after."""
+    wrapper = getattr(getattr(transformers, stack.architecture, None), "config_class", None)
+    outer = get_checkpoint_conversion_mapping(getattr(wrapper, "model_type", None)) if stack.wrapped else None
+    name = model_class.__name__
+    own = get_checkpoint_conversion_mapping(name) or get_checkpoint_conversion_mapping(
+        stack.config.model_type
+    )
+    known = {_conversion_key(t) for t in own or ()}
+    extra = [t for t in outer or () if isinstance(t, WeightConverter) and _conversion_key(t) not in known]
+    if not extra:
+        yield
+        return
+    before = get_checkpoint_conversion_mapping(name)
+    register_checkpoint_conversion_mapping(name, [*(own or ()), *extra], overwrite=True)
+    try:
+        yield
+    finally:
+        # the registry is transformers' module state: this class loads as before once the target is read
+        if before is None:
+            conversion_mapping._checkpoint_conversion_mapping_cache.pop(name, None)
+            conversion_mapping.USER_REGISTERED_MAPPINGS.discard(name)
+        else:
+            register_checkpoint_conversion_mapping(name, before, overwrite=True)
