@@ -288,6 +288,61 @@ def _ernie4_5_vl_moe(vocab_size: int) -> Built:
     return "Ernie4_5_VLMoeForConditionalGeneration", _wrapper("Ernie4_5_VLMoeConfig", text, vision)
 
 
+MLA_WIDTHS = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def _kimi_k25(vocab_size: int) -> Built:
+    """Kimi K2.5 as shipped: the wrapper over a DeepSeek V3 text model (latent attention, a dense first layer,
+    grouped-routing experts) and a one-block MoonViT tower; its conversions rename the original `blocks`."""
+    text = _mla(
+        "DeepseekV3Config",
+        vocab_size=vocab_size,
+        q_lora_rank=32,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        **MLA_WIDTHS,
+    )
+    vision = _vision(
+        "Kimi_K25VisionConfig",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        pos_emb_height=8,
+        pos_emb_width=8,
+    )
+    config = _wrapper("Kimi_K25Config", text, vision, tie_word_embeddings=False)
+    return "Kimi_K25ForConditionalGeneration", config
+
+
+def _mistral_large4(vocab_size: int) -> Built:
+    """Mistral Large 3 as shipped: the wrapper over latent attention with a sparse-attention indexer in every
+    layer and experts after a dense first layer, its checkpoints in Mistral's original names (`tok_embeddings`,
+    `layers.N.attention.wq`), which only the wrapper's conversions read; a one-block Pixtral tower."""
+    text = _mla(
+        "MistralLarge4TextConfig",
+        vocab_size=vocab_size,
+        layer_types=["indexed_attention"] * 4,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=512,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        **MLA_WIDTHS,
+    )
+    vision = _vision(
+        "PixtralVisionConfig",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    return "MistralLarge4ForConditionalGeneration", _wrapper("MistralLarge4Config", text, vision)
+
+
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
     config = make_config(
@@ -658,6 +713,8 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "qwen3_vl_moe": _qwen3_vl_moe,
     "mllama": _mllama,
     "ernie4_5_vl_moe": _ernie4_5_vl_moe,
+    "kimi_k25": _kimi_k25,
+    "mistral_large4": _mistral_large4,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,

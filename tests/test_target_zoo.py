@@ -35,7 +35,7 @@ from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.export import main as export_main
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model import kernels
-from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers
+from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, layer_output
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
@@ -531,19 +531,28 @@ def test_taps_skip_the_layers_a_vision_targets_forward_skips_on_text(zoo, chat_d
     assert "layers [4] of model type 'mllama_text_model' attend to an image and are skipped on text" in line
 
 
-@pytest.mark.parametrize("name", ["qwen3_vl_moe", "ernie4_5_vl_moe"])
-def test_a_wrappers_text_model_reads_the_weights_its_wrapper_converts_as_it_loads(name, tmp_path):
-    """Released Qwen3-VL-MoE checkpoints keep their experts as [experts, hidden, 2 x width] and Ernie 4.5 VL's
-    keep Baidu's layout (one expert list split into text and vision experts, transposed gates): transformers
-    converts them as it loads the wrapper, not as it loads the text model alone, which target ranks do. The
-    features equal the wrapper's hidden states (Qwen3-VL-MoE's load stopped on the experts' shapes before,
-    Ernie's on missing weights)."""
+WRAPPERS = tuple(
+    name for name in ZOO_NAMES if zoo_config(name, 300)[0].__name__.endswith("ConditionalGeneration")
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "released"), [(name, False) for name in WRAPPERS] + [("qwen3_vl_moe", True)]
+)
+def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, released, tmp_path):
+    """Target ranks load a wrapper's text model alone, with the wrapper's own weight transforms: transformers
+    converts some checkpoints only as it loads the wrapper. Released Qwen3-VL-MoE checkpoints (`released`) keep
+    their experts as [experts, hidden, 2 x width] (its load stopped on their shapes before); Ernie 4.5 VL's
+    keep Baidu's layout, one expert list split into text and vision experts, as transformers saves it too (its
+    load stopped on missing weights). The features equal the wrapper's own hidden states."""
     model_class, config = zoo_config(name, 300)
-    config.text_config.moe_intermediate_size = 24 if name == "qwen3_vl_moe" else [24, 16]  # 2 x 24 != 64
+    moe = getattr(config.get_text_config(decoder=True), "moe_intermediate_size", None)
+    if moe is not None:  # experts of 2 x 24 rows, not the hidden width: a transposed load cannot pass
+        config.get_text_config(decoder=True).moe_intermediate_size = [24, 16] if isinstance(moe, list) else 24
     torch.manual_seed(0)
     model = model_class(config).eval()
     model.save_pretrained(tmp_path)
-    if name == "qwen3_vl_moe":  # as its releases ship
+    if released:
         weights = load_file(tmp_path / "model.safetensors")
         weights = {
             k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in weights.items()
@@ -552,10 +561,11 @@ def test_a_wrappers_text_model_reads_the_weights_its_wrapper_converts_as_it_load
     ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
-    features, _ = TargetFeatureExtractor(inspect_target(tmp_path), [1, 2], CPU, torch.float32)(
-        ids, torch.ones_like(ids)
+    info = inspect_target(tmp_path)
+    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    torch.testing.assert_close(
+        features, torch.cat([layer_output(hidden[2]), layer_output(hidden[3])], dim=-1)
     )
-    torch.testing.assert_close(features, torch.cat([hidden[2], hidden[3]], dim=-1))
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

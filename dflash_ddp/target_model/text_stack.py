@@ -14,7 +14,7 @@ import contextlib
 import copy
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,6 +58,9 @@ class TextStack:
     truncatable: bool  # the text model can be built with fewer layers (not Gemma 4: per-layer input tables)
     text_lm: bool = True  # transformers has a causal LM of the text config alone (not GLM-5's)
     base_key_mapping: dict[str, str] | None = None  # reads the text model alone from a causal-LM checkpoint
+    # a wrapper's: the text model's module path in it, and transformers' weight conversions as it loads it
+    text_module: str = ""
+    wrapper_conversions: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def key_mapping(self) -> dict[str, str] | None:
@@ -258,6 +261,8 @@ def read_text_stack(path: str | Path) -> TextStack:
         other_parameters=sum(p.numel() for p in model.parameters() if id(p) not in counted),
         truncatable=_truncatable(text),
         base_key_mapping=None if cls is not type(own) else _base_key_mapping(text, files),
+        text_module=prefix if cls is not type(own) else "",
+        wrapper_conversions=tuple(get_model_conversion_mapping(model)) if cls is not type(own) else (),
     )
 
 
@@ -349,13 +354,13 @@ def load_text_model(
         return _load_checkpoint_class(path, stack, dtype, **kwargs)
     model_class = AutoModelForCausalLM._model_mapping[type(stack.config)] if with_head else None
     model_class = model_class or _text_model_class(stack.config)
-    with _checkpoint_conversions(model_class, stack):
+    with _checkpoint_conversions(model_class, stack, with_head):
         model, loading = model_class.from_pretrained(
             path,
             config=truncated_text_config(stack, layers),
             dtype=dtype,
             local_files_only=True,
-            key_mapping=stack.key_mapping if with_head or stack.wrapped else stack.base_key_mapping,
+            key_mapping=_key_mapping(stack, with_head),
             output_loading_info=True,
             **kwargs,
         )
@@ -369,29 +374,47 @@ def load_text_model(
     return model
 
 
-def _conversion_key(transform) -> tuple:
-    return type(transform).__name__, tuple(transform.source_patterns), tuple(transform.target_patterns)
+def _key_mapping(stack: TextStack, with_head: bool) -> dict[str, str] | None:
+    """transformers' `key_mapping` for a load of the text model: none from a wrapper's files where its
+    transforms are registered (`_checkpoint_conversions`), the prefix change where they are not known."""
+    if stack.wrapped:
+        return None if stack.wrapper_conversions else stack.key_mapping
+    return stack.key_mapping if with_head else stack.base_key_mapping
+
+
+def _wrapper_chain(stack: TextStack, own_prefix: str) -> list:
+    """The weight transforms that read a wrapper's files into its text model loaded alone: transformers' own
+    for the wrapper in their order (its renamings of the family's original names, those of each sub-model
+    scoped to it), then its text model's path in the wrapper renamed to `own_prefix`, and the converters that
+    act on the text model's weights, no longer scoped (they see the renamed names: renamings all run first)."""
+    scope = (
+        stack.text_module.split(".", 1)[1] if stack.text_module.startswith("model.") else stack.text_module
+    )
+    renamings = [t for t in stack.wrapper_conversions if not isinstance(t, WeightConverter)]
+    converters = []
+    for t in stack.wrapper_conversions:
+        if isinstance(t, WeightConverter) and t.scope_prefix in (None, "", scope, stack.text_module):
+            unscoped = copy.deepcopy(t)
+            unscoped.scope_prefix = None
+            converters.append(unscoped)
+    into_own = f"{own_prefix}." if own_prefix else ""
+    return [*renamings, WeightRenaming(f"^{re.escape(stack.text_module)}\\.", into_own), *converters]
 
 
 @contextlib.contextmanager
-def _checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack):
-    """While `model_class` loads from a wrapper's files, the weight conversions transformers applies as it
-    loads the wrapper and not as it loads that class alone (Qwen3-VL-MoE's experts, transposed in its
-    releases; Ernie 4.5 VL's expert lists, split into text and vision experts; GLM-4.5V's per-expert
-    weights), registered for the class beside its own and taken back after."""
-    wrapper = getattr(getattr(transformers, stack.architecture, None), "config_class", None)
-    outer = get_checkpoint_conversion_mapping(getattr(wrapper, "model_type", None)) if stack.wrapped else None
-    name = model_class.__name__
-    own = get_checkpoint_conversion_mapping(name) or get_checkpoint_conversion_mapping(
-        stack.config.model_type
-    )
-    known = {_conversion_key(t) for t in own or ()}
-    extra = [t for t in outer or () if isinstance(t, WeightConverter) and _conversion_key(t) not in known]
-    if not extra:
+def _checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack, with_head: bool):
+    """While `model_class` loads from a wrapper's files, the wrapper's weight transforms (`_wrapper_chain`)
+    registered for it in place of its own, and taken back after: transformers converts some checkpoints as it
+    loads the wrapper and not as it loads the text model alone (Qwen3-VL-MoE's experts, transposed in its
+    releases; Ernie 4.5 VL's expert lists, split into text and vision experts; Mistral Large 3's original
+    names; GLM-4.5V's per-expert weights)."""
+    if not stack.wrapped or not stack.wrapper_conversions:
         yield
         return
+    name = model_class.__name__
     before = get_checkpoint_conversion_mapping(name)
-    register_checkpoint_conversion_mapping(name, [*(own or ()), *extra], overwrite=True)
+    own_prefix = stack.own_prefix if with_head else ""  # a causal LM's text model, or the text model itself
+    register_checkpoint_conversion_mapping(name, _wrapper_chain(stack, own_prefix), overwrite=True)
     try:
         yield
     finally:
