@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import transformers
 
+from dflash_ddp.target_model.text_stack import generating_part
+
 WINDOW = 8
 EXPERTS = 4
 TOP_K = 2
@@ -341,6 +343,40 @@ def _mistral_large4(vocab_size: int) -> Built:
         num_attention_heads=2,
     )
     return "MistralLarge4ForConditionalGeneration", _wrapper("MistralLarge4Config", text, vision)
+
+
+def _qwen3_omni_moe(vocab_size: int) -> Built:
+    """Qwen3-Omni-MoE as its thinking releases ship: the omni class over a thinker (a sparse text model with
+    interleaved multimodal rope, one-block vision and audio towers) without the talker that speaks; the class
+    names no input embedding of its own (its thinker writes the text), and transformers' generation cannot
+    prepare the thinker's position ids for a text prompt."""
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3], "interleaved": True}
+    text = make_config("Qwen3OmniMoeTextConfig", vocab_size=vocab_size, rope_parameters=rope)
+    vision = _vision(
+        "Qwen3OmniMoeVisionEncoderConfig",
+        hidden_size=32,
+        intermediate_size=64,
+        depth=2,
+        num_heads=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+        patch_size=4,
+    )
+    audio = _vision(
+        "Qwen3OmniMoeAudioEncoderConfig",
+        d_model=32,
+        encoder_layers=1,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        output_dim=64,
+        downsample_hidden_size=16,
+    )
+    thinker = make_config(
+        "Qwen3OmniMoeThinkerConfig", shrink=(), text_config=text, vision_config=vision, audio_config=audio
+    )
+    config = make_config("Qwen3OmniMoeConfig", shrink=(), thinker_config=thinker, enable_audio_output=False)
+    return "Qwen3OmniMoeForConditionalGeneration", config
 
 
 def _qwen3_next(vocab_size: int) -> Built:
@@ -715,6 +751,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "ernie4_5_vl_moe": _ernie4_5_vl_moe,
     "kimi_k25": _kimi_k25,
     "mistral_large4": _mistral_large4,
+    "qwen3_omni_moe": _qwen3_omni_moe,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,
@@ -780,6 +817,7 @@ def build_zoo_target(
     model_class, config = zoo_config(name, vocab_size)
     torch.manual_seed(seed)
     model = model_class(config)
+    writer = generating_part(model, config.get_text_config(decoder=True))[1]  # Omni: its thinker's head
     with torch.no_grad():
-        model.get_output_embeddings().weight[list(unwritten)] = 0
+        writer.get_output_embeddings().weight[list(unwritten)] = 0
     model.save_pretrained(out)

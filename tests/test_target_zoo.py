@@ -40,7 +40,7 @@ from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
-from dflash_ddp.target_model.text_stack import load_text_model
+from dflash_ddp.target_model.text_stack import generating_part, load_text_model
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
@@ -559,8 +559,9 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
         }
         save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    writer = generating_part(model, config.get_text_config(decoder=True))[1]  # Omni: its thinker
     with torch.no_grad():
-        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+        hidden = writer(input_ids=ids, output_hidden_states=True).hidden_states
     info = inspect_target(tmp_path)
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
     torch.testing.assert_close(

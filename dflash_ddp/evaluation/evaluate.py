@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import shlex
 import sys
@@ -31,7 +30,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer, row_template_kwargs
 from dflash_ddp.data.sources import read_conversations
@@ -42,98 +40,29 @@ from dflash_ddp.evaluation.decoding import (
     DecodeResult,
     as_transformers_assistant,
     greedy_generate,
-    new_target_cache,
     speculative_generate,
     tau_by_context,
     transformers_generate,
     untrained_drafter,
 )
 from dflash_ddp.evaluation.engine import engine_evaluation
-from dflash_ddp.evaluation.report import METHOD_LABELS, OWN_DECODING, family_label, methods, print_report
+from dflash_ddp.evaluation.report import METHOD_LABELS, OWN_DECODING, methods, print_report
+from dflash_ddp.evaluation.row_notes import (
+    SAMPLED_ROW,
+    assisted_decoding_note,
+    generation_note,
+    hyper_connection_note,
+    position_ids_note,
+    sampled_row_note,
+    transformers_note,
+)
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.evaluation.ties import ULPS, cache_divergence, logit_gap
 from dflash_ddp.hub import resolve_data
 from dflash_ddp.parallel.topology import resolve_device
 from dflash_ddp.serving.export import load_drafter
-from dflash_ddp.target_model.features import residual_streams
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
-
-# the greedy evaluation's row at temperature 1.0: this drafter with speculative sampling, prompt i seeded with
-# SAMPLED_ROW.seed + i (lossless in distribution, so not compared token for token)
-SAMPLED_ROW = Sampling(temperature=1.0, top_p=1.0, seed=0)
-# transformers' generate drafts with a DFlash drafter with full attention only (speculation_type="dflash"):
-# another drafter has no transformers row, and the report says why
-NO_TRANSFORMERS_ROW = "transformers' generate runs DFlash drafters only: no transformers row for a {} drafter"
-NO_TRANSFORMERS_WINDOW = (
-    "transformers' generate runs DFlash drafters with full attention only: no transformers row for a drafter "
-    "with sliding-window layers"
-)
-
-
-def assisted_decoding_note(target) -> str | None:
-    """Why transformers' assisted decoding (the prompt-lookup and transformers rows) cannot run on this target,
-    or None when it can: it crops the target's cache after each verify, and some caches cannot be cropped."""
-    cache = new_target_cache(target)
-    if cache.is_croppable:
-        return None
-    why = "compressed attention" if type(cache) is DynamicCache else f"its own {type(cache).__name__}"
-    return (
-        f"transformers' assisted decoding crops the target's cache, which model type "
-        f"'{target.config.get_text_config(decoder=True).model_type}' cannot ({why}): no prompt_lookup or "
-        "transformers rows; this project's decoder restores a copy of the cache instead"
-    )
-
-
-def hyper_connection_note(target) -> str | None:
-    """Why transformers' DFlash generate cannot run a drafter of this target, or None when it can: it hands the
-    drafter a hyper-connection model's hidden states as they are ([.., streams, hidden]), not their mean over
-    the streams, which the engines feed and the drafter is trained on."""
-    streams = residual_streams(target.config)
-    if streams == 1:
-        return None
-    return (
-        f"transformers' DFlash generate passes the drafter all {streams} residual streams of model type "
-        f"'{target.config.get_text_config(decoder=True).model_type}', not their mean as vLLM does: no "
-        "transformers row"
-    )
-
-
-def position_ids_note(target) -> str | None:
-    """Why transformers' DFlash generate cannot run on this target, or None when it can: it hands the drafter
-    the target's position ids, which a target with ALiBi takes none of (BLOOM, MPT), and slices them as
-    [batch, positions], which a vision-language target decoded as its wrapper gives as rows of multimodal
-    rotary positions ([rows, batch, positions]: Qwen2-VL to Qwen3-VL, GLM-4.5V), asked of its generation."""
-    model_type = target.config.get_text_config(decoder=True).model_type
-    if "position_ids" not in inspect.signature(target.forward).parameters:
-        return (
-            f"transformers' DFlash generate reads the target's position ids, which model type '{model_type}' "
-            "takes none of (ALiBi): no transformers row"
-        )
-    prompt = torch.zeros(1, 2, dtype=torch.long, device=target.device)
-    positions = target._prepare_position_ids_for_generation(
-        prompt, {"attention_mask": torch.ones_like(prompt)}
-    )
-    if positions.dim() <= 2:
-        return None
-    return (
-        f"transformers' DFlash generate slices the target's position ids as [batch, positions], which model type "
-        f"'{model_type}' gives as {positions.shape[0]} rows of multimodal rotary positions: no transformers row"
-    )
-
-
-def sampled_row_note(config) -> str | None:
-    """Why the greedy evaluation has no row at temperature 1.0 for this drafter, or None when it has one."""
-    if config.family == "dflash2":
-        return "no row at temperature 1.0: DFlash2's selector walk is not sampled here yet"
-    return None
-
-
-def transformers_note(config) -> str | None:
-    """Why transformers' generate cannot run this drafter, or None when it can."""
-    if config.family != "dflash":
-        return NO_TRANSFORMERS_ROW.format(family_label(config.family))
-    return NO_TRANSFORMERS_WINDOW if config.slides else None
 
 
 def check_compatibility(config: DFlashDraftConfig, info: TargetInfo) -> None:
@@ -259,7 +188,7 @@ def run_evaluation(
         del runs["transformers_dflash"]
     if hyper_connection_note(target) or position_ids_note(target):
         runs.pop("transformers_dflash", None)
-    if assisted_decoding_note(target):
+    if assisted_decoding_note(target) or generation_note(target):
         runs.pop("transformers_dflash", None)
         runs.pop("prompt_lookup")
     sampled_row = sampled_row_note(setup.drafter.config) is None
@@ -360,6 +289,7 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
                 transformers_note(setup.drafter.config),
                 sampled_row_note(setup.drafter.config),
                 assisted_decoding_note(setup.target),
+                generation_note(setup.target),
                 hyper_connection_note(setup.target),
                 position_ids_note(setup.target),
             )

@@ -60,6 +60,9 @@ class TextStack:
     base_key_mapping: dict[str, str] | None = None  # reads the text model alone from a causal-LM checkpoint
     # a wrapper's: the text model's module path in it, and transformers' weight conversions as it loads it
     text_module: str = ""
+    generator: str = (
+        ""  # the sub-model that writes the text, where the checkpoint's class is more (Omni's thinker)
+    )
     wrapper_conversions: tuple = field(default=(), compare=False, repr=False)
 
     @property
@@ -138,6 +141,20 @@ def _input_embeddings(module: PreTrainedModel) -> nn.Module | None:
         return None
 
 
+def generating_part(model: PreTrainedModel, text: PretrainedConfig) -> tuple[str, PreTrainedModel]:
+    """(path, module) of the part of a checkpoint's model that writes its text: the model itself, or where its
+    class names no input embedding (Qwen2.5-Omni and Qwen3-Omni: a thinker that writes text beside a talker
+    that speaks) the first sub-model whose embedding and LM head are the text config's."""
+    if _input_embeddings(model) is not None:
+        return "", model
+    for name, module in model.named_modules():
+        if name and isinstance(module, PreTrainedModel) and _input_embeddings(module) is not None:
+            head = getattr(module.get_output_embeddings(), "weight", None)
+            if isinstance(head, torch.Tensor) and tuple(head.shape) == (text.vocab_size, text.hidden_size):
+                return name, module
+    return "", model
+
+
 def _owner_of(model: nn.Module, embed: nn.Module) -> tuple[str, nn.Module]:
     """(name, module) of the innermost pretrained model whose input embedding is `embed`: the text model."""
     owners = [
@@ -209,7 +226,8 @@ def read_text_stack(path: str | Path) -> TextStack:
     cls = checkpoint_class(config, path)
     with torch.device("meta"):
         model = cls._from_config(copy.deepcopy(config))
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    generator, writer = generating_part(model, text)
+    embed, head = _input_embeddings(writer), writer.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         raise ValueError(
             f"--target_model {path}: {cls.__name__} ({config.model_type}) has no causal-LM text head "
@@ -262,6 +280,7 @@ def read_text_stack(path: str | Path) -> TextStack:
         truncatable=_truncatable(text),
         base_key_mapping=None if cls is not type(own) else _base_key_mapping(text, files),
         text_module=prefix if cls is not type(own) else "",
+        generator=generator,
         wrapper_conversions=tuple(get_model_conversion_mapping(model)) if cls is not type(own) else (),
     )
 
@@ -315,7 +334,8 @@ def truncated_text_config(stack: TextStack, layers: int) -> PretrainedConfig:
 
 
 def _load_checkpoint_class(path: Path, stack: TextStack, dtype: torch.dtype, **kwargs) -> nn.Module:
-    """The checkpoint as its own class (a vision-language wrapper whose text model has no causal LM), whole."""
+    """The checkpoint as its own class (a vision-language wrapper whose text model has no causal LM), whole;
+    its sub-model that writes the text where the class is more than that (Omni's thinker, beside its talker)."""
     cls = getattr(transformers, stack.architecture)
     model, loading = cls.from_pretrained(
         path, dtype=dtype, local_files_only=True, output_loading_info=True, **kwargs
@@ -326,7 +346,7 @@ def _load_checkpoint_class(path: Path, stack: TextStack, dtype: torch.dtype, **k
             f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {stack.architecture} "
             f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); is it complete and saved by transformers?"
         )
-    return model
+    return model.get_submodule(stack.generator) if stack.generator else model
 
 
 def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
