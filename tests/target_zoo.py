@@ -29,6 +29,8 @@ WINDOW = 8
 EXPERTS = 4
 TOP_K = 2
 EXPERT_WIDTH = 32
+MLA_WIDTHS = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+GROUPED_EXPERTS = dict(first_k_dense_replace=1, n_group=2, topk_group=1)  # a dense first layer, then groups
 # the zoo's shape, each field applied where the class defines it (Qwen3.5-MoE defines no `intermediate_size`,
 # DeepSeek V4 has no dense MLP at all)
 SHRINK = dict(
@@ -290,22 +292,10 @@ def _ernie4_5_vl_moe(vocab_size: int) -> Built:
     return "Ernie4_5_VLMoeForConditionalGeneration", _wrapper("Ernie4_5_VLMoeConfig", text, vision)
 
 
-MLA_WIDTHS = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-
-
 def _kimi_k25(vocab_size: int) -> Built:
     """Kimi K2.5 as shipped: the wrapper over a DeepSeek V3 text model (latent attention, a dense first layer,
     grouped-routing experts) and a one-block MoonViT tower; its conversions rename the original `blocks`."""
-    text = _mla(
-        "DeepseekV3Config",
-        vocab_size=vocab_size,
-        q_lora_rank=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        **MLA_WIDTHS,
-    )
+    text = _deepseek_v3(vocab_size)[1]
     vision = _vision(
         "Kimi_K25VisionConfig",
         hidden_size=32,
@@ -330,10 +320,8 @@ def _mistral_large4(vocab_size: int) -> Built:
         index_head_dim=16,
         index_n_heads=2,
         index_topk=512,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
         **MLA_WIDTHS,
+        **GROUPED_EXPERTS,
     )
     vision = _vision(
         "PixtralVisionConfig",
@@ -509,14 +497,9 @@ def _deepseek_v3(vocab_size: int) -> Built:
         "DeepseekV3Config",
         vocab_size=vocab_size,
         q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        first_k_dense_replace=1,
         n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
+        **MLA_WIDTHS,
+        **GROUPED_EXPERTS,
     )
     return "DeepseekV3ForCausalLM", config
 
@@ -643,14 +626,11 @@ def _kimi_linear(vocab_size: int) -> Built:
         vocab_size=vocab_size,
         layer_types=LINEAR_THEN_FULL,
         mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-        kv_lora_rank=32,
         q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
         linear_head_dim=16,
         linear_num_heads=4,
         n_shared_experts=1,
+        **MLA_WIDTHS,
     )
     return "KimiLinearForCausalLM", config
 
@@ -707,11 +687,8 @@ def _longcat_flash(vocab_size: int) -> Built:
         moe_topk=TOP_K,
         zero_expert_num=2,
         q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
         head_dim=8,
+        **MLA_WIDTHS,
     )
 
 
