@@ -57,6 +57,8 @@ SLIDING_THEN_FULL = ["sliding_attention", "sliding_attention", "sliding_attentio
 LINEAR_THEN_FULL = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
 Built = tuple[str, Any]
+# stands for a released pickle: bytes that no loader reads without an error, so that a read fails the test
+UNREADABLE_PICKLE = b"a pickle that dflash_ddp must never load"
 
 
 def defined_fields(config_class: type) -> set[str]:
@@ -365,6 +367,68 @@ def _qwen3_omni_moe(vocab_size: int) -> Built:
     )
     config = make_config("Qwen3OmniMoeConfig", shrink=(), thinker_config=thinker, enable_audio_output=False)
     return "Qwen3OmniMoeForConditionalGeneration", config
+
+
+def _qwen2_5_omni(vocab_size: int) -> Built:
+    """Qwen2.5-Omni as it ships: a thinker (dense text model, multimodal rope, one-block vision and audio
+    towers) beside a talker that speaks and its token-to-wave vocoder; releases add the talker's voices as a
+    pickle (`spk_dict.pt`, written by `build_zoo_target`), which the omni class's `from_pretrained` reads."""
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    text = make_config("Qwen2_5OmniTextConfig", vocab_size=vocab_size, rope_parameters=rope)
+    vision = _vision(
+        "Qwen2_5OmniVisionEncoderConfig",
+        hidden_size=32,
+        intermediate_size=64,
+        depth=1,
+        num_heads=2,
+        out_hidden_size=64,
+        fullatt_block_indexes=[0],
+        window_size=28,
+    )
+    audio = _vision(
+        "Qwen2_5OmniAudioEncoderConfig",
+        d_model=32,
+        encoder_layers=1,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        output_dim=64,
+    )
+    thinker = make_config(
+        "Qwen2_5OmniThinkerConfig", shrink=(), text_config=text, vision_config=vision, audio_config=audio
+    )
+    talker = _vision(
+        "Qwen2_5OmniTalkerConfig",
+        vocab_size=64,
+        embedding_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters=rope,
+    )
+    dit = _vision(
+        "Qwen2_5OmniDiTConfig",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=16,
+        emb_dim=32,
+        look_ahead_layers=[0],
+        look_backward_layers=[1],
+        enc_emb_dim=32,
+        enc_dim=32,
+        enc_channels=[32, 32, 32, 32, 96],
+        enc_attention_channels=16,
+        enc_se_channels=16,
+    )
+    vocoder = _vision("Qwen2_5OmniBigVGANConfig", upsample_initial_channel=32)
+    token2wav = make_config("Qwen2_5OmniToken2WavConfig", shrink=(), dit_config=dit, bigvgan_config=vocoder)
+    config = make_config(
+        "Qwen2_5OmniConfig", shrink=(), thinker_config=thinker, talker_config=talker, token2wav_config=token2wav
+    )
+    return "Qwen2_5OmniForConditionalGeneration", config
 
 
 def _qwen3_next(vocab_size: int) -> Built:
@@ -729,6 +793,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "kimi_k25": _kimi_k25,
     "mistral_large4": _mistral_large4,
     "qwen3_omni_moe": _qwen3_omni_moe,
+    "qwen2_5_omni": _qwen2_5_omni,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,
@@ -798,3 +863,5 @@ def build_zoo_target(
     with torch.no_grad():
         writer.get_output_embeddings().weight[list(unwritten)] = 0
     model.save_pretrained(out)
+    if getattr(model, "has_talker", False):  # Qwen2.5-Omni's voices: a pickle, which no part may read
+        (out / "spk_dict.pt").write_bytes(UNREADABLE_PICKLE)

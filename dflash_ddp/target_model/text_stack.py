@@ -335,18 +335,25 @@ def truncated_text_config(stack: TextStack, layers: int) -> PretrainedConfig:
 
 def _load_checkpoint_class(path: Path, stack: TextStack, dtype: torch.dtype, **kwargs) -> nn.Module:
     """The checkpoint as its own class (a vision-language wrapper whose text model has no causal LM), whole;
-    its sub-model that writes the text where the class is more than that (Omni's thinker, beside its talker)."""
+    where the class is more than what writes the text, that sub-model's class alone, which transformers reads
+    from its part of the files (Omni's thinker, beside a talker that speaks: Qwen2.5-Omni's class would also
+    read the talker's voices from a pickle, which this project never loads)."""
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
     cls = getattr(transformers, stack.architecture)
+    if stack.generator:
+        with torch.device("meta"):
+            part = cls._from_config(copy.deepcopy(config)).get_submodule(stack.generator)
+        cls, config = type(part), part.config
     model, loading = cls.from_pretrained(
-        path, dtype=dtype, local_files_only=True, output_loading_info=True, **kwargs
+        path, config=config, dtype=dtype, local_files_only=True, output_loading_info=True, **kwargs
     )
     missing = sorted(loading.get("missing_keys", ()))
     if missing:
         raise ValueError(
-            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {stack.architecture} "
+            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {cls.__name__} "
             f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); is it complete and saved by transformers?"
         )
-    return model.get_submodule(stack.generator) if stack.generator else model
+    return model
 
 
 def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
