@@ -426,7 +426,11 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
     vocoder = _vision("Qwen2_5OmniBigVGANConfig", upsample_initial_channel=32)
     token2wav = make_config("Qwen2_5OmniToken2WavConfig", shrink=(), dit_config=dit, bigvgan_config=vocoder)
     config = make_config(
-        "Qwen2_5OmniConfig", shrink=(), thinker_config=thinker, talker_config=talker, token2wav_config=token2wav
+        "Qwen2_5OmniConfig",
+        shrink=(),
+        thinker_config=thinker,
+        talker_config=talker,
+        token2wav_config=token2wav,
     )
     return "Qwen2_5OmniForConditionalGeneration", config
 
