@@ -671,6 +671,31 @@ def _nemotron_h(vocab_size: int) -> Built:
     return "NemotronHForCausalLM", config
 
 
+def _nemotron_h_omni(vocab_size: int) -> Built:
+    """Nemotron 3 Nano Omni: a Nemotron-H causal LM (its experts saved one by one, merged as it loads) beside a
+    one-block RADIO vision tower; the wrapper names no LM head of its own (its causal LM's writes the text)."""
+    text = _nemotron_h(vocab_size)[1]
+    vision = _vision(
+        "RadioConfig",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        mlp_ratio=2.0,
+        video_temporal_patch_size=2,
+        max_img_size=64,
+        image_size=32,
+    )
+    config = make_config(
+        "NemotronH_Omni_Reasoning_V3_Config",
+        shrink=(),
+        text_config=text,
+        vision_config=vision,
+        projector_hidden_size=64,
+        vision_hidden_size=32,
+    )
+    return "NemotronH_Omni_Reasoning_V3", config
+
+
 def _falcon_h1(vocab_size: int) -> Built:
     """Falcon-H1: every layer runs attention and Mamba-2 in parallel; Mamba chunks of 8 tokens and, as the
     released checkpoints do, non-unit embedding and LM-head multipliers."""
@@ -819,6 +844,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "minimax_m2": _minimax_m2,
     "minimax": _plain("MiniMaxConfig", "MiniMaxForCausalLM"),  # lightning attention; a cache of its own
     "nemotron_h": _nemotron_h,
+    "nemotron_h_omni": _nemotron_h_omni,
     "kimi_linear": _kimi_linear,
     "falcon_h1": _falcon_h1,
     "exaone4": _exaone4,

@@ -36,6 +36,7 @@ from dflash_ddp.export import main as export_main
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.target_model import kernels
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, layer_output
+from dflash_ddp.target_model.forward_code import causal_lm_class
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
@@ -531,9 +532,13 @@ def test_taps_skip_the_layers_a_vision_targets_forward_skips_on_text(zoo, chat_d
     assert "layers [4] of model type 'mllama_text_model' attend to an image and are skipped on text" in line
 
 
-WRAPPERS = tuple(
-    name for name in ZOO_NAMES if zoo_config(name, 300)[0].__name__.endswith("ConditionalGeneration")
-)
+def _is_wrapper(name: str) -> bool:
+    """Whether the zoo's `name` ships as more than the causal LM of its text config."""
+    model_class, config = zoo_config(name, 300)
+    return model_class is not causal_lm_class(config.get_text_config(decoder=True))
+
+
+WRAPPERS = tuple(name for name in ZOO_NAMES if _is_wrapper(name))
 
 
 @pytest.mark.parametrize(
@@ -585,6 +590,29 @@ def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path
     assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "BertModel (bert) has no causal-LM text head" in line
+
+
+def test_an_encoder_decoder_target_is_refused_in_one_line(chat_data, tmp_path, capsys):
+    """An encoder-decoder's decoder layers also attend to the encoder's output, which the drafter is never
+    given (Florence-2's BART stopped on a missing MLP width, T5Gemma 2 in its decoder's forward before)."""
+    target = tmp_path / "bart"
+    tok = build_tokenizer(target)
+    transformers.BartForConditionalGeneration(
+        transformers.BartConfig(
+            vocab_size=len(tok),
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=4,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+        )
+    ).save_pretrained(target)
+    capsys.readouterr()
+    assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "BartForConditionalGeneration is an encoder-decoder model" in line
 
 
 def test_a_target_whose_embedding_is_narrower_than_its_hidden_states_is_refused_in_one_line(

@@ -12,7 +12,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-from transformers import AutoModel, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 FULL_ATTENTION = "full_attention"
 
@@ -22,8 +22,20 @@ def text_model_class(config) -> type | None:
     none (the text configs of Ernie 4.5 VL, Llama 3.2 Vision, Qwen3-Omni's thinker and other wrappers) the
     model without a head that its family's modeling code builds for that config class; None where
     transformers has neither."""
-    mapped = AutoModel._model_mapping.get(type(config), None)
+    mapped = _mapped_class(AutoModel, config)
     return mapped if mapped is not None else _family_text_model(type(config))
+
+
+def causal_lm_class(config) -> type | None:
+    """The causal-LM class transformers maps `config` to, None where it maps none."""
+    return _mapped_class(AutoModelForCausalLM, config)
+
+
+def _mapped_class(auto: type, config) -> type | None:
+    try:
+        return auto._model_mapping.get(type(config), None)
+    except ValueError:  # mapped to a class its package does not export (Voxtral Realtime's text model)
+        return None
 
 
 HEADED = re.compile(r"PreTrainedModel$|For[A-Z]\w*$")  # a base class, or a model with a head

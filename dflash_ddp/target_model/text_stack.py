@@ -23,7 +23,6 @@ from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     conversion_mapping,
@@ -36,7 +35,7 @@ from transformers.conversion_mapping import (
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from dflash_ddp.hub import LAYER_OF_WEIGHT, check_safetensors
-from dflash_ddp.target_model.forward_code import text_model_class
+from dflash_ddp.target_model.forward_code import causal_lm_class, text_model_class
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,7 @@ class TextStack:
     base_key_mapping: dict[str, str] | None = None  # reads the text model alone from a causal-LM checkpoint
     # a wrapper's: the text model's module path in it, and transformers' weight conversions as it loads it
     text_module: str = ""
+    head_module: str = ""  # the LM head's module path in it (Nemotron 3 Nano Omni's `language_model.lm_head`)
     generator: str = (
         ""  # the sub-model that writes the text, where the checkpoint's class is more (Omni's thinker)
     )
@@ -124,14 +124,14 @@ def checkpoint_class(config: PretrainedConfig, path: Path) -> type[PreTrainedMod
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
             return cls
-    try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
+    found = causal_lm_class(config)
+    if found is None:
         raise ValueError(
             f"--target_model {path}: model type '{config.model_type}' has no causal-LM class in transformers "
             f"{transformers.__version__} (config.json architectures {getattr(config, 'architectures', None)}): "
             "a drafter needs a target that generates text"
-        ) from None
+        )
+    return found
 
 
 def _input_embeddings(module: PreTrainedModel) -> nn.Module | None:
@@ -143,9 +143,10 @@ def _input_embeddings(module: PreTrainedModel) -> nn.Module | None:
 
 def generating_part(model: PreTrainedModel, text: PretrainedConfig) -> tuple[str, PreTrainedModel]:
     """(path, module) of the part of a checkpoint's model that writes its text: the model itself, or where its
-    class names no input embedding (Qwen2.5-Omni and Qwen3-Omni: a thinker that writes text beside a talker
-    that speaks) the first sub-model whose embedding and LM head are the text config's."""
-    if _input_embeddings(model) is not None:
+    class names no input embedding or no LM head (Qwen2.5-Omni and Qwen3-Omni: a thinker that writes text
+    beside a talker that speaks; Nemotron 3 Nano Omni: a causal LM beside its vision and audio towers) the
+    first sub-model whose embedding and LM head are the text config's."""
+    if _input_embeddings(model) is not None and model.get_output_embeddings() is not None:
         return "", model
     for name, module in model.named_modules():
         if name and isinstance(module, PreTrainedModel) and _input_embeddings(module) is not None:
@@ -190,9 +191,16 @@ def decoder_layer_count(text: PretrainedConfig) -> int:
     return text.num_hidden_layers // attention_layers_per_decoder_layer(text)
 
 
-def _refuse_unsupported_layers(text: PretrainedConfig, path: Path) -> None:
-    """One line, before anything is built, for decoder layers that do not pass one residual stream: the
-    drafter taps a layer's output as the stream."""
+def _refuse_unsupported_layers(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> None:
+    """One line, before anything is built, for decoder layers that read more than the text before them (an
+    encoder-decoder's cross-attention) or do not pass one residual stream: the drafter is given a layer's
+    output as the stream and nothing else."""
+    if getattr(config, "is_encoder_decoder", False):  # Florence-2, Pix2Struct, T5Gemma 2, Nougat ...
+        raise ValueError(
+            f"--target_model {path}: {(config.architectures or [config.model_type])[0]} is an encoder-decoder "
+            "model: its decoder's layers also attend to an encoder's output, which a drafter reading the "
+            "decoder's hidden states is never given; DFlash drafts for decoder-only targets"
+        )
     streams = getattr(text, "altup_num_inputs", None)
     if streams:  # Gemma 3n
         raise ValueError(
@@ -221,7 +229,7 @@ def read_text_stack(path: str | Path) -> TextStack:
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True)
-    _refuse_unsupported_layers(text, path)
+    _refuse_unsupported_layers(config, text, path)
     _restore_nested_rope_theta(text)
     cls = checkpoint_class(config, path)
     with torch.device("meta"):
@@ -255,7 +263,7 @@ def read_text_stack(path: str | Path) -> TextStack:
         )
     # the text model's prefix in the files: the saved embedding's name less its name inside the text model
     inner = embed_name.removeprefix(f"{prefix}.")
-    own_class = AutoModelForCausalLM._model_mapping.get(type(text), None)
+    own_class = causal_lm_class(text)
     with torch.device("meta"):
         # GLM-5's text config has no causal LM of its own: generation runs the checkpoint's class
         own = (own_class or _text_model_class(text))._from_config(copy.deepcopy(text))
@@ -280,6 +288,7 @@ def read_text_stack(path: str | Path) -> TextStack:
         truncatable=_truncatable(text),
         base_key_mapping=None if cls is not type(own) else _base_key_mapping(text, files),
         text_module=prefix if cls is not type(own) else "",
+        head_module=head_name.removesuffix(".weight") if cls is not type(own) else "",
         generator=generator,
         wrapper_conversions=tuple(get_model_conversion_mapping(model)) if cls is not type(own) else (),
     )
@@ -379,7 +388,7 @@ def load_text_model(
     config alone (GLM-5), the whole model `with_head` is the checkpoint's own class."""
     if with_head and not stack.text_lm:
         return _load_checkpoint_class(path, stack, dtype, **kwargs)
-    model_class = AutoModelForCausalLM._model_mapping[type(stack.config)] if with_head else None
+    model_class = causal_lm_class(stack.config) if with_head else None
     model_class = model_class or _text_model_class(stack.config)
     with _checkpoint_conversions(model_class, stack, with_head):
         model, loading = model_class.from_pretrained(
@@ -409,23 +418,33 @@ def _key_mapping(stack: TextStack, with_head: bool) -> dict[str, str] | None:
     return stack.key_mapping if with_head else stack.base_key_mapping
 
 
-def _wrapper_chain(stack: TextStack, own_prefix: str) -> list:
+def _wrapper_chain(stack: TextStack, own_prefix: str, with_head: bool) -> list:
     """The weight transforms that read a wrapper's files into its text model loaded alone: transformers' own
     for the wrapper in their order (its renamings of the family's original names, those of each sub-model
-    scoped to it), then its text model's path in the wrapper renamed to `own_prefix`, and the converters that
-    act on the text model's weights, no longer scoped (they see the renamed names: renamings all run first)."""
-    scope = (
-        stack.text_module.split(".", 1)[1] if stack.text_module.startswith("model.") else stack.text_module
-    )
+    scoped to it), then its text model's path in the wrapper renamed to `own_prefix` (and its LM head's, where
+    it sits beside the text model, to the causal LM's), and the converters that act on the text model's
+    weights, no longer scoped (they see the renamed names: renamings all run first)."""
+    # transformers scopes a transform to a sub-model by its path, less a wrapper's base model `model.`
+    paths = {stack.text_module, stack.text_module.removeprefix("model.")}
     renamings = [t for t in stack.wrapper_conversions if not isinstance(t, WeightConverter)]
     converters = []
     for t in stack.wrapper_conversions:
-        if isinstance(t, WeightConverter) and t.scope_prefix in (None, "", scope, stack.text_module):
+        # a converter of the text model's weights: unscoped, or scoped to the text model or a part holding it
+        # (Nemotron 3 Nano Omni's, to the causal LM around its text model)
+        scope = t.scope_prefix
+        if isinstance(t, WeightConverter) and (
+            not scope or any(p == scope or p.startswith(f"{scope}.") for p in paths)
+        ):
             unscoped = copy.deepcopy(t)
             unscoped.scope_prefix = None
             converters.append(unscoped)
     into_own = f"{own_prefix}." if own_prefix else ""
-    return [*renamings, WeightRenaming(f"^{re.escape(stack.text_module)}\\.", into_own), *converters]
+    renamings.append(WeightRenaming(f"^{re.escape(stack.text_module)}\\.", into_own))
+    own_head = stack.own_head_tensor.removesuffix(".weight")
+    beside = stack.head_module and not stack.head_module.startswith(f"{stack.text_module}.")
+    if with_head and beside and stack.head_module != own_head:
+        renamings.append(WeightRenaming(f"^{re.escape(stack.head_module)}\\.", f"{own_head}."))
+    return [*renamings, *converters]
 
 
 @contextlib.contextmanager
@@ -441,7 +460,7 @@ def _checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack
     name = model_class.__name__
     before = get_checkpoint_conversion_mapping(name)
     own_prefix = stack.own_prefix if with_head else ""  # a causal LM's text model, or the text model itself
-    register_checkpoint_conversion_mapping(name, _wrapper_chain(stack, own_prefix), overwrite=True)
+    register_checkpoint_conversion_mapping(name, _wrapper_chain(stack, own_prefix, with_head), overwrite=True)
     try:
         yield
     finally:
