@@ -435,6 +435,24 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
     return "Qwen2_5OmniForConditionalGeneration", config
 
 
+def _blip_2(vocab_size: int) -> Built:
+    """BLIP-2 over OPT as it ships: its text model's embedding is owned by the `OPTDecoder` one level below the
+    `OPTModel` that loads (`language_model.model.decoder`); a one-block vision tower and Q-Former."""
+    text = make_config("OPTConfig", vocab_size=vocab_size, ffn_dim=128, word_embed_proj_dim=64)
+    layers = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision = _vision("Blip2VisionConfig", image_size=28, patch_size=14, **layers)
+    qformer = _vision("Blip2QFormerConfig", encoder_hidden_size=32, **layers)
+    config = make_config(
+        "Blip2Config",
+        shrink=(),
+        text_config=text,
+        vision_config=vision,
+        qformer_config=qformer,
+        num_query_tokens=4,
+    )
+    return "Blip2ForConditionalGeneration", config
+
+
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
     config = make_config(
@@ -823,6 +841,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "mistral_large4": _mistral_large4,
     "qwen3_omni_moe": _qwen3_omni_moe,
     "qwen2_5_omni": _qwen2_5_omni,
+    "blip_2": _blip_2,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,

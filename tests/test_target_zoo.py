@@ -41,7 +41,7 @@ from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
-from dflash_ddp.target_model.text_stack import generating_part, load_text_model
+from dflash_ddp.target_model.text_stack import generating_part, load_text_model, text_model_of
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
@@ -549,7 +549,8 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     converts some checkpoints only as it loads the wrapper. Released Qwen3-VL-MoE checkpoints (`released`) keep
     their experts as [experts, hidden, 2 x width] (its load stopped on their shapes before); Ernie 4.5 VL's
     keep Baidu's layout, one expert list split into text and vision experts, as transformers saves it too (its
-    load stopped on missing weights). The features equal the wrapper's own hidden states."""
+    load stopped on missing weights); BLIP-2's OPT owns its embedding one level below the model that
+    loads (missing weights). The features equal the hidden states of the wrapper's own text model."""
     model_class, config = zoo_config(name, 300)
     moe = getattr(config.get_text_config(decoder=True), "moe_intermediate_size", None)
     if moe is not None:  # experts of 2 x 24 rows, not the hidden width: a transposed load cannot pass
@@ -564,9 +565,10 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
         }
         save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
-    writer = generating_part(model, config.get_text_config(decoder=True))[1]  # Omni: its thinker
+    # the wrapper's own text model (BLIP-2's forward asks for an image), as built before it was saved
+    text_model = text_model_of(generating_part(model, config.get_text_config(decoder=True))[1])
     with torch.no_grad():
-        hidden = writer(input_ids=ids, output_hidden_states=True).hidden_states
+        hidden = text_model(input_ids=ids, output_hidden_states=True).hidden_states
     info = inspect_target(tmp_path)
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
     torch.testing.assert_close(

@@ -156,14 +156,16 @@ def generating_part(model: PreTrainedModel, text: PretrainedConfig) -> tuple[str
     return "", model
 
 
-def _owner_of(model: nn.Module, embed: nn.Module) -> tuple[str, nn.Module]:
-    """(name, module) of the innermost pretrained model whose input embedding is `embed`: the text model."""
+def _owner_of(model: nn.Module, embed: nn.Module, loaded: type | None = None) -> tuple[str, nn.Module]:
+    """(name, module) of the pretrained model whose input embedding is `embed` that target ranks load: the one
+    of class `loaded` where one is (BLIP-2's OPT: the `OPTModel` around the `OPTDecoder` that owns the
+    embedding too), else the innermost: the text model."""
     owners = [
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, PreTrainedModel) and _input_embeddings(module) is embed
     ]
-    return max(owners, key=lambda item: len(item[0]))
+    return max(owners, key=lambda item: (type(item[1]) is loaded, len(item[0])))
 
 
 def text_model_of(model: PreTrainedModel) -> nn.Module:
@@ -249,7 +251,7 @@ def read_text_stack(path: str | Path) -> TextStack:
             "wide); a DFlash drafter shares those at the hidden width, so it cannot draft for this target"
         )
     names = _module_names(model)
-    prefix, text_model = _owner_of(model, embed)
+    prefix, text_model = _owner_of(model, embed, text_model_class(text))
     embed_name = f"{names[id(embed)]}.weight"
     head_name = f"{names[id(embed) if head.weight is embed.weight else id(head)]}.weight"
     wanted = {embed_name, head_name}
@@ -273,7 +275,9 @@ def read_text_stack(path: str | Path) -> TextStack:
         config=text,
         architecture=cls.__name__,
         prefix=saved[embed_name].removesuffix(f".{inner}"),
-        own_prefix=_owner_of(own, own.get_input_embeddings())[0] if own_class else own.base_model_prefix,
+        own_prefix=_owner_of(own, own.get_input_embeddings(), text_model_class(text))[0]
+        if own_class
+        else own.base_model_prefix,
         wrapped=cls is not type(own),
         text_lm=own_class is not None,
         own_head_tensor=f"{_module_names(own)[id(own_head)]}.weight" if own_head is not None else head_name,
