@@ -453,6 +453,29 @@ def _blip_2(vocab_size: int) -> Built:
     return "Blip2ForConditionalGeneration", config
 
 
+def _inkling2(vocab_size: int) -> Built:
+    """Inkling 2 as it ships: its checkpoints in the family's original names (`model.llm.embed`,
+    `model.llm.unembed`, `embed_norm`), which transformers renames for the wrapper, for its causal LM and for
+    its text model alike (a rename must not run twice); its vocabulary padded past the tokenizer's."""
+    text = make_config(
+        "Inkling2TextConfig",
+        vocab_size=vocab_size + 20,
+        unpadded_vocab_size=vocab_size,
+        layer_types=["hybrid_sliding"] * 4,
+    )
+    vision = _vision(
+        "Inkling2VisionConfig",
+        hidden_size=32,
+        intermediate_size=64,
+        mlp_ratio=2.0,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        projection_hidden_dim=64,
+        text_hidden_size=64,
+    )
+    return "Inkling2ForConditionalGeneration", _wrapper("Inkling2Config", text, vision)
+
+
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
     config = make_config(
@@ -842,6 +865,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "qwen3_omni_moe": _qwen3_omni_moe,
     "qwen2_5_omni": _qwen2_5_omni,
     "blip_2": _blip_2,
+    "inkling2": _inkling2,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,

@@ -33,7 +33,9 @@ from dflash_ddp.evaluate import main as evaluate_main
 from dflash_ddp.evaluation.decoding import greedy_generate, speculative_generate, untrained_drafter
 from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.export import main as export_main
+from dflash_ddp.hub import LAYER_OF_WEIGHT
 from dflash_ddp.parallel.machine import MemoryPlan
+from dflash_ddp.setup.run import target_weights
 from dflash_ddp.target_model import kernels
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, layer_output
 from dflash_ddp.target_model.forward_code import causal_lm_class
@@ -574,6 +576,13 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     torch.testing.assert_close(
         features, torch.cat([layer_output(hidden[2]), layer_output(hidden[3])], dim=-1)
     )
+    # what a download by hub name fetches for target ranks holds the text model's layers (Inkling 2's
+    # files name its embedding otherwise than its text model does)
+    read = target_weights(info)
+    held = [
+        LAYER_OF_WEIGHT.search(f".{n}") for n in load_file(tmp_path / "model.safetensors") if read.holds(n)
+    ]
+    assert {layer.group(1) for layer in held if layer} >= {"0", "3"}
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

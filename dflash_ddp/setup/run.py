@@ -141,7 +141,7 @@ def target_weights(info: TargetInfo) -> TextWeights:
     """The tensors target ranks read: the text model the checkpoint's own classes name (text_stack.py), so
     that a vision-language wrapper's vision tower is neither downloaded nor opened."""
     stack = info.text_stack()
-    return TextWeights.of(stack.prefix, stack.embed_tensor, stack.head_tensor)
+    return stack.weights_read()
 
 
 def target_layers_run(cfg: TrainConfig, info: TargetInfo, taps: list[int]) -> int:

@@ -50,7 +50,7 @@ def decoding_weights(info: TargetInfo) -> TextWeights | None:
     """The tensors decoding reads: the text model and its head (a wrapper's vision tower never), or None
     where generation runs the checkpoint's own class whole (GLM-5's text config has no causal LM)."""
     stack = info.text_stack()
-    return TextWeights.of(stack.prefix, stack.embed_tensor, stack.head_tensor) if stack.text_lm else None
+    return stack.weights_read() if stack.text_lm else None
 
 
 def whole_target(name: str | Path) -> TargetInfo:

@@ -34,7 +34,7 @@ from transformers.conversion_mapping import (
 )
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-from dflash_ddp.hub import LAYER_OF_WEIGHT, check_safetensors
+from dflash_ddp.hub import LAYER_OF_WEIGHT, TextWeights, check_safetensors
 from dflash_ddp.target_model.forward_code import causal_lm_class, text_model_class
 
 
@@ -64,6 +64,14 @@ class TextStack:
         ""  # the sub-model that writes the text, where the checkpoint's class is more (Omni's thinker)
     )
     wrapper_conversions: tuple = field(default=(), compare=False, repr=False)
+    # where the files name the text model otherwise than the model does: the prefixes of what it loads
+    renamed_prefixes: tuple[str, ...] = ()
+
+    def weights_read(self) -> TextWeights:
+        """The saved tensors target ranks read: the text model's and its head's, no vision tower's."""
+        if self.renamed_prefixes:
+            return TextWeights(self.renamed_prefixes)
+        return TextWeights.of(self.prefix, self.embed_tensor, self.head_tensor)
 
     @property
     def key_mapping(self) -> dict[str, str] | None:
@@ -91,19 +99,46 @@ def tensor_locations(path: Path) -> dict[str, Path]:
     return locations
 
 
-def _saved_names(model: PreTrainedModel, wanted: set[str], saved: list[str]) -> dict[str, str]:
-    """{module name: saved name} for the parameter names `wanted`, found by renaming each saved tensor name as
-    transformers does when it loads the checkpoint into `model` (gemma3 and mistral3 save their text model
-    as `language_model.model.*`, Nemotron-H as `backbone.*`)."""
+def _loaded_names(model: PreTrainedModel, saved: list[str]) -> dict[str, str]:
+    """{saved name: the name it loads as} for the tensor names `saved`, renamed as transformers does when it
+    loads the checkpoint into `model` (gemma3 and mistral3 save their text model as `language_model.model.*`,
+    Nemotron-H as `backbone.*`)."""
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return {name: rename_source_key(name, renamings, converters)[0] for name in saved}
+
+
+def _saved_names(model: PreTrainedModel, wanted: set[str], saved: list[str]) -> dict[str, str]:
+    """{module name: saved name} for the parameter names `wanted` (`_loaded_names`)."""
+    loads = _loaded_names(model, [name for name in saved if name not in wanted])
     found = {}
     for name in saved:
-        loaded = name if name in wanted else rename_source_key(name, renamings, converters)[0]
+        loaded = name if name in wanted else loads[name]
         if loaded in wanted:
             found.setdefault(loaded, name)
     return found
+
+
+def _read_prefixes(model: PreTrainedModel, text_module: str, head: str, saved: list[str]) -> tuple[str, ...]:
+    """The shortest name prefixes that hold every saved tensor loading into the text model at `text_module` or
+    into the LM head `head`, and no other: where the files name the text model otherwise than the model does,
+    no one prefix does (Mistral Large 3's original names: `layers.`, `norm.`, `output.` and `tok_embeddings.`
+    at the top level, beside `vision_encoder.`). Read from the names outside layers 1.. (they repeat layer 0)."""
+    names = [name for name in saved if _outside_later_layers(name)]
+    loads = _loaded_names(model, names)
+    held = {name for name in names if loads[name] == head or loads[name].startswith(f"{text_module}.")}
+    others = [name for name in names if name not in held]
+    prefixes = set()
+    for name in held:
+        parts = name.split(".")
+        shortest = next(
+            prefix
+            for prefix in (".".join(parts[:end]) for end in range(1, len(parts) + 1))
+            if not any(other == prefix or other.startswith(f"{prefix}.") for other in others)
+        )
+        prefixes.add(shortest)
+    return tuple(sorted(prefixes))
 
 
 def _text_model_class(text: PretrainedConfig) -> type[PreTrainedModel]:
@@ -263,7 +298,6 @@ def read_text_stack(path: str | Path) -> TextStack:
             f"--target_model {path}: no tensor in its safetensors files loads as {cls.__name__}'s input "
             f"embedding `{embed_name}`; is the checkpoint complete?"
         )
-    # the text model's prefix in the files: the saved embedding's name less its name inside the text model
     inner = embed_name.removeprefix(f"{prefix}.")
     own_class = causal_lm_class(text)
     with torch.device("meta"):
@@ -274,7 +308,7 @@ def read_text_stack(path: str | Path) -> TextStack:
     return TextStack(
         config=text,
         architecture=cls.__name__,
-        prefix=saved[embed_name].removesuffix(f".{inner}"),
+        prefix=_saved_prefix(saved[embed_name], inner),
         own_prefix=_owner_of(own, own.get_input_embeddings(), text_model_class(text))[0]
         if own_class
         else own.base_model_prefix,
@@ -295,7 +329,20 @@ def read_text_stack(path: str | Path) -> TextStack:
         head_module=head_name.removesuffix(".weight") if cls is not type(own) else "",
         generator=generator,
         wrapper_conversions=tuple(get_model_conversion_mapping(model)) if cls is not type(own) else (),
+        renamed_prefixes=()
+        if not files or saved[embed_name].endswith(f".{inner}")
+        else _read_prefixes(model, prefix, head_name, files),
     )
+
+
+def _saved_prefix(saved_embedding: str, inner: str) -> str:
+    """The text model's prefix in the files: the saved embedding's name less its name inside the text model
+    (`inner`), or where the files name the embedding otherwise too (Inkling 2's `model.llm.embed.weight` for
+    `embed_tokens.weight`), less as many of its last names."""
+    if saved_embedding.endswith(f".{inner}"):
+        return saved_embedding.removesuffix(f".{inner}")
+    names = saved_embedding.split(".")
+    return ".".join(names[: len(names) - len(inner.split("."))])
 
 
 def _outside_later_layers(name: str) -> bool:
@@ -457,20 +504,25 @@ def _checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack
     registered for it in place of its own, and taken back after: transformers converts some checkpoints as it
     loads the wrapper and not as it loads the text model alone (Qwen3-VL-MoE's experts, transposed in its
     releases; Ernie 4.5 VL's expert lists, split into text and vision experts; Mistral Large 3's original
-    names; GLM-4.5V's per-expert weights)."""
+    names; GLM-4.5V's per-expert weights). A causal LM's text model gets none of its own meanwhile: they are
+    in the chain already, and would rename the renamed names again (Inkling 2's `embed_norm`)."""
     if not stack.wrapped or not stack.wrapper_conversions:
         yield
         return
-    name = model_class.__name__
-    before = get_checkpoint_conversion_mapping(name)
     own_prefix = stack.own_prefix if with_head else ""  # a causal LM's text model, or the text model itself
-    register_checkpoint_conversion_mapping(name, _wrapper_chain(stack, own_prefix, with_head), overwrite=True)
+    chains = {model_class.__name__: _wrapper_chain(stack, own_prefix, with_head)}
+    if with_head:
+        chains.setdefault(_text_model_class(stack.config).__name__, [])
+    before = {name: get_checkpoint_conversion_mapping(name) for name in chains}
+    for name, chain in chains.items():
+        register_checkpoint_conversion_mapping(name, chain, overwrite=True)
     try:
         yield
     finally:
-        # the registry is transformers' module state: this class loads as before once the target is read
-        if before is None:
-            conversion_mapping._checkpoint_conversion_mapping_cache.pop(name, None)
-            conversion_mapping.USER_REGISTERED_MAPPINGS.discard(name)
-        else:
-            register_checkpoint_conversion_mapping(name, before, overwrite=True)
+        # the registry is transformers' module state: these classes load as before once the target is read
+        for name, mapping in before.items():
+            if mapping is None:
+                conversion_mapping._checkpoint_conversion_mapping_cache.pop(name, None)
+                conversion_mapping.USER_REGISTERED_MAPPINGS.discard(name)
+            else:
+                register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
