@@ -476,6 +476,36 @@ def _inkling2(vocab_size: int) -> Built:
     return "Inkling2ForConditionalGeneration", _wrapper("Inkling2Config", text, vision)
 
 
+def _qwen4_exp(vocab_size: int) -> Built:
+    """Qwen4-exp: 4 hyper-connection streams passed side by side between its layers ([B, S, 4 x hidden]), 3
+    gated-delta-net layers then one indexed sparse-attention layer, experts; a one-block vision tower."""
+    text = make_config(
+        "Qwen4ExpTextConfig",
+        vocab_size=vocab_size,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        hc_lowrank=16,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=16,
+        indexer_compress_ratio=4,
+        split_ngram_parts=8,
+    )
+    vision = _vision(
+        "Qwen4ExpVisionConfig",
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_position_embeddings=16,
+        out_hidden_size=64,
+    )
+    return "Qwen4ExpForConditionalGeneration", _wrapper("Qwen4ExpConfig", text, vision)
+
+
 def _qwen3_next(vocab_size: int) -> Built:
     """Qwen3-Next: 3 gated-delta-net layers then 1 gated full-attention layer, every layer sparse."""
     config = make_config(
@@ -866,6 +896,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "qwen2_5_omni": _qwen2_5_omni,
     "blip_2": _blip_2,
     "inkling2": _inkling2,
+    "qwen4_exp": _qwen4_exp,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3_text_only,

@@ -38,7 +38,7 @@ from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.setup.run import target_weights
 from dflash_ddp.target_model import kernels
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, layer_output
-from dflash_ddp.target_model.forward_code import causal_lm_class
+from dflash_ddp.target_model.forward_code import causal_lm_class, residual_streams
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
@@ -574,7 +574,7 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     info = inspect_target(tmp_path)
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
     torch.testing.assert_close(
-        features, torch.cat([layer_output(hidden[2]), layer_output(hidden[3])], dim=-1)
+        features, torch.cat([layer_output(hidden[i], residual_streams(config)) for i in (2, 3)], dim=-1)
     )
     # what a download by hub name fetches for target ranks holds the text model's layers (Inkling 2's
     # files name its embedding otherwise than its text model does)
@@ -668,13 +668,13 @@ def test_a_zoo_config_sets_only_the_fields_its_class_defines():
     assert "intermediate_size" not in zoo_config("qwen3_5_moe", 64)[1].text_config.to_dict()
 
 
-@pytest.mark.parametrize("name", ["deepseek_v4", "glm5_next"])
+@pytest.mark.parametrize("name", ["deepseek_v4", "glm5_next", "qwen4_exp"])
 def test_a_hyper_connection_target_feeds_the_drafter_the_mean_of_its_streams(
     name, zoo, chat_data, tmp_path, capsys
 ):
     """DeepSeek V4 and GLM-5 pass 4 residual streams between layers; a tapped layer's feature is the mean of
     its post-mix streams, as vLLM feeds a drafter (`aux_recon.mean(dim=1)` after layer L for tap L), and
-    --plan says so."""
+    --plan says so. Qwen4-exp passes its 4 streams side by side ([B, S, 4 x hidden])."""
     info = inspect_target(zoo(name))
     assert train_main([*train_flags(zoo(name), chat_data, tmp_path), "--plan"]) == 0
     assert "4 residual streams between layers (hyper-connections)" in capsys.readouterr().out
@@ -692,8 +692,8 @@ def test_a_hyper_connection_target_feeds_the_drafter_the_mean_of_its_streams(
         whole(input_ids=ids)
     for hook in hooks:
         hook.remove()
-    assert streams[1].shape == (2, 24, 4, info.hidden_size)
-    expected = torch.cat([streams[i].mean(dim=-2) for i in (1, 2)], dim=-1)
+    assert streams[1].shape in ((2, 24, 4, info.hidden_size), (2, 24, 4 * info.hidden_size))
+    expected = torch.cat([streams[i].view(2, 24, 4, -1).mean(dim=-2) for i in (1, 2)], dim=-1)
     torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -18,7 +18,7 @@ from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
-from dflash_ddp.target_model.forward_code import own_cache_class
+from dflash_ddp.target_model.forward_code import own_cache_class, residual_streams
 from dflash_ddp.target_model.head import embed_as_target
 
 
@@ -224,7 +224,9 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     # the last position's logits only, named by index: an integer would let Gemma 4 run its KV-shared
     # layers on the last position alone, and those layers' outputs at every prompt position are context
     last = torch.tensor([ids.shape[1] - 1], device=device)
-    with capture_layer_outputs(layers, layer_ids, False, final_norm) as captured:
+    with capture_layer_outputs(
+        layers, layer_ids, False, final_norm, residual_streams(target.config)
+    ) as captured:
         logits = target(input_ids=ids, cache=target_cache.cache, use_cache=True, logits_to_keep=last).logits
         context = torch.cat([captured[i] for i in layer_ids], dim=-1)
         context_start = 0  # position of context[:, 0]

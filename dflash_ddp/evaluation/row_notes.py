@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from dflash_ddp.evaluation.decoding import new_target_cache
 from dflash_ddp.evaluation.report import family_label
 from dflash_ddp.evaluation.sampling import Sampling
-from dflash_ddp.target_model.features import residual_streams
+from dflash_ddp.target_model.forward_code import residual_streams
 
 # the greedy evaluation's row at temperature 1.0: this drafter with speculative sampling, prompt i seeded with
 # SAMPLED_ROW.seed + i (lossless in distribution, so not compared token for token)

@@ -14,6 +14,7 @@ from transformers import logging as hf_logging
 
 from dflash_ddp.data.batch import SoftTargets
 from dflash_ddp.hub import LAYER_LISTS
+from dflash_ddp.target_model.forward_code import residual_streams
 from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
@@ -25,14 +26,17 @@ class _StopForward(Exception):
     """Raised after the last tapped layer so that later layers, the final norm and the head never run."""
 
 
-def layer_output(output) -> torch.Tensor:
+def layer_output(output, streams: int = 1) -> torch.Tensor:
     """A decoder layer's hidden states as a whole local [B, S, H] tensor. Under tensor parallelism
     transformers' plans leave them replicated (plain tensors); a plan that leaves them sharded returns a
     DTensor, gathered here once, on the device. A hyper-connection model (DeepSeek V4, GLM-5) passes
     [B, S, streams, H] between its layers, after the layer's post-mix: the engines feed a drafter their mean
-    over the streams (vLLM's `aux_recon.mean(dim=1)`), and so does training."""
+    over the streams (vLLM's `aux_recon.mean(dim=1)`), and so does training; Qwen4-exp passes its `streams`
+    side by side, [B, S, streams x H]."""
     out = output[0] if isinstance(output, tuple) else output
     out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    if streams > 1 and out.dim() == 3:
+        out = out.unflatten(-1, (streams, -1))
     return out.mean(dim=-2) if out.dim() == 4 else out
 
 
@@ -80,27 +84,27 @@ def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> 
     return norm
 
 
-def residual_streams(config) -> int:
-    """How many residual streams a model passes between its layers (hyper-connections: 4; else 1)."""
-    return getattr(config.get_text_config(decoder=True), "hc_mult", 1) or 1
-
-
 @contextlib.contextmanager
 def capture_layer_outputs(
-    layers: nn.ModuleList, layer_ids: list[int], stop_after_last: bool, final_norm: nn.Module | None = None
+    layers: nn.ModuleList,
+    layer_ids: list[int],
+    stop_after_last: bool,
+    final_norm: nn.Module | None = None,
+    streams: int = 1,
 ):
     """Record the outputs of `layers[i]` for i in layer_ids (the OUTPUT of decoder layer L is the
     `hidden_states[L + 1]` of transformers). Yields the dict that fills during the forward.
 
     `final_norm` (from `last_layer_norm`, given when `layers` is the whole decoder and its last layer is
-    tapped) is applied to that layer's output, as transformers does for `hidden_states[N]`."""
+    tapped) is applied to that layer's output, as transformers does for `hidden_states[N]`; a layer passing
+    several residual `streams` gives their mean (`layer_output`)."""
     captured: dict[int, torch.Tensor] = {}
     last = max(layer_ids)
     normed = len(layers) - 1 if final_norm is not None else None
 
     def make_hook(idx):
         def hook(_module, _inputs, output):
-            out = layer_output(output)
+            out = layer_output(output, streams)
             captured[idx] = final_norm(out) if idx == normed else out
             if stop_after_last and idx == last:
                 raise _StopForward
@@ -243,7 +247,10 @@ class TargetFeatureExtractor:
             return tapped_features(
                 self.model, self.layers, self.target_layer_ids, final_norm=self.final_norm, **run
             ), None
-        with capture_layer_outputs(self.layers, self.target_layer_ids, False, self.final_norm) as captured:
+        streams = residual_streams(self.model.config)
+        with capture_layer_outputs(
+            self.layers, self.target_layer_ids, False, self.final_norm, streams
+        ) as captured:
             last = self.model(**run)
         hidden = last.last_hidden_state
         hidden = hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden
@@ -272,7 +279,9 @@ def tapped_features(
     unless they say otherwise)."""
     kwargs.setdefault("use_cache", False)
     with (
-        capture_layer_outputs(layers, layer_ids, stop_after_last=True, final_norm=final_norm) as captured,
+        capture_layer_outputs(
+            layers, layer_ids, True, final_norm, residual_streams(model.config)
+        ) as captured,
         contextlib.suppress(_StopForward),
     ):
         model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

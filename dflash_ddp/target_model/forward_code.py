@@ -17,6 +17,13 @@ from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
 FULL_ATTENTION = "full_attention"
 
 
+def residual_streams(config) -> int:
+    """How many residual streams a model passes between its layers (hyper-connections: DeepSeek V4's and
+    GLM-5's `hc_mult`, Qwen4-exp's `hc_count`, 4; else 1)."""
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "hc_mult", None) or getattr(text, "hc_count", None) or 1
+
+
 def text_model_class(config) -> type | None:
     """The transformers class that builds the text model of `config`: AutoModel's, or where AutoModel maps
     none (the text configs of Ernie 4.5 VL, Llama 3.2 Vision, Qwen3-Omni's thinker and other wrappers) the

@@ -16,6 +16,7 @@ from dflash_ddp.target_model.forward_code import (
     FULL_ATTENTION,
     mask_building,
     own_cache_class,
+    residual_streams,
     text_model_class,
 )
 from dflash_ddp.target_model.text_stack import (
@@ -362,7 +363,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         hidden_size=config.hidden_size,
         intermediate_size=_dense_width(config) or max(widths),
         mlp_widths=widths,
-        residual_streams=getattr(config, "hc_mult", 1) or 1,
+        residual_streams=residual_streams(config),
         num_attention_heads=heads,
         num_key_value_heads=_first(config, ("num_key_value_heads", "kv_n_heads")) or heads,
         head_dim=layer_attribute(config, "head_dim") or config.hidden_size // heads,
