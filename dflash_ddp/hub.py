@@ -207,7 +207,7 @@ def weight_files(path: Path, num_layers: int | None, text: TextWeights | None = 
     for weight, file in weight_map.items():
         if text is not None and not text.holds(weight):
             continue
-        layer = LAYER_OF_WEIGHT.search(weight)
+        layer = LAYER_OF_WEIGHT.search(f".{weight}")  # Mistral Large 3: `layers.N.` at the top level
         if num_layers is None or layer is None or int(layer.group(1)) < num_layers:
             needed.add(file)
     return sorted(needed)

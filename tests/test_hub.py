@@ -78,12 +78,18 @@ def hub_cache(tmp_path, tiny_target, chat_data) -> Path:
 
 VISION_SHARD = "model-vision.safetensors"
 # the zoo's wrappers and the modules beside their text model (a vision tower, Gemma 4's vision projector)
-WRAPPERS = {"qwen3_5": ("model.visual",), "gemma4": ("model.embed_vision", "model.vision_tower")}
+# (Mistral Large 3's files keep its text model at their top level, in Mistral's original names)
+WRAPPERS = {
+    "qwen3_5": ("model.visual",),
+    "gemma4": ("model.embed_vision", "model.vision_tower"),
+    "mistral_large4": ("patch_merger", "pre_mm_projector_norm", "vision_encoder", "vision_language_adapter"),
+}
 
 
 def wrapper_cache(tmp_path: Path, name: str) -> Path:
     """A hub cache holding org/vl: the zoo's tiny vision-language wrapper `name` as it ships (text model at
-    `model.language_model`, the modules WRAPPERS names beside it), resharded as a large wrapper is: those
+    `model.language_model` or at the top level, the modules WRAPPERS names beside it), resharded as a large
+    wrapper is: those
     modules alone in their own shard, each text layer in one, the rest (embedding, final norm, LM head) in a
     last one."""
     cache = tmp_path / "hub"
@@ -93,7 +99,7 @@ def wrapper_cache(tmp_path: Path, name: str) -> Path:
     model_class(config).save_pretrained(tmp_path / "saved")
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in load_file(tmp_path / "saved" / "model.safetensors").items():
-        layer = hub.LAYER_OF_WEIGHT.search(tensor_name)
+        layer = hub.LAYER_OF_WEIGHT.search(f".{tensor_name}")
         shard = (
             VISION_SHARD
             if tensor_name.startswith(tuple(f"{m}." for m in WRAPPERS[name]))
