@@ -49,7 +49,7 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 # a text model's decoder layers, under the names families give them: Llama's and most; GPT-2's family, Falcon
 # and BLOOM; MPT
 LAYER_LISTS = ("layers", "h", "blocks")
-LAYER_OF_WEIGHT = re.compile(rf"\.(?:{'|'.join(LAYER_LISTS)})\.(\d+)\.")
+LAYER_OF_WEIGHT = re.compile(rf"(?:^|\.)(?:{'|'.join(LAYER_LISTS)})\.(\d+)\.")  # Mistral Large 3: `layers.N.`
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,10 @@ class TextWeights:
     3 keeps its head at `language_model.lm_head`, beside its text model `language_model.model`). Everything
     else in the files (a vision or audio tower, a projector, multi-token-prediction heads) is never read.
 
-    Built from the names target_model/text_stack.py finds through the model's own classes (`TextStack`'s
-    `prefix`, `embed_tensor`, `head_tensor`), so that no family's names are written here."""
+    Built from the names target_model/text_stack.py finds through the model's own classes
+    (`TextStack.weights_read`: its `prefix`, `embed_tensor` and `head_tensor`, or where the files name the text
+    model otherwise, the prefixes found by renaming them as transformers loads them), so that no family's
+    names are written here. A prefix may be a whole tensor's name."""
 
     prefixes: tuple[str, ...]
 
@@ -70,7 +72,7 @@ class TextWeights:
         return cls(tuple(dict.fromkeys(m for m in modules if m)))
 
     def holds(self, tensor: str) -> bool:
-        return any(tensor.startswith(f"{prefix}.") for prefix in self.prefixes)
+        return any(tensor == prefix or tensor.startswith(f"{prefix}.") for prefix in self.prefixes)
 
     def part_of(self, tensor: str) -> str:
         """The outermost module of `tensor` outside the text model (`model.visual` for
@@ -207,7 +209,7 @@ def weight_files(path: Path, num_layers: int | None, text: TextWeights | None = 
     for weight, file in weight_map.items():
         if text is not None and not text.holds(weight):
             continue
-        layer = LAYER_OF_WEIGHT.search(f".{weight}")  # Mistral Large 3: `layers.N.` at the top level
+        layer = LAYER_OF_WEIGHT.search(weight)
         if num_layers is None or layer is None or int(layer.group(1)) < num_layers:
             needed.add(file)
     return sorted(needed)

@@ -100,8 +100,9 @@ def _wrapper(class_name: str, text: Any, vision: Any, **fields) -> Any:
     return make_config(class_name, shrink=(), text_config=text, vision_config=vision, **fields)
 
 
-def _vision(class_name: str, **fields) -> Any:
-    """A vision tower's config: none of the text shape, only what the family gives."""
+def _unshrunk(class_name: str, **fields) -> Any:
+    """A sub-model's config beside the text model (a vision or audio tower, a talker, a vocoder): none of the
+    text shape, only what the family gives."""
     return make_config(class_name, shrink=(), **fields)
 
 
@@ -133,7 +134,7 @@ TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, nu
 
 def _qwen_vision(class_name: str) -> Any:
     """A one-block Qwen3.5 vision tower of width 32 that projects to the text width."""
-    return _vision(
+    return _unshrunk(
         class_name,
         depth=1,
         hidden_size=32,
@@ -260,7 +261,7 @@ def _mllama(vocab_size: int) -> Built:
         eos_token_id=2,
         pad_token_id=0,
     )
-    vision = _vision(
+    vision = _unshrunk(
         "MllamaVisionConfig",
         hidden_size=32,
         intermediate_size=64,
@@ -290,7 +291,9 @@ def _ernie4_5_vl_moe(vocab_size: int) -> Built:
         moe_num_shared_experts=1,
         rope_parameters=rope,
     )
-    vision = _vision("Ernie4_5_VLMoeVisionConfig", depth=1, hidden_size=32, num_heads=2, intermediate_size=64)
+    vision = _unshrunk(
+        "Ernie4_5_VLMoeVisionConfig", depth=1, hidden_size=32, num_heads=2, intermediate_size=64
+    )
     return "Ernie4_5_VLMoeForConditionalGeneration", _wrapper("Ernie4_5_VLMoeConfig", text, vision)
 
 
@@ -298,7 +301,7 @@ def _kimi_k25(vocab_size: int) -> Built:
     """Kimi K2.5 as shipped: the wrapper over a DeepSeek V3 text model (latent attention, a dense first layer,
     grouped-routing experts) and a one-block MoonViT tower; its conversions rename the original `blocks`."""
     text = _deepseek_v3(vocab_size)[1]
-    vision = _vision(
+    vision = _unshrunk(
         "Kimi_K25VisionConfig",
         hidden_size=32,
         intermediate_size=64,
@@ -325,7 +328,7 @@ def _mistral_large4(vocab_size: int) -> Built:
         **MLA_WIDTHS,
         **GROUPED_EXPERTS,
     )
-    vision = _vision(
+    vision = _unshrunk(
         "PixtralVisionConfig",
         hidden_size=32,
         intermediate_size=64,
@@ -342,7 +345,7 @@ def _qwen3_omni_moe(vocab_size: int) -> Built:
     prepare the thinker's position ids for a text prompt."""
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3], "interleaved": True}
     text = make_config("Qwen3OmniMoeTextConfig", vocab_size=vocab_size, rope_parameters=rope)
-    vision = _vision(
+    vision = _unshrunk(
         "Qwen3OmniMoeVisionEncoderConfig",
         hidden_size=32,
         intermediate_size=64,
@@ -353,7 +356,7 @@ def _qwen3_omni_moe(vocab_size: int) -> Built:
         deepstack_visual_indexes=[0],
         patch_size=4,
     )
-    audio = _vision(
+    audio = _unshrunk(
         "Qwen3OmniMoeAudioEncoderConfig",
         d_model=32,
         encoder_layers=1,
@@ -375,7 +378,7 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
     pickle (`spk_dict.pt`, written by `build_zoo_target`), which the omni class's `from_pretrained` reads."""
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
     text = make_config("Qwen2_5OmniTextConfig", vocab_size=vocab_size, rope_parameters=rope)
-    vision = _vision(
+    vision = _unshrunk(
         "Qwen2_5OmniVisionEncoderConfig",
         hidden_size=32,
         intermediate_size=64,
@@ -385,7 +388,7 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
         fullatt_block_indexes=[0],
         window_size=28,
     )
-    audio = _vision(
+    audio = _unshrunk(
         "Qwen2_5OmniAudioEncoderConfig",
         d_model=32,
         encoder_layers=1,
@@ -396,7 +399,7 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
     thinker = make_config(
         "Qwen2_5OmniThinkerConfig", shrink=(), text_config=text, vision_config=vision, audio_config=audio
     )
-    talker = _vision(
+    talker = _unshrunk(
         "Qwen2_5OmniTalkerConfig",
         vocab_size=64,
         embedding_size=64,
@@ -408,7 +411,7 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
         head_dim=16,
         rope_parameters=rope,
     )
-    dit = _vision(
+    dit = _unshrunk(
         "Qwen2_5OmniDiTConfig",
         hidden_size=32,
         num_hidden_layers=2,
@@ -423,7 +426,7 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
         enc_attention_channels=16,
         enc_se_channels=16,
     )
-    vocoder = _vision("Qwen2_5OmniBigVGANConfig", upsample_initial_channel=32)
+    vocoder = _unshrunk("Qwen2_5OmniBigVGANConfig", upsample_initial_channel=32)
     token2wav = make_config("Qwen2_5OmniToken2WavConfig", shrink=(), dit_config=dit, bigvgan_config=vocoder)
     config = make_config(
         "Qwen2_5OmniConfig",
@@ -440,8 +443,8 @@ def _blip_2(vocab_size: int) -> Built:
     `OPTModel` that loads (`language_model.model.decoder`); a one-block vision tower and Q-Former."""
     text = make_config("OPTConfig", vocab_size=vocab_size, ffn_dim=128, word_embed_proj_dim=64)
     layers = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-    vision = _vision("Blip2VisionConfig", image_size=28, patch_size=14, **layers)
-    qformer = _vision("Blip2QFormerConfig", encoder_hidden_size=32, **layers)
+    vision = _unshrunk("Blip2VisionConfig", image_size=28, patch_size=14, **layers)
+    qformer = _unshrunk("Blip2QFormerConfig", encoder_hidden_size=32, **layers)
     config = make_config(
         "Blip2Config",
         shrink=(),
@@ -463,7 +466,7 @@ def _inkling2(vocab_size: int) -> Built:
         unpadded_vocab_size=vocab_size,
         layer_types=["hybrid_sliding"] * 4,
     )
-    vision = _vision(
+    vision = _unshrunk(
         "Inkling2VisionConfig",
         hidden_size=32,
         intermediate_size=64,
@@ -494,7 +497,7 @@ def _qwen4_exp(vocab_size: int) -> Built:
         indexer_compress_ratio=4,
         split_ngram_parts=8,
     )
-    vision = _vision(
+    vision = _unshrunk(
         "Qwen4ExpVisionConfig",
         depth=1,
         hidden_size=32,
@@ -541,7 +544,9 @@ def _gemma3_text_only(vocab_size: int) -> Built:
 
 def _gemma3(vocab_size: int) -> Built:
     """Gemma 3 as shipped (4B and up): the wrapper with a one-layer SigLIP tower, 4 tokens per image."""
-    vision = _vision("SiglipVisionConfig", **TINY_VISION, image_size=16, patch_size=4, vision_use_head=False)
+    vision = _unshrunk(
+        "SiglipVisionConfig", **TINY_VISION, image_size=16, patch_size=4, vision_use_head=False
+    )
     config = _wrapper("Gemma3Config", _gemma3_text(vocab_size), vision, mm_tokens_per_image=4)
     return "Gemma3ForConditionalGeneration", config
 
@@ -553,7 +558,7 @@ def _gemma4_text_only(vocab_size: int) -> Built:
 
 def _gemma4(vocab_size: int) -> Built:
     """Gemma 4 as shipped: the wrapper with a one-layer vision tower (no audio tower)."""
-    vision = _vision(
+    vision = _unshrunk(
         "Gemma4VisionConfig",
         **TINY_VISION,
         num_key_value_heads=2,
@@ -568,7 +573,7 @@ def _gemma4(vocab_size: int) -> Built:
 def _mistral3(vocab_size: int) -> Built:
     """Mistral Small 3.x as shipped: the wrapper with a Mistral text stack and a one-layer Pixtral tower."""
     text = make_config("MistralConfig", vocab_size=vocab_size, sliding_window=None)
-    vision = _vision("PixtralVisionConfig", **TINY_VISION, image_size=16, patch_size=4)
+    vision = _unshrunk("PixtralVisionConfig", **TINY_VISION, image_size=16, patch_size=4)
     config = _wrapper("Mistral3Config", text, vision, tie_word_embeddings=False)
     return "Mistral3ForConditionalGeneration", config
 
@@ -617,7 +622,7 @@ def _llama4_text(vocab_size: int) -> Built:
 
 def _llama4(vocab_size: int) -> Built:
     """Llama 4 as shipped (Scout, Maverick): the wrapper with a one-layer vision tower."""
-    vision = _vision(
+    vision = _unshrunk(
         "Llama4VisionConfig",
         **TINY_VISION,
         image_size=16,
@@ -710,7 +715,7 @@ def _glm5_next_text(vocab_size: int) -> Any:
 
 def _glm5_next(vocab_size: int) -> Built:
     """GLM-5 as shipped: the vision-language wrapper over the hyper-connection text stack."""
-    vision = _vision(
+    vision = _unshrunk(
         "Glm5NextVisionConfig",
         depth=1,
         hidden_size=32,
@@ -746,7 +751,7 @@ def _nemotron_h_omni(vocab_size: int) -> Built:
     """Nemotron 3 Nano Omni: a Nemotron-H causal LM (its experts saved one by one, merged as it loads) beside a
     one-block RADIO vision tower; the wrapper names no LM head of its own (its causal LM's writes the text)."""
     text = _nemotron_h(vocab_size)[1]
-    vision = _vision(
+    vision = _unshrunk(
         "RadioConfig",
         hidden_size=32,
         num_hidden_layers=1,

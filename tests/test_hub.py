@@ -89,9 +89,8 @@ WRAPPERS = {
 def wrapper_cache(tmp_path: Path, name: str) -> Path:
     """A hub cache holding org/vl: the zoo's tiny vision-language wrapper `name` as it ships (text model at
     `model.language_model` or at the top level, the modules WRAPPERS names beside it), resharded as a large
-    wrapper is: those
-    modules alone in their own shard, each text layer in one, the rest (embedding, final norm, LM head) in a
-    last one."""
+    wrapper is: those modules alone in their own shard, each text layer in one, the rest (embedding, final
+    norm, LM head) in a last one."""
     cache = tmp_path / "hub"
     folder = snapshot(cache, "org/vl", COMMIT_A)
     model_class, config = zoo_config(name, len(build_tokenizer(folder)))
@@ -99,7 +98,7 @@ def wrapper_cache(tmp_path: Path, name: str) -> Path:
     model_class(config).save_pretrained(tmp_path / "saved")
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in load_file(tmp_path / "saved" / "model.safetensors").items():
-        layer = hub.LAYER_OF_WEIGHT.search(f".{tensor_name}")
+        layer = hub.LAYER_OF_WEIGHT.search(tensor_name)
         shard = (
             VISION_SHARD
             if tensor_name.startswith(tuple(f"{m}." for m in WRAPPERS[name]))

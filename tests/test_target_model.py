@@ -17,7 +17,7 @@ from dflash_ddp.target_model.features import (
     decoder_layers,
     last_layer_norm,
 )
-from dflash_ddp.target_model.forward_code import MaskBuilding, mask_building
+from dflash_ddp.target_model.forward_code import MaskBuilding, mask_building, text_model_class
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import (
     LinearMixer,
@@ -493,3 +493,12 @@ def test_a_config_without_the_width_its_layers_need_is_one_line_naming_the_model
         "moe_intermediate_size and num_experts_per_tok; check the checkpoint's config.json",
     ):
         layer_mlp_widths(config)
+
+
+def test_a_text_model_class_its_package_does_not_export_is_found_in_its_familys_code():
+    """transformers' auto mapping names Voxtral Realtime's text model, which its package does not export:
+    looking it up there raised a ValueError out of target inspection."""
+    config = transformers.VoxtralRealtimeTextConfig()
+    with pytest.raises(ValueError, match="Could not find VoxtralRealtimeTextModel"):
+        transformers.AutoModel._model_mapping[type(config)]
+    assert text_model_class(config).__name__ == "VoxtralRealtimeTextModel"

@@ -576,13 +576,12 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     torch.testing.assert_close(
         features, torch.cat([layer_output(hidden[i], residual_streams(config)) for i in (2, 3)], dim=-1)
     )
-    # what a download by hub name fetches for target ranks holds the text model's layers (Inkling 2's
-    # files name its embedding otherwise than its text model does)
+    # what a download by hub name fetches for target ranks holds the text model's layers and nothing of its
+    # vision tower (Inkling 2's and Mistral Large 3's files name the text model otherwise than it does)
     read = target_weights(info)
-    held = [
-        LAYER_OF_WEIGHT.search(f".{n}") for n in load_file(tmp_path / "model.safetensors") if read.holds(n)
-    ]
-    assert {layer.group(1) for layer in held if layer} >= {"0", "3"}
+    held = [n for n in load_file(tmp_path / "model.safetensors") if read.holds(n)]
+    assert {layer.group(1) for n in held if (layer := LAYER_OF_WEIGHT.search(n))} >= {"0", "3"}
+    assert not [n for n in held if "vision" in n or "visual" in n]  # nor any of the vision tower
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):
@@ -668,9 +667,12 @@ def test_a_zoo_config_sets_only_the_fields_its_class_defines():
     assert "intermediate_size" not in zoo_config("qwen3_5_moe", 64)[1].text_config.to_dict()
 
 
-@pytest.mark.parametrize("name", ["deepseek_v4", "glm5_next", "qwen4_exp"])
+@pytest.mark.parametrize(
+    ("name", "streams_shape"),
+    [("deepseek_v4", (4, 64)), ("glm5_next", (4, 64)), ("qwen4_exp", (4 * 64,))],  # [B, S, *streams_shape]
+)
 def test_a_hyper_connection_target_feeds_the_drafter_the_mean_of_its_streams(
-    name, zoo, chat_data, tmp_path, capsys
+    name, streams_shape, zoo, chat_data, tmp_path, capsys
 ):
     """DeepSeek V4 and GLM-5 pass 4 residual streams between layers; a tapped layer's feature is the mean of
     its post-mix streams, as vLLM feeds a drafter (`aux_recon.mean(dim=1)` after layer L for tap L), and
@@ -692,7 +694,7 @@ def test_a_hyper_connection_target_feeds_the_drafter_the_mean_of_its_streams(
         whole(input_ids=ids)
     for hook in hooks:
         hook.remove()
-    assert streams[1].shape in ((2, 24, 4, info.hidden_size), (2, 24, 4 * info.hidden_size))
+    assert info.hidden_size == 64 and streams[1].shape == (2, 24, *streams_shape)
     expected = torch.cat([streams[i].view(2, 24, 4, -1).mean(dim=-2) for i in (1, 2)], dim=-1)
     torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
 

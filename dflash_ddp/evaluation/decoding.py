@@ -224,8 +224,9 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     # the last position's logits only, named by index: an integer would let Gemma 4 run its KV-shared
     # layers on the last position alone, and those layers' outputs at every prompt position are context
     last = torch.tensor([ids.shape[1] - 1], device=device)
+    streams = residual_streams(target.config)
     with capture_layer_outputs(
-        layers, layer_ids, False, final_norm, residual_streams(target.config)
+        layers, layer_ids, stop_after_last=False, final_norm=final_norm, streams=streams
     ) as captured:
         logits = target(input_ids=ids, cache=target_cache.cache, use_cache=True, logits_to_keep=last).logits
         context = torch.cat([captured[i] for i in layer_ids], dim=-1)

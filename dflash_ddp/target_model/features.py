@@ -249,7 +249,11 @@ class TargetFeatureExtractor:
             ), None
         streams = residual_streams(self.model.config)
         with capture_layer_outputs(
-            self.layers, self.target_layer_ids, False, self.final_norm, streams
+            self.layers,
+            self.target_layer_ids,
+            stop_after_last=False,
+            final_norm=self.final_norm,
+            streams=streams,
         ) as captured:
             last = self.model(**run)
         hidden = last.last_hidden_state
@@ -280,7 +284,11 @@ def tapped_features(
     kwargs.setdefault("use_cache", False)
     with (
         capture_layer_outputs(
-            layers, layer_ids, True, final_norm, residual_streams(model.config)
+            layers,
+            layer_ids,
+            stop_after_last=True,
+            final_norm=final_norm,
+            streams=residual_streams(model.config),
         ) as captured,
         contextlib.suppress(_StopForward),
     ):

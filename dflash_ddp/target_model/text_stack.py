@@ -57,20 +57,22 @@ class TextStack:
     truncatable: bool  # the text model can be built with fewer layers (not Gemma 4: per-layer input tables)
     text_lm: bool = True  # transformers has a causal LM of the text config alone (not GLM-5's)
     base_key_mapping: dict[str, str] | None = None  # reads the text model alone from a causal-LM checkpoint
-    # a wrapper's: the text model's module path in it, and transformers' weight conversions as it loads it
+    # a wrapper's: its text model's module path, its LM head's (the embedding's where the two are tied;
+    # Nemotron 3 Nano Omni's `language_model.lm_head` sits beside the text model), the sub-model that writes
+    # the text where the class is more (Omni's thinker), and transformers' weight conversions as it loads it
     text_module: str = ""
-    head_module: str = ""  # the LM head's module path in it (Nemotron 3 Nano Omni's `language_model.lm_head`)
-    generator: str = (
-        ""  # the sub-model that writes the text, where the checkpoint's class is more (Omni's thinker)
-    )
+    head_module: str = ""
+    generator: str = ""
     wrapper_conversions: tuple = field(default=(), compare=False, repr=False)
-    # where the files name the text model otherwise than the model does: the prefixes of what it loads
-    renamed_prefixes: tuple[str, ...] = ()
+    # a wrapper's: the name prefixes of the saved tensors its text model and head load from and of nothing
+    # else (its files may hold a vision tower under the text model's prefix, as Ernie 4.5 VL's `model.`, or
+    # name the text model otherwise than the model does: `prefix` is then a guess, for messages only)
+    text_prefixes: tuple[str, ...] = ()
 
     def weights_read(self) -> TextWeights:
         """The saved tensors target ranks read: the text model's and its head's, no vision tower's."""
-        if self.renamed_prefixes:
-            return TextWeights(self.renamed_prefixes)
+        if self.text_prefixes:
+            return TextWeights(self.text_prefixes)
         return TextWeights.of(self.prefix, self.embed_tensor, self.head_tensor)
 
     @property
@@ -122,23 +124,21 @@ def _saved_names(model: PreTrainedModel, wanted: set[str], saved: list[str]) -> 
 
 def _read_prefixes(model: PreTrainedModel, text_module: str, head: str, saved: list[str]) -> tuple[str, ...]:
     """The shortest name prefixes that hold every saved tensor loading into the text model at `text_module` or
-    into the LM head `head`, and no other: where the files name the text model otherwise than the model does,
-    no one prefix does (Mistral Large 3's original names: `layers.`, `norm.`, `output.` and `tok_embeddings.`
+    into the LM head `head`, and no other: a wrapper's files may hold its vision tower under the text model's
+    prefix (Ernie 4.5 VL's `model.vision_model.` beside `model.layers.`) or name the text model otherwise
+    than the model does (Mistral Large 3's original names: `layers.`, `norm.`, `output.` and `tok_embeddings.`
     at the top level, beside `vision_encoder.`). Read from the names outside layers 1.. (they repeat layer 0)."""
     names = [name for name in saved if _outside_later_layers(name)]
     loads = _loaded_names(model, names)
     held = {name for name in names if loads[name] == head or loads[name].startswith(f"{text_module}.")}
-    others = [name for name in names if name not in held]
-    prefixes = set()
-    for name in held:
-        parts = name.split(".")
-        shortest = next(
-            prefix
-            for prefix in (".".join(parts[:end]) for end in range(1, len(parts) + 1))
-            if not any(other == prefix or other.startswith(f"{prefix}.") for other in others)
-        )
-        prefixes.add(shortest)
-    return tuple(sorted(prefixes))
+    taken = {prefix for name in names if name not in held for prefix in _name_prefixes(name)}
+    return tuple(sorted({next(p for p in _name_prefixes(name) if p not in taken) for name in held}))
+
+
+def _name_prefixes(name: str) -> list[str]:
+    """`a`, `a.b`, `a.b.c` for the tensor name `a.b.c`, shortest first."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
 
 
 def _text_model_class(text: PretrainedConfig) -> type[PreTrainedModel]:
@@ -329,9 +329,9 @@ def read_text_stack(path: str | Path) -> TextStack:
         head_module=head_name.removesuffix(".weight") if cls is not type(own) else "",
         generator=generator,
         wrapper_conversions=tuple(get_model_conversion_mapping(model)) if cls is not type(own) else (),
-        renamed_prefixes=()
-        if not files or saved[embed_name].endswith(f".{inner}")
-        else _read_prefixes(model, prefix, head_name, files),
+        text_prefixes=_read_prefixes(model, prefix, head_name, files)
+        if files and cls is not type(own)
+        else (),
     )
 
 
@@ -339,14 +339,14 @@ def _saved_prefix(saved_embedding: str, inner: str) -> str:
     """The text model's prefix in the files: the saved embedding's name less its name inside the text model
     (`inner`), or where the files name the embedding otherwise too (Inkling 2's `model.llm.embed.weight` for
     `embed_tokens.weight`), less as many of its last names."""
-    if saved_embedding.endswith(f".{inner}"):
-        return saved_embedding.removesuffix(f".{inner}")
+    if saved_embedding == inner or saved_embedding.endswith(f".{inner}"):
+        return saved_embedding.removesuffix(inner).removesuffix(".")
     names = saved_embedding.split(".")
     return ".".join(names[: len(names) - len(inner.split("."))])
 
 
 def _outside_later_layers(name: str) -> bool:
-    layer = LAYER_OF_WEIGHT.search(f".{name}")
+    layer = LAYER_OF_WEIGHT.search(name)
     return layer is None or layer.group(1) == "0"
 
 
@@ -381,7 +381,7 @@ def _truncatable(text: PretrainedConfig) -> bool:
     def shapes(layers: int) -> dict[str, tuple]:
         with torch.device("meta"):
             model = _text_model_class(text)._from_config(_cut(text, layers))
-        return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_OF_WEIGHT.search(f".{n}")}
+        return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_OF_WEIGHT.search(n)}
 
     return decoder_layer_count(text) < 2 or shapes(1) == shapes(decoder_layer_count(text))
 
@@ -475,7 +475,8 @@ def _wrapper_chain(stack: TextStack, own_prefix: str, with_head: bool) -> list:
     scoped to it), then its text model's path in the wrapper renamed to `own_prefix` (and its LM head's, where
     it sits beside the text model, to the causal LM's), and the converters that act on the text model's
     weights, no longer scoped (they see the renamed names: renamings all run first)."""
-    # transformers scopes a transform to a sub-model by its path, less a wrapper's base model `model.`
+    # transformers scopes a transform to a sub-model by its path less the wrapper's base model prefix (most
+    # wrappers': `model`)
     paths = {stack.text_module, stack.text_module.removeprefix("model.")}
     renamings = [t for t in stack.wrapper_conversions if not isinstance(t, WeightConverter)]
     converters = []
@@ -514,15 +515,18 @@ def _checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack
     if with_head:
         chains.setdefault(_text_model_class(stack.config).__name__, [])
     before = {name: get_checkpoint_conversion_mapping(name) for name in chains}
-    for name, chain in chains.items():
-        register_checkpoint_conversion_mapping(name, chain, overwrite=True)
+    registered_by_user = conversion_mapping.USER_REGISTERED_MAPPINGS & set(chains)
     try:
+        for name, chain in chains.items():
+            register_checkpoint_conversion_mapping(name, chain, overwrite=True)
         yield
     finally:
         # the registry is transformers' module state: these classes load as before once the target is read
+        # (a class transformers registers is not one the user did: that decides how custom code loads)
         for name, mapping in before.items():
             if mapping is None:
                 conversion_mapping._checkpoint_conversion_mapping_cache.pop(name, None)
-                conversion_mapping.USER_REGISTERED_MAPPINGS.discard(name)
             else:
                 register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
+            if name not in registered_by_user:
+                conversion_mapping.USER_REGISTERED_MAPPINGS.discard(name)
