@@ -5,6 +5,7 @@ the drafter computes with Gemma's conventions; hybrid caches roll back; a hybrid
 trains as a tensor-parallel group; a target that cannot be served is refused in one line."""
 
 import json
+import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -582,6 +583,56 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     held = [n for n in load_file(tmp_path / "model.safetensors") if read.holds(n)]
     assert {layer.group(1) for n in held if (layer := LAYER_OF_WEIGHT.search(n))} >= {"0", "3"}
     assert not [n for n in held if "vision" in n or "visual" in n]  # nor any of the vision tower
+
+
+def quantize_as_fp8_releases(target: Path) -> None:
+    """Rewrite `target` as FP8 releases ship (DeepSeek V3/V4, Kimi K2.5, MiniMax-M2): every 2-D weight of its
+    decoder layers in float8 e4m3 beside its block scale (`weight_scale_inv`; one block of 128 x 128 holds
+    a tiny matrix whole), the embedding, norms and LM head as they were, and the config's
+    `quantization_config`."""
+    weights = {}
+    for name, tensor in load_file(target / "model.safetensors").items():
+        if tensor.dim() == 2 and ".layers." in name and name.endswith(".weight") and "norm" not in name:
+            scale = tensor.abs().amax().clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
+            weights[name] = (tensor / scale).to(torch.float8_e4m3fn)
+            weights[name.removesuffix("weight") + "weight_scale_inv"] = scale.reshape(1, 1).float()
+        else:
+            weights[name] = tensor
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    (target / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe"])
+def test_an_fp8_release_is_read_as_transformers_reads_it_and_trains_on_the_cpu(
+    name, zoo, chat_data, tmp_path
+):
+    """On a CPU transformers dequantizes an FP8 release as it loads (a GPU of compute capability 8.9 or more
+    keeps its FP8 weights): target ranks read the same features as transformers' own load of the checkpoint
+    (a wrapper's text model alone too: Qwen3.5's quantization config is the wrapper's, and without it the
+    FP8 weights were read as numbers), and the CLIs train, export and decode it losslessly."""
+    target = tmp_path / f"{name}_fp8"
+    shutil.copytree(zoo(name), target)
+    quantize_as_fp8_releases(target)
+    info = inspect_target(target)
+    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    own = text_model_of(zoo_config(name, info.vocab_size)[0].from_pretrained(target, dtype=torch.float32))
+    with torch.no_grad():
+        hidden = own(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, torch.cat([hidden[2], hidden[3]], dim=-1))
+    train(target, chat_data, tmp_path / "run")
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
+    flags = ["--num_prompts", "1", "--max_new_tokens", "8", "--json", str(tmp_path / "eval.json")]
+    args = ["--target_model", str(target), "--drafter", str(tmp_path / "export"), "--data", str(chat_data)]
+    assert evaluate_main(args + flags) == 0
+    assert json.loads((tmp_path / "eval.json").read_text())["lossless"]
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

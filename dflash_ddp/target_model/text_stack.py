@@ -266,6 +266,11 @@ def read_text_stack(path: str | Path) -> TextStack:
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True)
+    quantized = getattr(config, "quantization_config", None)
+    if text is not config and quantized and not getattr(text, "quantization_config", None):
+        # a quantized wrapper's (Qwen3.5's FP8 releases) is its text model's too: loaded alone without it, its
+        # FP8 weights were read as numbers, their block scales left unread
+        text.quantization_config = quantized
     _refuse_unsupported_layers(config, text, path)
     _restore_nested_rope_theta(text)
     cls = checkpoint_class(config, path)
