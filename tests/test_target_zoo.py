@@ -78,15 +78,20 @@ def train(target: Path, data: Path, out: Path, **settings) -> None:
         )
 
 
+def train_export_decode(target: Path, data: Path, out: Path) -> dict:
+    """`train`, then the export CLI and the evaluation CLI on one prompt of 8 tokens: its JSON report."""
+    train(target, data, out / "run")
+    assert export_main([str(out / "run"), str(out / "export"), "--dtype", "float32"]) == 0
+    flags = ["--num_prompts", "1", "--max_new_tokens", "8", "--json", str(out / "eval.json")]
+    args = ["--target_model", str(target), "--drafter", str(out / "export"), "--data", str(data)]
+    assert evaluate_main(args + flags) == 0
+    return json.loads((out / "eval.json").read_text())
+
+
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_every_zoo_target_trains_exports_and_decodes_losslessly(name, zoo, chat_data, tmp_path):
     target = zoo(name)
-    train(target, chat_data, tmp_path / "run")
-    assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
-    flags = ["--num_prompts", "1", "--max_new_tokens", "8", "--json", str(tmp_path / "eval.json")]
-    args = ["--target_model", str(target), "--drafter", str(tmp_path / "export"), "--data", str(chat_data)]
-    assert evaluate_main(args + flags) == 0
-    report = json.loads((tmp_path / "eval.json").read_text())
+    report = train_export_decode(target, chat_data, tmp_path)
     assert report["lossless"] and report["dflash"]["mismatches"] == 0 and report["dflash"]["tokens"] == 8
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     info = inspect_target(target)
@@ -627,12 +632,7 @@ def test_an_fp8_release_is_read_as_transformers_reads_it_and_trains_on_the_cpu(
     with torch.no_grad():
         hidden = own(input_ids=ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(features, torch.cat([hidden[2], hidden[3]], dim=-1))
-    train(target, chat_data, tmp_path / "run")
-    assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
-    flags = ["--num_prompts", "1", "--max_new_tokens", "8", "--json", str(tmp_path / "eval.json")]
-    args = ["--target_model", str(target), "--drafter", str(tmp_path / "export"), "--data", str(chat_data)]
-    assert evaluate_main(args + flags) == 0
-    assert json.loads((tmp_path / "eval.json").read_text())["lossless"]
+    assert train_export_decode(target, chat_data, tmp_path)["lossless"]
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):
