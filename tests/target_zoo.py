@@ -338,6 +338,16 @@ def _mistral_large4(vocab_size: int) -> Built:
     return "MistralLarge4ForConditionalGeneration", _wrapper("MistralLarge4Config", text, vision)
 
 
+# a one-block audio tower of Qwen's omni models, its output at the text width
+OMNI_AUDIO = {
+    "d_model": 32,
+    "encoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "output_dim": 64,
+}
+
+
 def _qwen3_omni_moe(vocab_size: int) -> Built:
     """Qwen3-Omni-MoE as its thinking releases ship: the omni class over a thinker (a sparse text model with
     interleaved multimodal rope, one-block vision and audio towers) without the talker that speaks; the class
@@ -356,15 +366,7 @@ def _qwen3_omni_moe(vocab_size: int) -> Built:
         deepstack_visual_indexes=[0],
         patch_size=4,
     )
-    audio = _unshrunk(
-        "Qwen3OmniMoeAudioEncoderConfig",
-        d_model=32,
-        encoder_layers=1,
-        encoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        output_dim=64,
-        downsample_hidden_size=16,
-    )
+    audio = _unshrunk("Qwen3OmniMoeAudioEncoderConfig", **OMNI_AUDIO, downsample_hidden_size=16)
     thinker = make_config(
         "Qwen3OmniMoeThinkerConfig", shrink=(), text_config=text, vision_config=vision, audio_config=audio
     )
@@ -388,14 +390,7 @@ def _qwen2_5_omni(vocab_size: int) -> Built:
         fullatt_block_indexes=[0],
         window_size=28,
     )
-    audio = _unshrunk(
-        "Qwen2_5OmniAudioEncoderConfig",
-        d_model=32,
-        encoder_layers=1,
-        encoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        output_dim=64,
-    )
+    audio = _unshrunk("Qwen2_5OmniAudioEncoderConfig", **OMNI_AUDIO)
     thinker = make_config(
         "Qwen2_5OmniThinkerConfig", shrink=(), text_config=text, vision_config=vision, audio_config=audio
     )

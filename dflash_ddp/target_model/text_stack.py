@@ -101,19 +101,18 @@ def tensor_locations(path: Path) -> dict[str, Path]:
     return locations
 
 
-def _loaded_names(model: PreTrainedModel, saved: list[str]) -> dict[str, str]:
-    """{saved name: the name it loads as} for the tensor names `saved`, renamed as transformers does when it
-    loads the checkpoint into `model` (gemma3 and mistral3 save their text model as `language_model.model.*`,
-    Nemotron-H as `backbone.*`)."""
-    transforms = get_model_conversion_mapping(model)
+def _loaded_names(transforms: list, saved: list[str]) -> dict[str, str]:
+    """{saved name: the name it loads as} for the tensor names `saved`, renamed by `transforms` (transformers'
+    for the model the checkpoint loads into: gemma3 and mistral3 save their text model as
+    `language_model.model.*`, Nemotron-H as `backbone.*`)."""
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     return {name: rename_source_key(name, renamings, converters)[0] for name in saved}
 
 
-def _saved_names(model: PreTrainedModel, wanted: set[str], saved: list[str]) -> dict[str, str]:
+def _saved_names(transforms: list, wanted: set[str], saved: list[str]) -> dict[str, str]:
     """{module name: saved name} for the parameter names `wanted` (`_loaded_names`)."""
-    loads = _loaded_names(model, [name for name in saved if name not in wanted])
+    loads = _loaded_names(transforms, [name for name in saved if name not in wanted])
     found = {}
     for name in saved:
         loaded = name if name in wanted else loads[name]
@@ -122,14 +121,14 @@ def _saved_names(model: PreTrainedModel, wanted: set[str], saved: list[str]) -> 
     return found
 
 
-def _read_prefixes(model: PreTrainedModel, text_module: str, head: str, saved: list[str]) -> tuple[str, ...]:
+def _read_prefixes(transforms: list, text_module: str, head: str, saved: list[str]) -> tuple[str, ...]:
     """The shortest name prefixes that hold every saved tensor loading into the text model at `text_module` or
     into the LM head `head`, and no other: a wrapper's files may hold its vision tower under the text model's
     prefix (Ernie 4.5 VL's `model.vision_model.` beside `model.layers.`) or name the text model otherwise
     than the model does (Mistral Large 3's original names: `layers.`, `norm.`, `output.` and `tok_embeddings.`
     at the top level, beside `vision_encoder.`). Read from the names outside layers 1.. (they repeat layer 0)."""
     names = [name for name in saved if _outside_later_layers(name)]
-    loads = _loaded_names(model, names)
+    loads = _loaded_names(transforms, names)
     held = {name for name in names if loads[name] == head or loads[name].startswith(f"{text_module}.")}
     taken = {prefix for name in names if name not in held for prefix in _name_prefixes(name)}
     return tuple(sorted({next(p for p in _name_prefixes(name) if p not in taken) for name in held}))
@@ -297,7 +296,8 @@ def read_text_stack(path: str | Path) -> TextStack:
     wanted = {embed_name, head_name}
     # a directory holding a config alone (the benchmarks plan real targets from their configs) names none
     files = list(tensor_locations(path))
-    saved = _saved_names(model, wanted, files) if files else {name: name for name in wanted}
+    transforms = get_model_conversion_mapping(model)  # as transformers loads the checkpoint into `model`
+    saved = _saved_names(transforms, wanted, files) if files else {name: name for name in wanted}
     if embed_name not in saved:
         raise ValueError(
             f"--target_model {path}: no tensor in its safetensors files loads as {cls.__name__}'s input "
@@ -333,8 +333,8 @@ def read_text_stack(path: str | Path) -> TextStack:
         text_module=prefix if cls is not type(own) else "",
         head_module=head_name.removesuffix(".weight") if cls is not type(own) else "",
         generator=generator,
-        wrapper_conversions=tuple(get_model_conversion_mapping(model)) if cls is not type(own) else (),
-        text_prefixes=_read_prefixes(model, prefix, head_name, files)
+        wrapper_conversions=tuple(transforms) if cls is not type(own) else (),
+        text_prefixes=_read_prefixes(transforms, prefix, head_name, files)
         if files and cls is not type(own)
         else (),
     )
