@@ -221,7 +221,7 @@ def test_the_plan_predicts_a_target_forwards_peak(tiny_target, rows, length, pie
     measured peak."""
     info = inspect_target(tiny_target)
     load = TargetLoad(
-        num_params=0,  # the weights are resident before the measurement starts
+        weight_bytes=0,  # the weights are resident before the measurement starts
         target_layer_ids=[1, 2, 3],
         layers=4,
         tokens_per_batch=rows * length,
@@ -465,7 +465,7 @@ def test_the_plan_counts_deepseek_v32s_indexer_at_long_context():
     query-key pair: a row of 8K positions in one pass needs 48 GiB for it, more than anything else a target
     rank holds but its weights; pieces of 1024 positions bound it to an eighth."""
     info = target_info_from_config(transformers.DeepseekV32Config(num_hidden_layers=4), Path("unused"))
-    load = TargetLoad(num_params=0, target_layer_ids=[1], layers=2, tokens_per_batch=8192, dtype_bytes=2)
+    load = TargetLoad(weight_bytes=0, target_layer_ids=[1], layers=2, tokens_per_batch=8192, dtype_bytes=2)
     parts = target_memory(info, replace(load, max_seq_len=8192)).parts
     one_pass = parts.pop("indexer scores")
     assert one_pass == 8192 * 8192 * 772 and one_pass > max(v for k, v in parts.items() if k != "weights")

@@ -26,6 +26,7 @@ from target_zoo import (
     zoo_config,
 )
 from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM, DynamicCache
+from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
 from dflash_ddp.drafter.config import drafter_config_for, resolve_target_layer_ids
 from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
@@ -37,13 +38,14 @@ from dflash_ddp.export import main as export_main
 from dflash_ddp.hub import LAYER_OF_WEIGHT
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.setup.run import target_weights
-from dflash_ddp.target_model import kernels
+from dflash_ddp.target_model import kernels, quantization
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, layer_output
 from dflash_ddp.target_model.forward_code import causal_lm_class, residual_streams
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
+from dflash_ddp.target_model.quantization import WeightStorage, truncated_weight_bytes, weight_storage
 from dflash_ddp.target_model.text_stack import generating_part, load_text_model, text_model_of
 from dflash_ddp.train import main as train_main
 
@@ -136,7 +138,7 @@ def peak_load(taps: list[int], piece: int = 0, rows: int = 2, length: int = 2048
     """What the target's plan reads for a CPU forward of `rows` rows of `length` positions in fp32 up to
     `taps`, in one pass or prefilled `piece` positions at a time."""
     return TargetLoad(
-        num_params=0,  # the weights are resident before the measurement starts
+        weight_bytes=0,  # the weights are resident before the measurement starts
         target_layer_ids=taps,
         layers=max(taps) + 1,
         tokens_per_batch=rows * length,
@@ -359,7 +361,7 @@ def test_a_gpu_run_names_the_kernel_packages_its_hybrid_target_lacks(zoo, monkey
     the scan's kernel is missing (the convolution's alone costs little) and the run names the packages to
     install; with both importable neither. On a CPU it always runs, with nothing to install."""
     info = inspect_target(zoo("qwen3_5"))
-    load = TargetLoad(num_params=0, target_layer_ids=[1], layers=2, tokens_per_batch=4096, dtype_bytes=2)
+    load = TargetLoad(weight_bytes=0, target_layer_ids=[1], layers=2, tokens_per_batch=4096, dtype_bytes=2)
     importable: set[str] = set()
     monkeypatch.setattr(kernels, "kernel_imports", lambda module, function: module in importable)
     reference = "linear layers' reference code"
@@ -593,11 +595,20 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
 def quantize_as_fp8_releases(target: Path) -> None:
     """Rewrite `target` as FP8 releases ship (DeepSeek V3/V4, Kimi K2.5, MiniMax-M2): every 2-D weight of its
     decoder layers in float8 e4m3 beside its block scale (`weight_scale_inv`; one block of 128 x 128 holds
-    a tiny matrix whole), the embedding, norms and LM head as they were, and the config's
+    a tiny matrix whole), the embedding, norms, routers and LM head as they were, and the config's
     `quantization_config`."""
     weights = {}
     for name, tensor in load_file(target / "model.safetensors").items():
-        if tensor.dim() == 2 and ".layers." in name and name.endswith(".weight") and "norm" not in name:
+        router = name.endswith(
+            "mlp.gate.weight"
+        )  # releases keep it in bf16 (transformers' router is no Linear)
+        if (
+            tensor.dim() == 2
+            and ".layers." in name
+            and name.endswith(".weight")
+            and "norm" not in name
+            and not router
+        ):
             scale = tensor.abs().amax().clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
             weights[name] = (tensor / scale).to(torch.float8_e4m3fn)
             weights[name.removesuffix("weight") + "weight_scale_inv"] = scale.reshape(1, 1).float()
@@ -633,6 +644,49 @@ def test_an_fp8_release_is_read_as_transformers_reads_it_and_trains_on_the_cpu(
         hidden = own(input_ids=ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(features, torch.cat([hidden[2], hidden[3]], dim=-1))
     assert train_export_decode(target, chat_data, tmp_path)["lossless"]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe"])
+def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
+    name, zoo, chat_data, tmp_path, capsys, monkeypatch
+):
+    """The weights of a target rank, predicted from the config, equal those transformers' load holds: on the
+    CPU dequantized to the compute dtype; on a GPU that keeps FP8 (--plan_gpu_memory plans for one) a byte a
+    weight, the blocks' fp32 scales beside them and the rest in bf16. A GPU's load is the CPU's with
+    transformers' environment check skipped (it holds the same tensors; only the kernels differ)."""
+    target = tmp_path / f"{name}_fp8"
+    shutil.copytree(zoo(name), target)
+    quantize_as_fp8_releases(target)
+    info, layers = inspect_target(target), 3
+    stack = info.text_stack()
+
+    def held(model: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    on_cpu = weight_storage(stack.config, CPU)
+    assert not on_cpu.kept
+    dequantized = load_text_model(target, stack, layers, torch.float32)
+    assert truncated_weight_bytes(info, layers, on_cpu, torch.float32) == held(dequantized)
+    on_gpu = weight_storage(stack.config, torch.device("cuda"))
+    assert on_gpu.kept and on_gpu.method == "fp8"
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    kept = load_text_model(target, stack, layers, torch.bfloat16)
+    assert {p.dtype for p in kept.parameters()} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == held(kept)
+    monkeypatch.undo()
+    plan = train_flags(target, chat_data, tmp_path / "run") + ["--plan", "--plan_gpu_memory", "80"]
+    assert train_main(plan) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "target_quantization" in line]
+    assert "fp8 as released (quantization_config), kept so on a GPU that runs them" in line
+
+
+def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they_load(monkeypatch):
+    """transformers runs kept FP8 weights with the `kernels` package's FP8 kernel, and without it stops at
+    the first forward; the plan and the run's start name the package instead."""
+    monkeypatch.setattr(quantization, "is_kernels_available", lambda: False)
+    assert "`pip install kernels`" in quantization.missing_kernel(WeightStorage("fp8", True, "a GPU"))
+    assert quantization.missing_kernel(WeightStorage("fp8", False, "the CPU")) is None
+    assert "pip install kernels" in WeightStorage("fp8", True, "a GPU").describe(torch.bfloat16)
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

@@ -19,8 +19,14 @@ from dflash_ddp.drafter.optimizer import optimizer_state_bytes
 from dflash_ddp.drafter.weighting import LOSS_PIECE_ROWS
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
-from dflash_ddp.target_model.info import TargetInfo, layers_run, truncated_parameter_count
+from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
+from dflash_ddp.target_model.quantization import (
+    NOT_QUANTIZED,
+    WeightStorage,
+    truncated_weight_bytes,
+    weight_storage,
+)
 
 
 def run_device(cfg: TrainConfig) -> torch.device:
@@ -111,6 +117,7 @@ class RunMemory:
     drafter_params: int
     evaluation: int  # with --eval_data: the whole target's weights, which evaluation loads on the leader
     fitting_prefill: int | None = None  # where it does not fit: the largest --target_prefill_tokens that does
+    target_storage: WeightStorage = NOT_QUANTIZED  # how a quantized release's weights sit on the device
 
     @property
     def checkpointing(self) -> bool:
@@ -128,7 +135,9 @@ def plan_memory(
     """Predict this run's memory (see memory.py) for the device and node of this rank (`gpu_bytes`: for
     GPUs of that memory instead, as `check_fit`), and choose the drafter's execution."""
     roles = node_roles(topology)
-    dtype_bytes = compute_dtype(device).itemsize
+    dtype = compute_dtype(device)
+    dtype_bytes = dtype.itemsize
+    storage = weight_storage(info.text_stack().config, device)
     params, optimizer_state = drafter_sizes(c, cfg.optimizer)
     # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
     # sequences (at least 2 x block_size tokens each) can hold
@@ -155,7 +164,7 @@ def plan_memory(
 
     layers = layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)
     load = TargetLoad(
-        num_params=truncated_parameter_count(info, layers),
+        weight_bytes=truncated_weight_bytes(info, layers, storage, dtype),
         target_layer_ids=c.target_layer_ids,
         layers=layers,
         tokens_per_batch=batch_tokens,
@@ -170,8 +179,8 @@ def plan_memory(
     target = target_memory(info, load)
     # speculative decoding verifies with the whole target: every layer and the LM head, on one device
     whole = (
-        truncated_parameter_count(info, info.num_layers)
-        + (0 if info.tie_word_embeddings else info.vocab_size * info.hidden_size)
+        truncated_weight_bytes(info, info.num_layers, storage, dtype)
+        + (0 if info.tie_word_embeddings else info.vocab_size * info.hidden_size * dtype_bytes)
         if cfg.eval_data
         else 0
     )
@@ -186,7 +195,7 @@ def plan_memory(
     execution, plan, fit = run_fit(target)
     # beside a target in pieces, another of the drafter's executions may be the one that fits
     pieces = None if fit.fits else fitting_prefill(info, load, lambda t: run_fit(t)[2])
-    return RunMemory(plan, target, fit, execution, params, whole * dtype_bytes, pieces)
+    return RunMemory(plan, target, fit, execution, params, whole, pieces, storage)
 
 
 MIN_PREFILL_PIECE = 512  # smaller pieces leave the target's matrix products too thin to be worth it

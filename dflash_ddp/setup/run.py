@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dflash_ddp.config import TrainConfig, config_to_dict
 from dflash_ddp.data.chat_template import ChatTokenizer, load_target_tokenizer
 from dflash_ddp.data.dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
@@ -53,6 +55,7 @@ from dflash_ddp.target_model.info import (
     target_fingerprint,
 )
 from dflash_ddp.target_model.kernels import kernels_note, linear_layers_summary
+from dflash_ddp.target_model.quantization import WeightStorage, missing_kernel
 from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, check_tensor_parallel
 
 
@@ -128,6 +131,9 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         check_source_target(cfg, warm, info.path, source.commit)
     planned = planned_device(cfg)
     memory = plan_memory(cfg, info, drafter_config, topology, planned, plan_gpu_bytes(cfg))
+    unrunnable = missing_kernel(memory.target_storage)
+    if unrunnable and not cfg.plan:
+        raise ValueError(f"--target_model {info.path}: {unrunnable}")
     note = kernels_note(info, target_layers_run(cfg, info, taps), planned.type)
     return RunSetup(source, info, tokenizer, drafter_config, memory, warm, [note] if note else [])
 
@@ -259,6 +265,11 @@ def text_stack_note(info: TargetInfo) -> str:
     return note
 
 
+def quantization_line(storage: WeightStorage, dtype: torch.dtype) -> dict[str, str]:
+    """The plan's line on a quantized release's weights (none for a target that is not quantized)."""
+    return {"target_quantization": storage.describe(dtype)} if storage.method else {}
+
+
 def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     """Topology, sizes and predicted memory per rank; loads no weights."""
     c, info, memory = setup.drafter_config, setup.info, setup.memory
@@ -293,6 +304,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             setup.source, target_layers_read(cfg, info, c.target_layer_ids), target_weights(info)
         )
         + (f"; {setup.source.repo_id} at commit {setup.source.commit}" if setup.source.repo_id else ""),
+        **quantization_line(memory.target_storage, compute_dtype(planned_device(cfg))),
         "target_layer_ids": c.target_layer_ids,
         "mask_token_id": c.mask_token_id,
         "block_size": c.block_size,

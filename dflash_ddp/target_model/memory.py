@@ -31,7 +31,9 @@ MASK_READ_BY = {
 class TargetLoad:
     """What a target rank holds and runs, as the memory formula reads it."""
 
-    num_params: int  # the parameters it loads (the truncated text model), before its tensor-parallel share
+    weight_bytes: (
+        int  # what the weights it loads (the truncated text model) hold, before its tensor-parallel share
+    )
     target_layer_ids: list[int]
     layers: int  # decoder layers it runs
     tokens_per_batch: int
@@ -45,7 +47,7 @@ class TargetLoad:
 
 
 def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
-    """Predicted peak of a target rank: its share of the weights it runs (`num_params` over the `tp_size`
+    """Predicted peak of a target rank: its share of the weights it runs (`weight_bytes` over the `tp_size`
     ranks of its tensor-parallel group), one forward's activations, features in flight; with `topk` soft
     targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
     prefill in pieces, the activations of one piece (`prefill_tokens` positions over the batch's rows), the
@@ -75,7 +77,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # layers' tensors gone: the larger of the two moments
     after = (2 if pieces else 1) * features
     parts = {
-        "weights": load.num_params * dtype_bytes // tp_size,
+        "weights": load.weight_bytes // tp_size,
         "activations": max(running * per_token * dtype_bytes, after),
         "tapped features": features,
         "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,
