@@ -663,11 +663,11 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     def held(model: torch.nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
-    on_cpu = weight_storage(stack.config, CPU)
+    on_cpu = weight_storage(info, CPU)
     assert not on_cpu.kept
     dequantized = load_text_model(target, stack, layers, torch.float32)
     assert truncated_weight_bytes(info, layers, on_cpu, torch.float32) == held(dequantized)
-    on_gpu = weight_storage(stack.config, torch.device("cuda"))
+    on_gpu = weight_storage(info, torch.device("cuda"))
     assert on_gpu.kept and on_gpu.method == "fp8"
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
     kept = load_text_model(target, stack, layers, torch.bfloat16)
@@ -677,7 +677,68 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     plan = train_flags(target, chat_data, tmp_path / "run") + ["--plan", "--plan_gpu_memory", "80"]
     assert train_main(plan) == 0
     [line] = [line for line in capsys.readouterr().out.splitlines() if "target_quantization" in line]
-    assert "fp8 as released (quantization_config), kept so on a GPU that runs them" in line
+    assert "fp8 as released (quantization_config), kept so on a GPU of compute capability 8.9" in line
+
+
+FP4_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+
+
+def quantize_as_mxfp4_release(target: Path) -> None:
+    """Rewrite gpt-oss `target` as OpenAI ships it: each expert matrix [experts, in, out] as 4-bit values
+    (`*_blocks`: [experts, out, in / 32, 16] bytes, two values a byte) under a shared power of two per 32
+    (`*_scales`: its exponent + 127), the rest as it was, and the config's `quantization_config`."""
+    weights = {}
+    for name, tensor in load_file(target / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            weights[name] = tensor
+            continue
+        rows = tensor.transpose(1, 2).unflatten(-1, (-1, 32))
+        exponent = torch.ceil(torch.log2(rows.abs().amax(-1, keepdim=True).clamp(min=2**-100) / 6))
+        codes = (rows / 2**exponent).unsqueeze(-1).sub(FP4_VALUES).abs().argmin(-1).to(torch.uint8)
+        weights[name + "_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        weights[name + "_scales"] = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    skipped = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": skipped}
+    (target / "config.json").write_text(json.dumps(config))
+
+
+def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_planned_as_held(zoo, tmp_path):
+    """gpt-oss ships its experts in MXFP4: on the CPU transformers dequantizes them as it loads (target ranks
+    read the features of its own load); a GPU with its kernels keeps them packed, which the plan counts as
+    the release's bytes (the packed experts and their exponents as stored, their biases in fp32, the rest
+    in bf16)."""
+    target = tmp_path / "gpt_oss_mxfp4"
+    shutil.copytree(zoo("gpt_oss"), target)
+    quantize_as_mxfp4_release(target)
+    info = inspect_target(target)
+    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    own = transformers.GptOssForCausalLM.from_pretrained(target, dtype=torch.float32).model
+    assert not torch.equal(
+        own.layers[0].mlp.experts.down_proj,
+        load_file(zoo("gpt_oss") / "model.safetensors")["model.layers.0.mlp.experts.down_proj"],
+    )  # dequantized from 4 bits
+    with torch.no_grad():
+        hidden = own(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, torch.cat([hidden[2], hidden[3]], dim=-1))
+    on_cpu = weight_storage(info, CPU)
+    assert on_cpu.method == "mxfp4" and not on_cpu.kept
+    assert truncated_weight_bytes(info, info.num_layers, on_cpu, torch.float32) == sum(
+        p.numel() * 4 for p in own.parameters()
+    )
+    on_gpu = weight_storage(info, torch.device("cuda"))
+    assert on_gpu.kept
+    stored = load_file(target / "model.safetensors")
+    held = sum(
+        t.numel() * (1 if t.dtype == torch.uint8 else 4 if ".experts." in name else 2)
+        for name, t in stored.items()
+        if not name.startswith("lm_head")
+    )
+    assert truncated_weight_bytes(info, info.num_layers, on_gpu, torch.bfloat16) == held
 
 
 def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they_load(monkeypatch):

@@ -12,8 +12,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import PretrainedConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.quantizers import AutoHfQuantizer
+from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils import is_kernels_available
 
 from dflash_ddp.target_model.forward_code import text_model_class
@@ -43,28 +44,39 @@ class WeightStorage:
 
 
 NOT_QUANTIZED = WeightStorage("", False, "")
+# the GPUs on which transformers keeps a release's weights quantized (a plan for another machine's assumes one)
+KEPT_ON = {
+    "fp8": "a GPU of compute capability 8.9 or more (H100, H200, B200)",
+    "mxfp4": "a GPU with triton 3.4 or later and the kernels package",
+}
 
 
-def weight_storage(config: PretrainedConfig, device: torch.device) -> WeightStorage:
-    """Whether transformers keeps the weights of `config`'s release quantized on `device`: its own judgement
-    of this machine (the quantizer's checks, which turn `dequantize` on where its kernels cannot run), or
-    on a CUDA device this machine lacks (--plan_gpu_memory) a GPU that runs them (FP8: compute capability
-    8.9 or more, an H100, H200 or B200)."""
-    spec = getattr(config, "quantization_config", None)
+def weight_storage(info: TargetInfo, device: torch.device) -> WeightStorage:
+    """Whether transformers keeps the weights of the target's release quantized on `device`: its own
+    judgement of this machine (the quantizer's checks, which turn `dequantize` on where its kernels cannot
+    run), or on a CUDA device this machine lacks (--plan_gpu_memory) a GPU that keeps them (`KEPT_ON`)."""
+    spec = getattr(info.text_stack().config, "quantization_config", None)
     if not spec:
         return NOT_QUANTIZED
-    quantizer = release_quantizer(spec)
-    declared = quantizer.quantization_config.quant_method
-    method = str(getattr(declared, "value", declared))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        kept = not getattr(quantizer.quantization_config, "dequantize", False)
-        return WeightStorage(method, kept, "a GPU that runs them (FP8: compute capability 8.9 or more)")
-    quieted = logging.getLogger("transformers.quantizers")
-    level, quieted.level = quieted.level, logging.ERROR  # the quantizer's warnings say what `describe` says
     try:
-        quantizer.validate_environment(device_map={"": device.type}, dtype=None)
-    finally:
-        quieted.setLevel(level)
+        quantizer = release_quantizer(spec)
+        declared = quantizer.quantization_config.quant_method
+        method = str(getattr(declared, "value", declared))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            kept = not getattr(quantizer.quantization_config, "dequantize", False)
+            return WeightStorage(method, kept, KEPT_ON.get(method, "a GPU that runs them"))
+        quieted = logging.getLogger("transformers.quantizers")
+        level = quieted.level
+        quieted.setLevel(logging.ERROR)  # its warnings say what `describe` says
+        try:
+            quantizer.validate_environment(device_map={"": device.type}, dtype=None)
+        finally:
+            quieted.setLevel(level)
+    except (ImportError, RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"--target_model {info.path}: its weights are quantized (config.json quantization_config) and "
+            f"transformers cannot load them here: {e}"
+        ) from e
     kept = not getattr(quantizer.quantization_config, "dequantize", False)
     return WeightStorage(method, kept, device_words(device))
 
@@ -92,9 +104,37 @@ def truncated_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage
     config = truncated_text_config(info.text_stack(), layers)
     with torch.device("meta"):
         model = text_model_class(config)._from_config(config, dtype=dtype)
+        if storage.kept and storage.method == "mxfp4":
+            skipped = release_quantizer(config.quantization_config).quantization_config.modules_to_not_convert
+            return mxfp4_bytes(model, skipped, dtype)
         if storage.kept:
             release_quantizer(config.quantization_config).preprocess_model(model, dtype=dtype)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 weights share an 8-bit exponent beside their 16 bytes of 4-bit values
+
+
+def mxfp4_bytes(model: torch.nn.Module, skipped: list[str] | None, dtype: torch.dtype) -> int:
+    """Bytes of `model` as transformers holds gpt-oss's MXFP4 release: the experts of each MLP the release
+    converts (all but those `skipped` names) packed (`MXFP4_BYTES_PER_WEIGHT`) with fp32 biases, the rest in
+    `dtype`. Counted by rule, not with the quantizer's modules, whose construction fetches kernels from the
+    hub."""
+    packed = {
+        f"{name}.experts"
+        for name, module in model.named_modules()
+        if isinstance(module, GptOssMLP) and should_convert_module(f"{name}.experts", skipped)
+    }
+    total = 0
+    for name, parameter in model.named_parameters():
+        owner, kind = name.rsplit(".", 1)
+        if owner not in packed:
+            total += parameter.numel() * dtype.itemsize
+        elif kind.endswith("_bias"):
+            total += parameter.numel() * 4
+        else:
+            total += round(parameter.numel() * MXFP4_BYTES_PER_WEIGHT)
+    return total
 
 
 def missing_kernel(storage: WeightStorage) -> str | None:
