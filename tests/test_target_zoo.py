@@ -791,6 +791,27 @@ def test_an_encoder_decoder_target_is_refused_in_one_line(chat_data, tmp_path, c
     assert "BartForConditionalGeneration is an encoder-decoder model" in line
 
 
+def test_a_target_whose_layers_read_what_only_its_wrapper_computes_is_refused_in_one_line(
+    chat_data, tmp_path, capsys
+):
+    """Voxtral Realtime transcribes a stream: its text decoder's norms are conditioned on a time embedding
+    of the delay that only the wrapper computes (its forward alone stopped in a traceback)."""
+    target = tmp_path / "voxtral_realtime"
+    tok = build_tokenizer(target)
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "head_dim": 16}
+    transformers.VoxtralRealtimeForConditionalGeneration(
+        transformers.VoxtralRealtimeConfig(
+            text_config={**tiny, "vocab_size": len(tok), "num_hidden_layers": 4, "num_key_value_heads": 2},
+            audio_config={**tiny, "num_hidden_layers": 1, "num_key_value_heads": 2},
+        )
+    ).save_pretrained(target)
+    capsys.readouterr()
+    assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "VoxtralRealtimeForConditionalGeneration's decoder layers" in line
+    assert "conditioned on a time embedding of its transcription delay" in line
+
+
 def test_a_target_whose_embedding_is_narrower_than_its_hidden_states_is_refused_in_one_line(
     chat_data, tmp_path, capsys
 ):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -246,6 +247,25 @@ def _refuse_unsupported_layers(config: PretrainedConfig, text: PretrainedConfig,
         )
 
 
+# inputs a wrapper computes for its text model's decoder layers beside the text, which no drafter is given
+LAYER_CONDITIONS = {"t_cond": "a time embedding of its transcription delay, and its audio at every position"}
+
+
+def _refuse_conditioned_layers(text_model: nn.Module, config: PretrainedConfig, path: Path) -> None:
+    """One line for a text model whose decoder layers read an input that only the wrapper computes
+    (Voxtral Realtime's streaming transcription: its norms are conditioned on the delay, its positions are
+    audio frames), where a forward of the text model alone would stop in a traceback."""
+    for module in text_model.modules():
+        read = set(inspect.signature(type(module).forward).parameters) & set(LAYER_CONDITIONS)
+        if read:
+            condition = LAYER_CONDITIONS[read.pop()]
+            raise ValueError(
+                f"--target_model {path}: {(config.architectures or [config.model_type])[0]}'s decoder layers "
+                f"({type(module).__name__}) are conditioned on {condition}, which only its wrapper computes; "
+                "DFlash drafts for targets whose layers read the text alone"
+            )
+
+
 DROPPED_ROPE_THETA = 10000.0  # what transformers 5's DbrxConfig sets in place of the checkpoint's
 
 
@@ -291,6 +311,7 @@ def read_text_stack(path: str | Path) -> TextStack:
         )
     names = _module_names(model)
     prefix, text_model = _owner_of(model, embed, text_model_class(text))
+    _refuse_conditioned_layers(text_model, config, path)
     embed_name = f"{names[id(embed)]}.weight"
     head_name = f"{names[id(embed) if head.weight is embed.weight else id(head)]}.weight"
     wanted = {embed_name, head_name}
