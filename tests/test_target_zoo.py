@@ -748,6 +748,9 @@ def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they
     assert "`pip install kernels`" in quantization.missing_kernel(WeightStorage("fp8", True, "a GPU"))
     assert quantization.missing_kernel(WeightStorage("fp8", False, "the CPU")) is None
     assert "pip install kernels" in WeightStorage("fp8", True, "a GPU").describe(torch.bfloat16)
+    info = SimpleNamespace(path=Path("DeepSeek-V3"))
+    with pytest.raises(ValueError, match=r"--target_model DeepSeek-V3: .*`pip install kernels`"):
+        quantization.check_kernels(info, WeightStorage("fp8", True, "a GPU"))
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

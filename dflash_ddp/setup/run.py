@@ -55,7 +55,7 @@ from dflash_ddp.target_model.info import (
     target_fingerprint,
 )
 from dflash_ddp.target_model.kernels import kernels_note, linear_layers_summary
-from dflash_ddp.target_model.quantization import WeightStorage, missing_kernel
+from dflash_ddp.target_model.quantization import WeightStorage, check_kernels
 from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, check_tensor_parallel
 
 
@@ -131,9 +131,8 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         check_source_target(cfg, warm, info.path, source.commit)
     planned = planned_device(cfg)
     memory = plan_memory(cfg, info, drafter_config, topology, planned, plan_gpu_bytes(cfg))
-    unrunnable = missing_kernel(memory.target_storage)
-    if unrunnable and not cfg.plan:
-        raise ValueError(f"--target_model {info.path}: {unrunnable}")
+    if not cfg.plan:
+        check_kernels(info, memory.target_storage)
     note = kernels_note(info, target_layers_run(cfg, info, taps), planned.type)
     return RunSetup(source, info, tokenizer, drafter_config, memory, warm, [note] if note else [])
 

@@ -9,12 +9,15 @@ from torch import nn
 
 from dflash_ddp.hub import TextWeights, cache_dir, fetch_weights, locate_model, truncated_view
 from dflash_ddp.target_model.info import TargetInfo, inspect_target
+from dflash_ddp.target_model.quantization import check_kernels, weight_storage
 from dflash_ddp.target_model.text_stack import load_text_model
 
 
 def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The whole text model with its LM head, for generation and speculative verification (a vision-language
-    checkpoint's text model alone, as a causal LM)."""
+    checkpoint's text model alone, as a causal LM). A quantized release that this device would keep without
+    the kernels that run it stops here, before its weights load."""
+    check_kernels(info, weight_storage(info, device))
     model = load_text_model(info.path, info.text_stack(), info.num_layers, dtype, with_head=True)
     return model.to(device).eval().requires_grad_(False)
 

@@ -147,3 +147,11 @@ def missing_kernel(storage: WeightStorage) -> str | None:
         "transformers runs FP8 weights with the kernels package, which is not installed here: `pip install "
         "kernels` (its FP8 kernel, kernels-community/finegrained-fp8, is fetched from the hub once)"
     )
+
+
+def check_kernels(info: TargetInfo, storage: WeightStorage) -> None:
+    """Stop, before any weight loads, where the device would keep the release's weights without the kernels
+    that run them (`missing_kernel`)."""
+    problem = missing_kernel(storage)
+    if problem:
+        raise ValueError(f"--target_model {info.path}: {problem}")
