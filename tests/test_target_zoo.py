@@ -592,28 +592,30 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     assert not [n for n in held if "vision" in n or "visual" in n]  # nor any of the vision tower
 
 
-def quantize_as_fp8_releases(target: Path) -> None:
-    """Rewrite `target` as FP8 releases ship (DeepSeek V3/V4, Kimi K2.5, MiniMax-M2): every 2-D weight of its
+# per zoo target, a module of every layer its FP8 release keeps in bf16 (`modules_to_not_convert`)
+UNCONVERTED = {"deepseek_v3": "self_attn.kv_a_proj_with_mqa", "qwen3_5_moe": "mlp.shared_expert_gate"}
+
+
+def quantize_as_fp8_releases(target: Path, unconverted: str) -> None:
+    """Rewrite `target` as FP8 releases ship (DeepSeek V3/V4, Qwen3.5, MiniMax-M2): every 2-D weight of its
     decoder layers in float8 e4m3 beside its block scale (`weight_scale_inv`; one block of 128 x 128 holds
-    a tiny matrix whole), the embedding, norms, routers and LM head as they were, and the config's
-    `quantization_config`."""
-    weights = {}
+    a tiny matrix whole), the embedding, norms, routers (no Linear in transformers), LM head and the
+    `unconverted` modules as they were and named in the config's `quantization_config` (by their names in
+    the checkpoint's class, as releases name them)."""
+    weights, kept = {}, ["lm_head"]
     for name, tensor in load_file(target / "model.safetensors").items():
-        router = name.endswith(
-            "mlp.gate.weight"
-        )  # releases keep it in bf16 (transformers' router is no Linear)
-        if (
-            tensor.dim() == 2
-            and ".layers." in name
-            and name.endswith(".weight")
-            and "norm" not in name
-            and not router
-        ):
+        module = name.removesuffix(".weight")
+        quantized = (
+            tensor.dim() == 2 and ".layers." in name and name.endswith(".weight") and "norm" not in name
+        )
+        if module.endswith(unconverted):
+            kept.append(module)
+        elif quantized and not module.endswith("mlp.gate"):
             scale = tensor.abs().amax().clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
             weights[name] = (tensor / scale).to(torch.float8_e4m3fn)
-            weights[name.removesuffix("weight") + "weight_scale_inv"] = scale.reshape(1, 1).float()
-        else:
-            weights[name] = tensor
+            weights[f"{module}.weight_scale_inv"] = scale.reshape(1, 1).float()
+            continue
+        weights[name] = tensor
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((target / "config.json").read_text())
     config["quantization_config"] = {
@@ -621,6 +623,7 @@ def quantize_as_fp8_releases(target: Path) -> None:
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
+        "modules_to_not_convert": kept,
     }
     (target / "config.json").write_text(json.dumps(config))
 
@@ -635,7 +638,7 @@ def test_an_fp8_release_is_read_as_transformers_reads_it_and_trains_on_the_cpu(
     FP8 weights were read as numbers), and the CLIs train, export and decode it losslessly."""
     target = tmp_path / f"{name}_fp8"
     shutil.copytree(zoo(name), target)
-    quantize_as_fp8_releases(target)
+    quantize_as_fp8_releases(target, UNCONVERTED[name])
     info = inspect_target(target)
     ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
@@ -656,7 +659,7 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     transformers' environment check skipped (it holds the same tensors; only the kernels differ)."""
     target = tmp_path / f"{name}_fp8"
     shutil.copytree(zoo(name), target)
-    quantize_as_fp8_releases(target)
+    quantize_as_fp8_releases(target, UNCONVERTED[name])
     info, layers = inspect_target(target), 3
     stack = info.text_stack()
 
@@ -673,6 +676,12 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     kept = load_text_model(target, stack, layers, torch.bfloat16)
     assert {p.dtype for p in kept.parameters()} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
     assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == held(kept)
+    # the modules the release keeps in bf16, named as its class names them, stay so in the text model alone
+    # and in its causal LM (converted, they lacked their scales and the load stopped)
+    whole = load_text_model(target, stack, info.num_layers, torch.bfloat16, with_head=True)
+    for model, count in ((kept, layers), (whole, info.num_layers + 1)):
+        plain = [m for n, m in model.named_modules() if n.endswith((UNCONVERTED[name], "lm_head"))]
+        assert len(plain) == count and all(type(m) is torch.nn.Linear for m in plain)
     monkeypatch.undo()
     plan = train_flags(target, chat_data, tmp_path / "run") + ["--plan", "--plan_gpu_memory", "80"]
     assert train_main(plan) == 0

@@ -412,11 +412,38 @@ def _truncatable(text: PretrainedConfig) -> bool:
     return decoder_layer_count(text) < 2 or shapes(1) == shapes(decoder_layer_count(text))
 
 
-def truncated_text_config(stack: TextStack, layers: int) -> PretrainedConfig:
+def truncated_text_config(stack: TextStack, layers: int, with_head: bool = False) -> PretrainedConfig:
     """The text config cut after `layers` decoder layers (all of them where the model cannot be cut: the
     forward then stops after the last tapped layer instead); Gemma 4's last `num_kv_shared_layers` layers
-    reuse earlier layers' keys and values, and only those of them that remain stay shared."""
-    return _cut(stack.config, layers) if stack.truncatable else copy.deepcopy(stack.config)
+    reuse earlier layers' keys and values, and only those of them that remain stay shared. A quantized
+    release's modules left unconverted are named as the text model alone (`with_head`: its causal LM) names
+    them (`_unconverted_modules`)."""
+    config = _cut(stack.config, layers) if stack.truncatable else copy.deepcopy(stack.config)
+    spec = getattr(config, "quantization_config", None)
+    if isinstance(spec, dict) and spec.get("modules_to_not_convert"):
+        spec["modules_to_not_convert"] = _unconverted_modules(
+            stack, spec["modules_to_not_convert"], with_head
+        )
+    return config
+
+
+def _unconverted_modules(stack: TextStack, names: list[str], with_head: bool) -> list[str]:
+    """A release's `modules_to_not_convert` (module names, or patterns, of the checkpoint's class) as the
+    class loaded names them: the text model's path in the checkpoint's class (a wrapper's
+    `model.language_model`, a causal LM's `model`) replaced by its path in the class loaded (none in the text
+    model alone) and a wrapper's LM head by its causal LM's. Unrenamed, transformers converts the modules a
+    release keeps in bf16 too (they then lack their FP8 scales on a GPU that keeps FP8)."""
+    source = stack.text_module or stack.own_prefix
+    into = stack.own_prefix if with_head else ""
+    head = stack.head_module or stack.own_head_tensor.removesuffix(".weight")
+    renamed = []
+    for name in names:
+        if name == head and with_head:
+            name = stack.own_head_tensor.removesuffix(".weight")
+        elif source and name.startswith(f"{source}."):
+            name = f"{into}.{name.removeprefix(f'{source}.')}".removeprefix(".")
+        renamed.append(name)
+    return renamed
 
 
 def _load_checkpoint_class(path: Path, stack: TextStack, dtype: torch.dtype, **kwargs) -> nn.Module:
@@ -470,7 +497,7 @@ def load_text_model(
     with _checkpoint_conversions(model_class, stack, with_head):
         model, loading = model_class.from_pretrained(
             path,
-            config=truncated_text_config(stack, layers),
+            config=truncated_text_config(stack, layers, with_head),
             dtype=dtype,
             local_files_only=True,
             key_mapping=_key_mapping(stack, with_head),
