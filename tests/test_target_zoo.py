@@ -592,6 +592,11 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     assert not [n for n in held if "vision" in n or "visual" in n]  # nor any of the vision tower
 
 
+FP4_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+
+
 # per zoo target, a module of every layer its FP8 release keeps in bf16 (`modules_to_not_convert`)
 UNCONVERTED = {"deepseek_v3": "self_attn.kv_a_proj_with_mqa", "qwen3_5_moe": "mlp.shared_expert_gate"}
 
@@ -689,11 +694,6 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     assert "fp8 as released (quantization_config), kept so on a GPU of compute capability 8.9" in line
 
 
-FP4_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-)
-
-
 def quantize_as_mxfp4_release(target: Path) -> None:
     """Rewrite gpt-oss `target` as OpenAI ships it: each expert matrix [experts, in, out] as 4-bit values
     (`*_blocks`: [experts, out, in / 32, 16] bytes, two values a byte) under a shared power of two per 32
@@ -748,6 +748,74 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
         if not name.startswith("lm_head")
     )
     assert truncated_weight_bytes(info, info.num_layers, on_gpu, torch.bfloat16) == held
+
+
+def quantize_as_deepseek_v4_release(target: Path) -> None:
+    """Rewrite the zoo's DeepSeek V4 (saved under its original names) as its releases ship: the routed
+    experts in FP4, two 4-bit values a byte (int8) under a power-of-two scale per 32 (`.scale`, e8m0), every
+    other linear of the layers in FP8 under one power-of-two scale (e8m0); `scale_fmt: ue8m0`,
+    `expert_dtype: fp4`."""
+    weights = {}
+    for name, tensor in load_file(target / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        linear = tensor.dim() == 2 and ".layers." in name and name.endswith(".weight") and "norm" not in name
+        if linear and ".experts." in name and ".shared_experts." not in name:
+            rows = tensor.unflatten(-1, (-1, 32))
+            exponent = torch.ceil(torch.log2(rows.abs().amax(-1, keepdim=True).clamp(min=2**-100) / 6))
+            codes = (
+                (rows / 2**exponent)
+                .unsqueeze(-1)
+                .sub(FP4_VALUES)
+                .abs()
+                .argmin(-1)
+                .to(torch.uint8)
+                .flatten(-2)
+            )
+            weights[name] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+            weights[f"{module}.scale"] = (2 ** exponent.squeeze(-1)).to(torch.float8_e8m0fnu)
+        elif linear and not module.endswith("ffn.gate"):
+            scale = 2 ** torch.ceil(torch.log2(tensor.abs().amax().clamp(min=1e-8) / 448))
+            weights[name] = (tensor / scale).to(torch.float8_e4m3fn)
+            weights[f"{module}.scale"] = scale.reshape(1, 1).to(torch.float8_e8m0fnu)
+        else:
+            weights[name] = tensor
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    }
+    (target / "config.json").write_text(json.dumps(config))
+
+
+def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as_held(
+    zoo, tmp_path, monkeypatch
+):
+    """DeepSeek V4 ships FP8 linears and FP4 experts under power-of-two scales: on the CPU transformers
+    dequantizes both as it loads (target ranks read the features of its own load: the mean of the streams);
+    on a GPU that keeps them the plan counts what transformers' load holds (the experts half a byte a weight),
+    byte for byte."""
+    target = tmp_path / "deepseek_v4_release"
+    shutil.copytree(zoo("deepseek_v4"), target)
+    quantize_as_deepseek_v4_release(target)
+    info = inspect_target(target)
+    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    own = DeepseekV4ForCausalLM.from_pretrained(target, dtype=torch.float32).model
+    with torch.no_grad():
+        hidden = own(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, torch.cat([hidden[2].mean(-2), hidden[3].mean(-2)], dim=-1))
+    stack, layers = info.text_stack(), 3
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    kept = load_text_model(target, stack, layers, torch.bfloat16)
+    assert {torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu} <= {p.dtype for p in kept.parameters()}
+    on_gpu = weight_storage(info, torch.device("cuda"))
+    held = sum(p.numel() * p.element_size() for p in kept.parameters())
+    assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == held
 
 
 def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they_load(monkeypatch):
