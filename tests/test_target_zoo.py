@@ -27,6 +27,7 @@ from target_zoo import (
 )
 from transformers import BertConfig, BertModel, DeepseekV4ForCausalLM, DynamicCache
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+from transformers.quantizers.quantizers_utils import should_convert_module
 
 from dflash_ddp.drafter.config import drafter_config_for, resolve_target_layer_ids
 from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
@@ -37,6 +38,7 @@ from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.export import main as export_main
 from dflash_ddp.hub import LAYER_OF_WEIGHT
 from dflash_ddp.parallel.machine import MemoryPlan
+from dflash_ddp.setup import run as setup_run
 from dflash_ddp.setup.run import target_weights
 from dflash_ddp.target_model import kernels, quantization
 from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, layer_output
@@ -46,7 +48,12 @@ from dflash_ddp.target_model.info import inspect_target, target_info_from_config
 from dflash_ddp.target_model.loading import load_causal_lm
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
 from dflash_ddp.target_model.quantization import WeightStorage, truncated_weight_bytes, weight_storage
-from dflash_ddp.target_model.text_stack import generating_part, load_text_model, text_model_of
+from dflash_ddp.target_model.text_stack import (
+    generating_part,
+    load_text_model,
+    text_model_of,
+    truncated_text_config,
+)
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer
@@ -675,7 +682,7 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     assert not on_cpu.kept
     dequantized = load_text_model(target, stack, layers, torch.float32)
     assert truncated_weight_bytes(info, layers, on_cpu, torch.float32) == held(dequantized)
-    on_gpu = weight_storage(info, torch.device("cuda"))
+    on_gpu = weight_storage(info, torch.device("cuda"), elsewhere=True)
     assert on_gpu.kept and on_gpu.method == "fp8"
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
     kept = load_text_model(target, stack, layers, torch.bfloat16)
@@ -739,7 +746,7 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
     assert truncated_weight_bytes(info, info.num_layers, on_cpu, torch.float32) == sum(
         p.numel() * 4 for p in own.parameters()
     )
-    on_gpu = weight_storage(info, torch.device("cuda"))
+    on_gpu = weight_storage(info, torch.device("cuda"), elsewhere=True)
     assert on_gpu.kept
     stored = load_file(target / "model.safetensors")
     held = sum(
@@ -813,21 +820,100 @@ def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
     kept = load_text_model(target, stack, layers, torch.bfloat16)
     assert {torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu} <= {p.dtype for p in kept.parameters()}
-    on_gpu = weight_storage(info, torch.device("cuda"))
+    on_gpu = weight_storage(info, torch.device("cuda"), elsewhere=True)
     held = sum(p.numel() * p.element_size() for p in kept.parameters())
     assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == held
 
 
-def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they_load(monkeypatch):
+def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they_load(
+    zoo, chat_data, tmp_path, capsys, monkeypatch
+):
     """transformers runs kept FP8 weights with the `kernels` package's FP8 kernel, and without it stops at
-    the first forward; the plan and the run's start name the package instead."""
+    the first forward, after the weights have loaded: a run on such a GPU stops at its start instead, before
+    the target's weights are read or cut into a view, in one line naming the package; --plan says so."""
+    target = tmp_path / "deepseek_v3_fp8"
+    shutil.copytree(zoo("deepseek_v3"), target)
+    quantize_as_fp8_releases(target, UNCONVERTED["deepseek_v3"])
+    kept = WeightStorage("fp8", True, "this GPU (an H200, compute capability 9.0)")
     monkeypatch.setattr(quantization, "is_kernels_available", lambda: False)
-    assert "`pip install kernels`" in quantization.missing_kernel(WeightStorage("fp8", True, "a GPU"))
-    assert quantization.missing_kernel(WeightStorage("fp8", False, "the CPU")) is None
-    assert "pip install kernels" in WeightStorage("fp8", True, "a GPU").describe(torch.bfloat16)
-    info = SimpleNamespace(path=Path("DeepSeek-V3"))
-    with pytest.raises(ValueError, match=r"--target_model DeepSeek-V3: .*`pip install kernels`"):
-        quantization.check_kernels(info, WeightStorage("fp8", True, "a GPU"))
+    monkeypatch.setattr(setup_run, "weight_storage", lambda info, device: kept)  # as on a GPU that keeps FP8
+
+    def download(*args, **kwargs):
+        raise AssertionError("the target's weights were fetched before the refusal")
+
+    monkeypatch.setattr(setup_run, "fetch_target_weights", download)
+    capsys.readouterr()
+    assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"--target_model {target}: transformers runs FP8 weights with the kernels package" in line
+    assert "`pip install kernels`" in line
+    assert "`pip install kernels`" in kept.describe(torch.bfloat16)
+    with pytest.raises(ValueError, match="`pip install kernels`"):  # evaluation's and regeneration's loads
+        quantization.check_kernels(inspect_target(target), kept)
+
+
+def test_a_release_quantized_by_a_package_not_installed_is_one_line_naming_it(
+    zoo, chat_data, tmp_path, capsys
+):
+    """Kimi K2's INT4 release (compressed-tensors): transformers needs the package to read it; the plan
+    says so in one line before anything loads."""
+    target = tmp_path / "int4"
+    shutil.copytree(zoo("deepseek_v3"), target)
+    config = json.loads((target / "config.json").read_text())
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "strategy": "group"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
+    (target / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert train_main([*train_flags(target, chat_data, tmp_path / "run"), "--plan"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"--target_model {target}: its weights are quantized (config.json quantization_config)" in line
+    assert "compressed-tensors" in line and "pip install" in line
+
+
+def test_a_cpu_run_on_a_gpu_machine_loads_an_fp8_release_dequantized(zoo, tmp_path, monkeypatch):
+    """transformers judges whether to keep FP8 weights by the machine's GPU, not by the device the run asks
+    for: a run with --device cpu on a GPU machine asks for them dequantized (its FP8 kernels run on CUDA
+    only), and the plan counts them so."""
+    target = tmp_path / "deepseek_v3_fp8"
+    shutil.copytree(zoo("deepseek_v3"), target)
+    quantize_as_fp8_releases(target, UNCONVERTED["deepseek_v3"])
+    info = inspect_target(target)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as transformers sees it
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    assert not weight_storage(info, CPU).kept
+    model = load_text_model(target, info.text_stack(), 3, torch.float32, dequantize=True)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.dtype for p in load_text_model(target, info.text_stack(), 3, torch.float32).parameters()} > {
+        torch.float32
+    }  # without the request, kept
+
+
+def test_modules_a_release_keeps_unconverted_stay_so_however_it_writes_their_names(zoo):
+    """`modules_to_not_convert` as releases write it (names of their own class, plain, as patterns,
+    escaped or anchored) still matches the modules of the text model loaded alone and of its causal LM."""
+    info = inspect_target(zoo("deepseek_v3"))
+    names = [
+        r"model\.layers\.\d+\.self_attn\.kv_a_proj_with_mqa",
+        "^model.layers.1.mlp",
+        "model.layers.*.mlp.gate",
+    ]
+    for with_head, into in ((False, ""), (True, "model.")):
+        config = info.text_stack().config
+        config.quantization_config = {"quant_method": "fp8", "modules_to_not_convert": names}
+        unconverted = truncated_text_config(info.text_stack(), 3, with_head).quantization_config[
+            "modules_to_not_convert"
+        ]
+        for module in (
+            "layers.2.self_attn.kv_a_proj_with_mqa",
+            "layers.1.mlp.down_proj",
+            "layers.2.mlp.gate",
+        ):
+            assert not should_convert_module(into + module, unconverted), (module, unconverted)
+        assert should_convert_module(into + "layers.2.mlp.down_proj", unconverted)
 
 
 def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path, capsys):

@@ -137,7 +137,7 @@ def plan_memory(
     roles = node_roles(topology)
     dtype = compute_dtype(device)
     dtype_bytes = dtype.itemsize
-    storage = weight_storage(info, device)
+    storage = weight_storage(info, device, elsewhere=gpu_bytes is not None)
     params, optimizer_state = drafter_sizes(c, cfg.optimizer)
     # draft positions of one chunk: bounded by the chunk, by the batch's tokens and by the anchors its
     # sequences (at least 2 x block_size tokens each) can hold

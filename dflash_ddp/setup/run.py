@@ -55,7 +55,7 @@ from dflash_ddp.target_model.info import (
     target_fingerprint,
 )
 from dflash_ddp.target_model.kernels import kernels_note, linear_layers_summary
-from dflash_ddp.target_model.quantization import WeightStorage, check_kernels
+from dflash_ddp.target_model.quantization import WeightStorage, check_kernels, weight_storage
 from dflash_ddp.target_model.tensor_parallel import check_groups_within_nodes, check_tensor_parallel
 
 
@@ -119,7 +119,8 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
             f"--target_topk {cfg.target_topk} is more than the target's {info.vocab_size} tokens "
             f"({info.path}/config.json vocab_size); pass at most {info.vocab_size} (all of them: the full distribution)"
         )
-    if not cfg.plan or cfg.calibrate:
+    if not cfg.plan or cfg.calibrate:  # the target will run here: refused before its weights download
+        check_kernels(info, weight_storage(info, planned_device(cfg)))
         view_root = Path(cfg.cache_dir or Path(cfg.output_dir) / "cache")
         if cfg.eval_data:
             fetch_target_weights(source, None, together=together)
@@ -131,8 +132,6 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         check_source_target(cfg, warm, info.path, source.commit)
     planned = planned_device(cfg)
     memory = plan_memory(cfg, info, drafter_config, topology, planned, plan_gpu_bytes(cfg))
-    if not cfg.plan:
-        check_kernels(info, memory.target_storage)
     note = kernels_note(info, target_layers_run(cfg, info, taps), planned.type)
     return RunSetup(source, info, tokenizer, drafter_config, memory, warm, [note] if note else [])
 

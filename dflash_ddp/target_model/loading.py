@@ -17,8 +17,12 @@ def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -
     """The whole text model with its LM head, for generation and speculative verification (a vision-language
     checkpoint's text model alone, as a causal LM). A quantized release that this device would keep without
     the kernels that run it stops here, before its weights load."""
-    check_kernels(info, weight_storage(info, device))
-    model = load_text_model(info.path, info.text_stack(), info.num_layers, dtype, with_head=True)
+    storage = weight_storage(info, device)
+    check_kernels(info, storage)
+    stack = info.text_stack()
+    model = load_text_model(
+        info.path, stack, info.num_layers, dtype, with_head=True, dequantize=not storage.kept
+    )
     return model.to(device).eval().requires_grad_(False)
 
 

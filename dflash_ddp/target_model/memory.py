@@ -31,9 +31,8 @@ MASK_READ_BY = {
 class TargetLoad:
     """What a target rank holds and runs, as the memory formula reads it."""
 
-    weight_bytes: (
-        int  # what the weights it loads (the truncated text model) hold, before its tensor-parallel share
-    )
+    # the bytes of the weights it loads (the truncated text model), before its tensor-parallel share
+    weight_bytes: int
     target_layer_ids: list[int]
     layers: int  # decoder layers it runs
     tokens_per_batch: int

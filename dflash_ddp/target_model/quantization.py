@@ -8,7 +8,6 @@ a run whose GPU keeps FP8 weights without the package that runs them stops befor
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,23 +37,29 @@ class WeightStorage:
                 f"{str(dtype).removeprefix('torch.')} by transformers as it loads them on {self.where}: "
                 "counted so below"
             )
-        line = f"{self.method} as released (quantization_config), kept so on {self.where}: counted so below"
+        line = f"{self.method} as released (quantization_config), kept so on {self.where}"
+        if self.method not in MODELLED:
+            return f"{line}; counted below at {str(dtype).removeprefix('torch.')} (more than it holds: the plan models {', '.join(MODELLED)} only)"
         problem = missing_kernel(self)
-        return line + (f"; {problem}" if problem else "")
+        return f"{line}: counted so below" + (f"; {problem}" if problem else "")
 
 
 NOT_QUANTIZED = WeightStorage("", False, "")
-# the GPUs on which transformers keeps a release's weights quantized (a plan for another machine's assumes one)
+# the methods whose storage the plan counts (both of which transformers can also dequantize as it loads)
+MODELLED = ("fp8", "mxfp4")
+# the GPUs on which transformers keeps a release's weights quantized (a plan for another machine assumes one)
 KEPT_ON = {
     "fp8": "a GPU of compute capability 8.9 or more (H100, H200, B200)",
     "mxfp4": "a GPU with triton 3.4 or later and the kernels package",
 }
 
 
-def weight_storage(info: TargetInfo, device: torch.device) -> WeightStorage:
+def weight_storage(info: TargetInfo, device: torch.device, elsewhere: bool = False) -> WeightStorage:
     """Whether transformers keeps the weights of the target's release quantized on `device`: its own
     judgement of this machine (the quantizer's checks, which turn `dequantize` on where its kernels cannot
-    run), or on a CUDA device this machine lacks (--plan_gpu_memory) a GPU that keeps them (`KEPT_ON`)."""
+    run), or for another machine's GPUs (`elsewhere`: --plan_gpu_memory) a GPU that keeps them (`KEPT_ON`).
+    transformers judges by the machine's GPU, not by the device a run asks for: a CPU run on a GPU machine
+    is loaded dequantized explicitly (`load_text_model`'s `dequantize`)."""
     spec = getattr(info.text_stack().config, "quantization_config", None)
     if not spec:
         return NOT_QUANTIZED
@@ -62,16 +67,12 @@ def weight_storage(info: TargetInfo, device: torch.device) -> WeightStorage:
         quantizer = release_quantizer(spec)
         declared = quantizer.quantization_config.quant_method
         method = str(getattr(declared, "value", declared))
-        if device.type == "cuda" and not torch.cuda.is_available():
+        if elsewhere:
             kept = not getattr(quantizer.quantization_config, "dequantize", False)
             return WeightStorage(method, kept, KEPT_ON.get(method, "a GPU that runs them"))
-        quieted = logging.getLogger("transformers.quantizers")
-        level = quieted.level
-        quieted.setLevel(logging.ERROR)  # its warnings say what `describe` says
-        try:
-            quantizer.validate_environment(device_map={"": device.type}, dtype=None)
-        finally:
-            quieted.setLevel(level)
+        if device.type == "cpu" and torch.cuda.is_available() and method in MODELLED:
+            return WeightStorage(method, False, "the CPU")
+        quantizer.validate_environment(device_map={"": device.type}, dtype=None)
     except (ImportError, RuntimeError, ValueError) as e:
         raise ValueError(
             f"--target_model {info.path}: its weights are quantized (config.json quantization_config) and "
@@ -107,7 +108,7 @@ def truncated_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage
         if storage.kept and storage.method == "mxfp4":
             skipped = release_quantizer(config.quantization_config).quantization_config.modules_to_not_convert
             return mxfp4_bytes(model, skipped, dtype)
-        if storage.kept:
+        if storage.kept and storage.method in MODELLED:
             release_quantizer(config.quantization_config).preprocess_model(model, dtype=dtype)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -139,8 +140,9 @@ def mxfp4_bytes(model: torch.nn.Module, skipped: list[str] | None, dtype: torch.
 
 def missing_kernel(storage: WeightStorage) -> str | None:
     """What stops FP8 weights kept on this GPU from running, or None: transformers runs them with the FP8
-    kernels of the `kernels` package (fetched from the hub on first use, `kernels-community/finegrained-fp8`)
-    and without it stops at the first forward, after the weights have loaded."""
+    kernels of the `kernels` package (fetched from the hub on first use, `kernels-community/finegrained-fp8`:
+    a machine without the hub needs it in its cache) and without it stops at the first forward, after the
+    weights have loaded."""
     if storage.method != "fp8" or not storage.kept or is_kernels_available():
         return None
     return (

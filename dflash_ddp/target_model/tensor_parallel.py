@@ -15,6 +15,7 @@ from transformers.distributed import DistributedConfig
 
 from dflash_ddp.parallel.topology import Topology, group_mesh
 from dflash_ddp.target_model.info import TargetInfo
+from dflash_ddp.target_model.quantization import weight_storage
 from dflash_ddp.target_model.text_stack import load_text_model
 
 
@@ -79,7 +80,12 @@ def load_sharded(
     tp_size = meshes.get_mesh("tp").size()
     with group_mesh(meshes, device):
         model = load_text_model(
-            info.path, info.text_stack(), layers, dtype, distributed_config=DistributedConfig(tp_size=tp_size)
+            info.path,
+            info.text_stack(),
+            layers,
+            dtype,
+            dequantize=not weight_storage(info, device).kept,
+            distributed_config=DistributedConfig(tp_size=tp_size),
         )
     _check_plan_runs(model, info, tp_size)
     return model

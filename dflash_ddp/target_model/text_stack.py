@@ -412,46 +412,54 @@ def _truncatable(text: PretrainedConfig) -> bool:
     return decoder_layer_count(text) < 2 or shapes(1) == shapes(decoder_layer_count(text))
 
 
-def truncated_text_config(stack: TextStack, layers: int, with_head: bool = False) -> PretrainedConfig:
+def truncated_text_config(
+    stack: TextStack, layers: int, with_head: bool = False, dequantize: bool = False
+) -> PretrainedConfig:
     """The text config cut after `layers` decoder layers (all of them where the model cannot be cut: the
     forward then stops after the last tapped layer instead); Gemma 4's last `num_kv_shared_layers` layers
     reuse earlier layers' keys and values, and only those of them that remain stay shared. A quantized
-    release's modules left unconverted are named as the text model alone (`with_head`: its causal LM) names
-    them (`_unconverted_modules`)."""
+    release's modules left unconverted are also named as the text model alone (`with_head`: its causal LM)
+    names them (`_unconverted_modules`), and with `dequantize` its weights are dequantized as they load."""
     config = _cut(stack.config, layers) if stack.truncatable else copy.deepcopy(stack.config)
     spec = getattr(config, "quantization_config", None)
-    if isinstance(spec, dict) and spec.get("modules_to_not_convert"):
-        spec["modules_to_not_convert"] = _unconverted_modules(
-            stack, spec["modules_to_not_convert"], with_head
-        )
+    if isinstance(spec, dict) and (names := spec.get("modules_to_not_convert")):
+        spec["modules_to_not_convert"] = _unconverted_modules(stack, names, with_head)
+    if isinstance(spec, dict) and dequantize:
+        spec["dequantize"] = True
     return config
 
 
 def _unconverted_modules(stack: TextStack, names: list[str], with_head: bool) -> list[str]:
-    """A release's `modules_to_not_convert` (module names, or patterns, of the checkpoint's class) as the
-    class loaded names them: the text model's path in the checkpoint's class (a wrapper's
-    `model.language_model`, a causal LM's `model`) replaced by its path in the class loaded (none in the text
-    model alone) and a wrapper's LM head by its causal LM's. Unrenamed, transformers converts the modules a
-    release keeps in bf16 too (they then lack their FP8 scales on a GPU that keeps FP8)."""
-    source = stack.text_module or stack.own_prefix
+    """A release's `modules_to_not_convert` (module names or patterns of the checkpoint's class, plain or
+    escaped) beside their names in the class loaded: the text model's path in the checkpoint (a wrapper's
+    `model.language_model`, a causal LM's `model`, or as saved) replaced by its path in the class loaded
+    (none in the text model alone), and a wrapper's LM head outside its text model by its causal LM's.
+    Unrenamed, transformers converted them too (on a GPU that keeps FP8 they then lacked their scales)."""
     into = stack.own_prefix if with_head else ""
-    head = stack.head_module or stack.own_head_tensor.removesuffix(".weight")
+    head, own_head = stack.head_module, stack.own_head_tensor.removesuffix(".weight")
+    sources = {p for p in (stack.text_module or stack.own_prefix, stack.prefix) if p}
     renamed = []
     for name in names:
-        if name == head and with_head:
-            name = stack.own_head_tensor.removesuffix(".weight")
-        elif source and name.startswith(f"{source}."):
-            name = f"{into}.{name.removeprefix(f'{source}.')}".removeprefix(".")
-        renamed.append(name)
-    return renamed
+        if with_head and head and name == head and not any(head.startswith(f"{p}.") for p in sources):
+            renamed.append(own_head)
+        for source in sources:
+            for written, joined in ((f"{source}.", "."), (rf"{re.escape(source)}\.", r"\.")):
+                rest = name.removeprefix("^").removeprefix(written)
+                if rest != name.removeprefix("^"):
+                    renamed.append(f"{into}{joined if into else ''}{rest}")
+    return [*names, *renamed]
 
 
-def _load_checkpoint_class(path: Path, stack: TextStack, dtype: torch.dtype, **kwargs) -> nn.Module:
+def _load_checkpoint_class(
+    path: Path, stack: TextStack, dtype: torch.dtype, dequantize: bool, **kwargs
+) -> nn.Module:
     """The checkpoint as its own class (a vision-language wrapper whose text model has no causal LM), whole;
     where the class is more than what writes the text, that sub-model's class alone, which transformers reads
     from its part of the files (Omni's thinker, beside a talker that speaks: Qwen2.5-Omni's class would also
     read the talker's voices from a pickle, which this project never loads)."""
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if dequantize and isinstance(getattr(config, "quantization_config", None), dict):
+        config.quantization_config["dequantize"] = True
     cls = getattr(transformers, stack.architecture)
     if stack.generator:
         with torch.device("meta"):
@@ -483,21 +491,28 @@ def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
 
 
 def load_text_model(
-    path: Path, stack: TextStack, layers: int, dtype: torch.dtype, with_head: bool = False, **kwargs
+    path: Path,
+    stack: TextStack,
+    layers: int,
+    dtype: torch.dtype,
+    with_head: bool = False,
+    dequantize: bool = False,
+    **kwargs,
 ) -> nn.Module:
     """The text model's first `layers` decoder layers (`with_head`: as a causal LM, with its final norm and
     LM head), read from the checkpoint in `path` and nothing else of it; `kwargs` go to `from_pretrained` (a
     tensor-parallel `distributed_config`). A weight the text model expects and the checkpoint lacks is an
     error: transformers would fill it with random numbers. Where transformers has no causal LM of the text
-    config alone (GLM-5), the whole model `with_head` is the checkpoint's own class."""
+    config alone (GLM-5), the whole model `with_head` is the checkpoint's own class. `dequantize`: a
+    quantized release's weights are dequantized as they load (where the device does not keep them)."""
     if with_head and not stack.text_lm:
-        return _load_checkpoint_class(path, stack, dtype, **kwargs)
+        return _load_checkpoint_class(path, stack, dtype, dequantize, **kwargs)
     model_class = causal_lm_class(stack.config) if with_head else None
     model_class = model_class or _text_model_class(stack.config)
     with _checkpoint_conversions(model_class, stack, with_head):
         model, loading = model_class.from_pretrained(
             path,
-            config=truncated_text_config(stack, layers, with_head),
+            config=truncated_text_config(stack, layers, with_head, dequantize),
             dtype=dtype,
             local_files_only=True,
             key_mapping=_key_mapping(stack, with_head),
