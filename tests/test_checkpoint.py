@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash_ddp.checkpoint.__main__ import main as checkpoint_main
 from dflash_ddp.checkpoint.layout import read_latest
 from dflash_ddp.checkpoint.manifest import verify_checkpoint, write_manifest
 from dflash_ddp.checkpoint.parts import model_parts
@@ -329,16 +330,17 @@ def test_rotation_keeps_the_limit_and_the_resumed_checkpoint(tiny_target, chat_d
     assert names == ["step-00000005", "step-00000008", "step-00000009"]
 
 
-def test_inspect_and_verify_cli(finished_run):
-    run = [sys.executable, "-m", "dflash_ddp.checkpoint"]
+def test_inspect_and_verify_cli(finished_run, capsys):
+    run = [sys.executable, "-m", "dflash_ddp.checkpoint"]  # the module's entry point, once
     shown = subprocess.run([*run, "inspect", str(finished_run)], capture_output=True, text=True)
     assert (
         shown.returncode == 0 and "step         6" in shown.stdout and "manifest     verified" in shown.stdout
     )
-    assert subprocess.run([*run, "verify", str(_newest(finished_run))], capture_output=True).returncode == 0
+    assert checkpoint_main(["verify", str(_newest(finished_run))]) == 0
     (_newest(finished_run) / "scheduler.pt").write_bytes(b"garbage")
-    bad = subprocess.run([*run, "verify", str(_newest(finished_run))], capture_output=True, text=True)
-    assert bad.returncode == 1 and "FAILED" in bad.stdout
+    capsys.readouterr()
+    assert checkpoint_main(["verify", str(_newest(finished_run))]) == 1
+    assert "FAILED" in capsys.readouterr().out
 
 
 def test_resuming_an_earlier_checkpoint_sets_later_ones_aside(finished_run, tiny_target, chat_data, capsys):

@@ -92,7 +92,7 @@ def test_extra_or_missing_keys_are_refused(tmp_path):
         load_drafter(tmp_path)
 
 
-def test_export_cli_from_a_checkpoint_directory(tmp_path):
+def test_export_cli_from_a_checkpoint_directory(tmp_path, capsys):
     save_drafter(drafter(), tmp_path / "ckpt", dtype="float32")
     result = subprocess.run(
         [sys.executable, "-m", "dflash_ddp.export", str(tmp_path / "ckpt"), str(tmp_path / "out")],
@@ -104,12 +104,8 @@ def test_export_cli_from_a_checkpoint_directory(tmp_path):
         load_file(tmp_path / "out" / "model.safetensors").keys()
         == load_file(tmp_path / "ckpt" / "model.safetensors").keys()
     )
-    bad = subprocess.run(
-        [sys.executable, "-m", "dflash_ddp.export", str(tmp_path / "nowhere"), str(tmp_path / "o2")],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "no config.json" in bad.stderr
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "o2")]) == 2
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_the_export_is_bf16_by_default_with_what_older_readers_and_vllm_read(tmp_path):

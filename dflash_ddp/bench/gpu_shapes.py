@@ -56,6 +56,7 @@ from dflash_ddp.setup.trainer import configure_execution, optimizer_settings, st
 from dflash_ddp.target_model.features import tapped_features
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import TargetInfo, target_info_from_config
+from dflash_ddp.target_model.text_stack import read_text_stack
 
 from .flops import DraftWork, device_peak, draft_work, drafter_flops, target_forward_flops
 
@@ -113,7 +114,7 @@ def target_info(config, path: Path) -> TargetInfo:
     """What `inspect_target` would read from a directory holding `config` (written there: --plan's memory
     model reads the config from it; no weights)."""
     config.save_pretrained(path)
-    return target_info_from_config(config, path)
+    return target_info_from_config(config, path, read_text_stack(path))  # read once, not per plan
 
 
 def build_target(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

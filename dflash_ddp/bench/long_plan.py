@@ -21,6 +21,7 @@ from dflash_ddp.parallel.machine import GIB
 from dflash_ddp.parallel.topology import Topology
 from dflash_ddp.setup.plan import context_length_plans, longest_fitting
 from dflash_ddp.target_model.info import target_info_from_config
+from dflash_ddp.target_model.text_stack import read_text_stack
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "qwen3-8b.yaml"
 # Qwen/Qwen3-8B's config.json (the fields the plan reads)
@@ -47,7 +48,7 @@ def bench_long_plan() -> list[str]:
     with tempfile.TemporaryDirectory() as scratch:
         config = Qwen3Config(**QWEN3_8B)
         config.save_pretrained(scratch)
-        info = target_info_from_config(config, Path(scratch))
+        info = target_info_from_config(config, Path(scratch), read_text_stack(Path(scratch)))  # read once
         rank = WORLD - 1  # the drafter rank of the 7+1 launch; a node holds both kinds of rank
         launch = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": WORLD, "LOCAL_WORLD_SIZE": WORLD}
         before = {key: os.environ.get(key) for key in launch}
