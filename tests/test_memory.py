@@ -122,13 +122,6 @@ def cli(*flags: str) -> str:
     return result.stdout
 
 
-def planned_peak(capsys, *flags: str) -> float:
-    """--plan's predicted peak in GiB, planned in this process (the plan reads no process's memory)."""
-    capsys.readouterr()
-    assert main([*flags, "--plan"]) == 0
-    return float(capsys.readouterr().out.split("fits: yes: ")[1].split(" GiB")[0])
-
-
 @pytest.mark.parametrize(
     ("family", "recompute", "loss_rows"),
     [
@@ -138,9 +131,7 @@ def planned_peak(capsys, *flags: str) -> float:
         ("lilicorr", "none", 4096),
     ],
 )
-def test_predicted_peak_matches_the_measured_peak_of_a_real_run(
-    tmp_path, capsys, family, recompute, loss_rows
-):
+def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path, family, recompute, loss_rows):
     """The embedded target with the paper's 512 anchors x 16: chunks of 4096 draft positions dominate; in
     each execution the plan can choose (the CPU, with room, keeps every activation and scores the loss in
     pieces of 1024 rows; a GPU's plan scores a chunk in one piece where it fits, as the last case does).
@@ -166,7 +157,7 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(
     ]
     flags += ["--tokens_per_batch", "1024", "--save_steps", "100", "--eval_data", ""]
     flags += ["--output_dir", str(tmp_path / "run")]
-    predicted = planned_peak(capsys, *flags)
+    predicted = float(cli(*flags, "--plan").split("fits: yes: ")[1].split(" GiB")[0])
     cli(*flags)
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     measured = max(json.loads(line)["peak_memory_gib"] for line in records)
@@ -277,7 +268,7 @@ def test_an_evaluation_whose_target_cannot_fit_the_leaders_device_is_refused_at_
 
 
 @pytest.mark.parametrize("length", [8192])
-def test_the_plan_predicts_a_long_context_run_within_a_third(tiny_target, tmp_path, capsys, length):
+def test_the_plan_predicts_a_long_context_run_within_a_third(tiny_target, tmp_path, length):
     """One 8K-token multi-turn conversation a batch, 512 anchors x 16: --plan's peak against the run's
     measured one (0.41 vs 0.436 GiB when written, and 0.43 vs 0.459 at 16K, which this test ran until
     2026-12-05: 6% under, a part outside the tensors the model counts that does not grow with the length)."""
@@ -290,7 +281,7 @@ def test_the_plan_predicts_a_long_context_run_within_a_third(tiny_target, tmp_pa
     flags += ["--max_seq_len", str(length), "--tokens_per_batch", str(length), "--max_steps", "2"]
     flags += ["--save_steps", "100", "--num_anchors", "512", "--block_size", "16", "--num_draft_layers", "2"]
     flags += ["--anchor_scale_tokens", "0"]  # 512 blocks whatever the length (scaled: the benchmark's (j))
-    predicted = planned_peak(capsys, *flags)
+    predicted = float(cli(*flags, "--plan").split("fits: yes: ")[1].split(" GiB")[0])
     cli(*flags)
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     measured = max(json.loads(line)["peak_memory_gib"] for line in records)
