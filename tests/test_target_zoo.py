@@ -722,7 +722,9 @@ def quantize_as_mxfp4_release(target: Path) -> None:
     (target / "config.json").write_text(json.dumps(config))
 
 
-def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_planned_as_held(zoo, tmp_path):
+def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_planned_as_held(
+    zoo, chat_data, tmp_path
+):
     """gpt-oss ships its experts in MXFP4: on the CPU transformers dequantizes them as it loads (target ranks
     read the features of its own load); a GPU with its kernels keeps them packed, which the plan counts as
     the release's bytes (the packed experts and their exponents as stored, their biases in fp32, the rest
@@ -755,6 +757,7 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
         if not name.startswith("lm_head")
     )
     assert truncated_weight_bytes(info, info.num_layers, on_gpu, torch.bfloat16) == held
+    assert train_export_decode(target, chat_data, tmp_path)["lossless"]
 
 
 def quantize_as_deepseek_v4_release(target: Path) -> None:
@@ -800,7 +803,7 @@ def quantize_as_deepseek_v4_release(target: Path) -> None:
 
 
 def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as_held(
-    zoo, tmp_path, monkeypatch
+    zoo, chat_data, tmp_path, monkeypatch
 ):
     """DeepSeek V4 ships FP8 linears and FP4 experts under power-of-two scales: on the CPU transformers
     dequantizes both as it loads (target ranks read the features of its own load: the mean of the streams);
@@ -816,6 +819,7 @@ def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as
     with torch.no_grad():
         hidden = own(input_ids=ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(features, torch.cat([hidden[2].mean(-2), hidden[3].mean(-2)], dim=-1))
+    assert train_export_decode(target, chat_data, tmp_path)["lossless"]
     stack, layers = info.text_stack(), 3
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
     kept = load_text_model(target, stack, layers, torch.bfloat16)
