@@ -604,40 +604,77 @@ FP4_VALUES = torch.tensor(
 )
 
 
+def as_release(source: Path, target: Path, spec: dict, quantize=None) -> Path:
+    """A copy in `target` of the zoo target `source` rewritten as a quantized release: each saved tensor
+    through `quantize(name, tensor)` (the tensors it is saved as; none: as it was) and `spec` as its
+    config's `quantization_config`."""
+    shutil.copytree(source, target)
+    if quantize is not None:
+        weights = {}
+        for name, tensor in load_file(target / "model.safetensors").items():
+            weights |= quantize(name, tensor)
+        save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = spec
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def layer_matrix(name: str, tensor: torch.Tensor) -> bool:
+    """Whether a saved tensor is a linear layer's weight matrix inside the decoder layers."""
+    return tensor.dim() == 2 and ".layers." in name and name.endswith(".weight") and "norm" not in name
+
+
+def fp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of 32 values as 4-bit e2m1 codes packed two a byte ([..., 16] uint8, the even value low) under
+    the power of two that scales their largest to at most 6, and that power's exponent ([..., 1])."""
+    exponent = torch.ceil(torch.log2(rows.abs().amax(-1, keepdim=True).clamp(min=2**-100) / 6))
+    codes = (rows / 2**exponent).unsqueeze(-1).sub(FP4_VALUES).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), exponent
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters as loaded."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def keep_fp8_as_a_gpu_does(monkeypatch) -> None:
+    """transformers' FP8 loads keep the weights in FP8, as on a GPU of compute capability 8.9 or more: its
+    environment check skipped (the load holds the same tensors on the CPU; only the kernels differ)."""
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+
+
+# the `quantization_config` of FP8 releases (DeepSeek's block scales of 128 x 128)
+FP8_RELEASE = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 # per zoo target, a module of every layer its FP8 release keeps in bf16 (`modules_to_not_convert`)
 UNCONVERTED = {"deepseek_v3": "self_attn.kv_a_proj_with_mqa", "qwen3_5_moe": "mlp.shared_expert_gate"}
 
 
-def quantize_as_fp8_releases(target: Path, unconverted: str) -> None:
-    """Rewrite `target` as FP8 releases ship (DeepSeek V3/V4, Qwen3.5, MiniMax-M2): every 2-D weight of its
-    decoder layers in float8 e4m3 beside its block scale (`weight_scale_inv`; one block of 128 x 128 holds
-    a tiny matrix whole), the embedding, norms, routers (no Linear in transformers), LM head and the
-    `unconverted` modules as they were and named in the config's `quantization_config` (by their names in
+def fp8_release(zoo, name: str, tmp_path: Path) -> Path:
+    """Zoo target `name` as FP8 releases ship (DeepSeek V3/V4, Qwen3.5, MiniMax-M2): every weight matrix of
+    its decoder layers in float8 e4m3 beside its block scale (`weight_scale_inv`; one block of 128 x 128
+    holds a tiny matrix whole), the embedding, norms, routers (no Linear in transformers), LM head and the
+    `UNCONVERTED` modules as they were and named in the config's `quantization_config` (by their names in
     the checkpoint's class, as releases name them)."""
-    weights, kept = {}, ["lm_head"]
-    for name, tensor in load_file(target / "model.safetensors").items():
-        module = name.removesuffix(".weight")
-        quantized = (
-            tensor.dim() == 2 and ".layers." in name and name.endswith(".weight") and "norm" not in name
-        )
-        if module.endswith(unconverted):
+    kept = ["lm_head"]  # filled as the tensors are read, written after them
+
+    def quantize(saved: str, tensor: torch.Tensor) -> dict:
+        module = saved.removesuffix(".weight")
+        if module.endswith(UNCONVERTED[name]):
             kept.append(module)
-        elif quantized and not module.endswith("mlp.gate"):
+        elif layer_matrix(saved, tensor) and not module.endswith("mlp.gate"):
             scale = tensor.abs().amax().clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max
-            weights[name] = (tensor / scale).to(torch.float8_e4m3fn)
-            weights[f"{module}.weight_scale_inv"] = scale.reshape(1, 1).float()
-            continue
-        weights[name] = tensor
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "modules_to_not_convert": kept,
-    }
-    (target / "config.json").write_text(json.dumps(config))
+            weight = (tensor / scale).to(torch.float8_e4m3fn)
+            return {saved: weight, f"{module}.weight_scale_inv": scale.reshape(1, 1).float()}
+        return {saved: tensor}
+
+    spec = FP8_RELEASE | {"modules_to_not_convert": kept}
+    return as_release(zoo(name), tmp_path / f"{name}_fp8", spec, quantize)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe"])
@@ -648,9 +685,7 @@ def test_an_fp8_release_is_read_as_transformers_reads_it_and_trains_on_the_cpu(
     keeps its FP8 weights): target ranks read the same features as transformers' own load of the checkpoint
     (a wrapper's text model alone too: Qwen3.5's quantization config is the wrapper's, and without it the
     FP8 weights were read as numbers), and the CLIs train, export and decode it losslessly."""
-    target = tmp_path / f"{name}_fp8"
-    shutil.copytree(zoo(name), target)
-    quantize_as_fp8_releases(target, UNCONVERTED[name])
+    target = fp8_release(zoo, name, tmp_path)
     info = inspect_target(target)
     ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
@@ -669,25 +704,20 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     CPU dequantized to the compute dtype; on a GPU that keeps FP8 (--plan_gpu_memory plans for one) a byte a
     weight, the blocks' fp32 scales beside them and the rest in bf16. A GPU's load is the CPU's with
     transformers' environment check skipped (it holds the same tensors; only the kernels differ)."""
-    target = tmp_path / f"{name}_fp8"
-    shutil.copytree(zoo(name), target)
-    quantize_as_fp8_releases(target, UNCONVERTED[name])
+    target = fp8_release(zoo, name, tmp_path)
     info, layers = inspect_target(target), 3
     stack = info.text_stack()
-
-    def held(model: torch.nn.Module) -> int:
-        return sum(p.numel() * p.element_size() for p in model.parameters())
 
     on_cpu = weight_storage(info, CPU)
     assert not on_cpu.kept
     dequantized = load_text_model(target, stack, layers, torch.float32)
-    assert truncated_weight_bytes(info, layers, on_cpu, torch.float32) == held(dequantized)
+    assert truncated_weight_bytes(info, layers, on_cpu, torch.float32) == parameter_bytes(dequantized)
     on_gpu = weight_storage(info, torch.device("cuda"), elsewhere=True)
     assert on_gpu.kept and on_gpu.method == "fp8"
-    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    keep_fp8_as_a_gpu_does(monkeypatch)
     kept = load_text_model(target, stack, layers, torch.bfloat16)
     assert {p.dtype for p in kept.parameters()} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
-    assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == held(kept)
+    assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == parameter_bytes(kept)
     # the modules the release keeps in bf16, named as its class names them, stay so in the text model alone
     # and in its causal LM (converted, they lacked their scales and the load stopped)
     whole = load_text_model(target, stack, info.num_layers, torch.bfloat16, with_head=True)
@@ -701,25 +731,20 @@ def test_the_plan_counts_an_fp8_release_as_transformers_holds_it(
     assert "fp8 as released (quantization_config), kept so on a GPU of compute capability 8.9" in line
 
 
-def quantize_as_mxfp4_release(target: Path) -> None:
-    """Rewrite gpt-oss `target` as OpenAI ships it: each expert matrix [experts, in, out] as 4-bit values
+def mxfp4_release(zoo, tmp_path: Path) -> Path:
+    """The zoo's gpt-oss as OpenAI ships it: each expert matrix [experts, in, out] as 4-bit values
     (`*_blocks`: [experts, out, in / 32, 16] bytes, two values a byte) under a shared power of two per 32
     (`*_scales`: its exponent + 127), the rest as it was, and the config's `quantization_config`."""
-    weights = {}
-    for name, tensor in load_file(target / "model.safetensors").items():
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict:
         if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            weights[name] = tensor
-            continue
-        rows = tensor.transpose(1, 2).unflatten(-1, (-1, 32))
-        exponent = torch.ceil(torch.log2(rows.abs().amax(-1, keepdim=True).clamp(min=2**-100) / 6))
-        codes = (rows / 2**exponent).unsqueeze(-1).sub(FP4_VALUES).abs().argmin(-1).to(torch.uint8)
-        weights[name + "_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        weights[name + "_scales"] = (exponent.squeeze(-1) + 127).to(torch.uint8)
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((target / "config.json").read_text())
+            return {name: tensor}
+        blocks, exponent = fp4(tensor.transpose(1, 2).unflatten(-1, (-1, 32)))
+        return {f"{name}_blocks": blocks, f"{name}_scales": (exponent.squeeze(-1) + 127).to(torch.uint8)}
+
     skipped = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": skipped}
-    (target / "config.json").write_text(json.dumps(config))
+    spec = {"quant_method": "mxfp4", "modules_to_not_convert": skipped}
+    return as_release(zoo("gpt_oss"), tmp_path / "gpt_oss_mxfp4", spec, quantize)
 
 
 def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_planned_as_held(
@@ -729,9 +754,7 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
     read the features of its own load); a GPU with its kernels keeps them packed, which the plan counts as
     the release's bytes (the packed experts and their exponents as stored, their biases in fp32, the rest
     in bf16)."""
-    target = tmp_path / "gpt_oss_mxfp4"
-    shutil.copytree(zoo("gpt_oss"), target)
-    quantize_as_mxfp4_release(target)
+    target = mxfp4_release(zoo, tmp_path)
     info = inspect_target(target)
     ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
@@ -745,9 +768,7 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
     torch.testing.assert_close(features, torch.cat([hidden[2], hidden[3]], dim=-1))
     on_cpu = weight_storage(info, CPU)
     assert on_cpu.method == "mxfp4" and not on_cpu.kept
-    assert truncated_weight_bytes(info, info.num_layers, on_cpu, torch.float32) == sum(
-        p.numel() * 4 for p in own.parameters()
-    )
+    assert truncated_weight_bytes(info, info.num_layers, on_cpu, torch.float32) == parameter_bytes(own)
     on_gpu = weight_storage(info, torch.device("cuda"), elsewhere=True)
     assert on_gpu.kept
     stored = load_file(target / "model.safetensors")
@@ -760,46 +781,26 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
     assert train_export_decode(target, chat_data, tmp_path)["lossless"]
 
 
-def quantize_as_deepseek_v4_release(target: Path) -> None:
-    """Rewrite the zoo's DeepSeek V4 (saved under its original names) as its releases ship: the routed
-    experts in FP4, two 4-bit values a byte (int8) under a power-of-two scale per 32 (`.scale`, e8m0), every
-    other linear of the layers in FP8 under one power-of-two scale (e8m0); `scale_fmt: ue8m0`,
+def deepseek_v4_release(zoo, tmp_path: Path) -> Path:
+    """The zoo's DeepSeek V4 (saved under its original names) as its releases ship: the routed experts in
+    FP4, two 4-bit values a byte (int8) under a power-of-two scale per 32 (`.scale`, e8m0), every other
+    weight matrix of the layers in FP8 under one power-of-two scale (e8m0); `scale_fmt: ue8m0`,
     `expert_dtype: fp4`."""
-    weights = {}
-    for name, tensor in load_file(target / "model.safetensors").items():
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict:
         module = name.removesuffix(".weight")
-        linear = tensor.dim() == 2 and ".layers." in name and name.endswith(".weight") and "norm" not in name
-        if linear and ".experts." in name and ".shared_experts." not in name:
-            rows = tensor.unflatten(-1, (-1, 32))
-            exponent = torch.ceil(torch.log2(rows.abs().amax(-1, keepdim=True).clamp(min=2**-100) / 6))
-            codes = (
-                (rows / 2**exponent)
-                .unsqueeze(-1)
-                .sub(FP4_VALUES)
-                .abs()
-                .argmin(-1)
-                .to(torch.uint8)
-                .flatten(-2)
-            )
-            weights[name] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
-            weights[f"{module}.scale"] = (2 ** exponent.squeeze(-1)).to(torch.float8_e8m0fnu)
-        elif linear and not module.endswith("ffn.gate"):
+        if layer_matrix(name, tensor) and ".experts." in name and ".shared_experts." not in name:
+            packed, exponent = fp4(tensor.unflatten(-1, (-1, 32)))
+            scale = (2 ** exponent.squeeze(-1)).to(torch.float8_e8m0fnu)
+            return {name: packed.flatten(-2).view(torch.int8), f"{module}.scale": scale}
+        if layer_matrix(name, tensor) and not module.endswith("ffn.gate"):
             scale = 2 ** torch.ceil(torch.log2(tensor.abs().amax().clamp(min=1e-8) / 448))
-            weights[name] = (tensor / scale).to(torch.float8_e4m3fn)
-            weights[f"{module}.scale"] = scale.reshape(1, 1).to(torch.float8_e8m0fnu)
-        else:
-            weights[name] = tensor
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "scale_fmt": "ue8m0",
-        "expert_dtype": "fp4",
-    }
-    (target / "config.json").write_text(json.dumps(config))
+            weight = (tensor / scale).to(torch.float8_e4m3fn)
+            return {name: weight, f"{module}.scale": scale.reshape(1, 1).to(torch.float8_e8m0fnu)}
+        return {name: tensor}
+
+    spec = FP8_RELEASE | {"scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    return as_release(zoo("deepseek_v4"), tmp_path / "deepseek_v4_release", spec, quantize)
 
 
 def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as_held(
@@ -809,9 +810,7 @@ def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as
     dequantizes both as it loads (target ranks read the features of its own load: the mean of the streams);
     on a GPU that keeps them the plan counts what transformers' load holds (the experts half a byte a weight),
     byte for byte."""
-    target = tmp_path / "deepseek_v4_release"
-    shutil.copytree(zoo("deepseek_v4"), target)
-    quantize_as_deepseek_v4_release(target)
+    target = deepseek_v4_release(zoo, tmp_path)
     info = inspect_target(target)
     ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
@@ -821,12 +820,11 @@ def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as
     torch.testing.assert_close(features, torch.cat([hidden[2].mean(-2), hidden[3].mean(-2)], dim=-1))
     assert train_export_decode(target, chat_data, tmp_path)["lossless"]
     stack, layers = info.text_stack(), 3
-    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    keep_fp8_as_a_gpu_does(monkeypatch)
     kept = load_text_model(target, stack, layers, torch.bfloat16)
     assert {torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu} <= {p.dtype for p in kept.parameters()}
     on_gpu = weight_storage(info, torch.device("cuda"), elsewhere=True)
-    held = sum(p.numel() * p.element_size() for p in kept.parameters())
-    assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == held
+    assert truncated_weight_bytes(info, layers, on_gpu, torch.bfloat16) == parameter_bytes(kept)
 
 
 def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they_load(
@@ -835,9 +833,7 @@ def test_a_gpu_that_keeps_fp8_weights_without_their_kernels_is_named_before_they
     """transformers runs kept FP8 weights with the `kernels` package's FP8 kernel, and without it stops at
     the first forward, after the weights have loaded: a run on such a GPU stops at its start instead, before
     the target's weights are read or cut into a view, in one line naming the package; --plan says so."""
-    target = tmp_path / "deepseek_v3_fp8"
-    shutil.copytree(zoo("deepseek_v3"), target)
-    quantize_as_fp8_releases(target, UNCONVERTED["deepseek_v3"])
+    target = fp8_release(zoo, "deepseek_v3", tmp_path)
     kept = WeightStorage("fp8", True, "this GPU (an H200, compute capability 9.0)")
     monkeypatch.setattr(quantization, "is_kernels_available", lambda: False)
     monkeypatch.setattr(setup_run, "weight_storage", lambda info, device: kept)  # as on a GPU that keeps FP8
@@ -861,16 +857,13 @@ def test_a_release_quantized_by_a_package_not_installed_is_one_line_naming_it(
 ):
     """Kimi K2's INT4 release (compressed-tensors): transformers needs the package to read it; the plan
     says so in one line before anything loads."""
-    target = tmp_path / "int4"
-    shutil.copytree(zoo("deepseek_v3"), target)
-    config = json.loads((target / "config.json").read_text())
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32, "strategy": "group"}
-    config["quantization_config"] = {
+    spec = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
     }
-    (target / "config.json").write_text(json.dumps(config))
+    target = as_release(zoo("deepseek_v3"), tmp_path / "int4", spec)
     capsys.readouterr()
     assert train_main([*train_flags(target, chat_data, tmp_path / "run"), "--plan"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
@@ -882,12 +875,10 @@ def test_a_cpu_run_on_a_gpu_machine_loads_an_fp8_release_dequantized(zoo, tmp_pa
     """transformers judges whether to keep FP8 weights by the machine's GPU, not by the device the run asks
     for: a run with --device cpu on a GPU machine asks for them dequantized (its FP8 kernels run on CUDA
     only), and the plan counts them so."""
-    target = tmp_path / "deepseek_v3_fp8"
-    shutil.copytree(zoo("deepseek_v3"), target)
-    quantize_as_fp8_releases(target, UNCONVERTED["deepseek_v3"])
+    target = fp8_release(zoo, "deepseek_v3", tmp_path)
     info = inspect_target(target)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, as transformers sees it
-    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    keep_fp8_as_a_gpu_does(monkeypatch)
     assert not weight_storage(info, CPU).kept
     model = load_text_model(target, info.text_stack(), 3, torch.float32, dequantize=True)
     assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -17,10 +17,10 @@ from dflash_ddp.hub import LAYER_LISTS
 from dflash_ddp.target_model.forward_code import residual_streams
 from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
+from dflash_ddp.target_model.loading import load_target_model
 from dflash_ddp.target_model.memory import SOFT_TARGET_CHUNK
-from dflash_ddp.target_model.quantization import weight_storage
 from dflash_ddp.target_model.tensor_parallel import load_sharded
-from dflash_ddp.target_model.text_stack import load_text_model, text_model_of
+from dflash_ddp.target_model.text_stack import text_model_of
 
 
 class _StopForward(Exception):
@@ -169,8 +169,7 @@ class TargetFeatureExtractor:
         hf_logging.disable_progress_bar()  # the dropped layers are reported as unused weights; that is intended
         try:
             if meshes is None:
-                dequantize = not weight_storage(info, device).kept
-                self.model = load_text_model(info.path, info.text_stack(), keep, dtype, dequantize=dequantize)
+                self.model = load_target_model(info, keep, dtype, device)
             else:
                 self.model = load_sharded(info, keep, dtype, device, meshes)
         finally:

@@ -1,4 +1,5 @@
-"""Loading the whole target for generation (evaluation, regeneration) and the end-of-sequence ids it stops on."""
+"""Loading the target as the device holds it (a target rank's first layers, the whole target for generation in
+evaluation and regeneration) and the end-of-sequence ids it stops on."""
 
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ from dflash_ddp.target_model.quantization import check_kernels, weight_storage
 from dflash_ddp.target_model.text_stack import load_text_model
 
 
-def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The whole text model with its LM head, for generation and speculative verification (a vision-language
-    checkpoint's text model alone, as a causal LM). A quantized release that this device would keep without
-    the kernels that run it stops here, before its weights load."""
+def load_target_model(
+    info: TargetInfo, layers: int, dtype: torch.dtype, device: torch.device, with_head: bool = False, **kwargs
+) -> nn.Module:
+    """`load_text_model` for `device`: a quantized release stays quantized where the device keeps it and is
+    dequantized as it loads elsewhere (transformers judges by the machine's GPU, not by the device asked
+    for); where the device would keep it without the kernels that run it, one line before any weight loads.
+    `kwargs` go to `load_text_model` (a tensor-parallel `distributed_config`)."""
     storage = weight_storage(info, device)
     check_kernels(info, storage)
-    stack = info.text_stack()
-    model = load_text_model(
-        info.path, stack, info.num_layers, dtype, with_head=True, dequantize=not storage.kept
+    return load_text_model(
+        info.path, info.text_stack(), layers, dtype, with_head, dequantize=not storage.kept, **kwargs
     )
+
+
+def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The whole text model with its LM head, for generation and speculative verification (a vision-language
+    checkpoint's text model alone, as a causal LM), on `device` (`load_target_model`)."""
+    model = load_target_model(info, info.num_layers, dtype, device, with_head=True)
     return model.to(device).eval().requires_grad_(False)
 
 

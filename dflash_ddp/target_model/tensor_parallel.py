@@ -15,8 +15,7 @@ from transformers.distributed import DistributedConfig
 
 from dflash_ddp.parallel.topology import Topology, group_mesh
 from dflash_ddp.target_model.info import TargetInfo
-from dflash_ddp.target_model.quantization import weight_storage
-from dflash_ddp.target_model.text_stack import load_text_model
+from dflash_ddp.target_model.loading import load_target_model
 
 
 def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
@@ -79,13 +78,8 @@ def load_sharded(
     tensor-parallel plan; each rank reads only its shard of every weight."""
     tp_size = meshes.get_mesh("tp").size()
     with group_mesh(meshes, device):
-        model = load_text_model(
-            info.path,
-            info.text_stack(),
-            layers,
-            dtype,
-            dequantize=not weight_storage(info, device).kept,
-            distributed_config=DistributedConfig(tp_size=tp_size),
+        model = load_target_model(
+            info, layers, dtype, device, distributed_config=DistributedConfig(tp_size=tp_size)
         )
     _check_plan_runs(model, info, tp_size)
     return model
