@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import transformers
+from transformers.utils import is_timm_available
 
 from dflash_ddp.target_model.text_stack import generating_part
 
@@ -565,6 +566,60 @@ def _gemma4(vocab_size: int) -> Built:
     return "Gemma4ForConditionalGeneration", config
 
 
+def _gemma3n(vocab_size: int) -> Built:
+    """Gemma 3n as shipped (E2B, E4B): the wrapper over a text stack that passes 4 AltUp streams between its
+    layers, alternating sliding/global layers, per-layer input embeddings, its MLP width and activation
+    sparsity given per layer (the first layers' 95%), the last 2 layers reusing earlier layers' KV; a one-layer audio tower, and in place of its
+    timm vision tower a stand-in (`build_model`)."""
+    text = make_config(
+        "Gemma3nTextConfig",
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=vocab_size,
+        num_kv_shared_layers=2,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+    )
+    audio = _unshrunk(
+        "Gemma3nAudioConfig", hidden_size=32, conf_num_attention_heads=2, conf_num_hidden_layers=1
+    )
+    vision = _unshrunk("Gemma3nVisionConfig", hidden_size=32)
+    config = _wrapper("Gemma3nConfig", text, vision, audio_config=audio)
+    return "Gemma3nForConditionalGeneration", config
+
+
+class TimmStandIn(torch.nn.Module):
+    """In place of Gemma 3n's vision tower, a MobileNet that transformers builds through timm (which this
+    project does not install): one convolution under its stem's name, so that the saved release holds
+    vision weights beside its text model, as a real one does."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.timm_model = torch.nn.Module()
+        self.timm_model.conv_stem = torch.nn.Conv2d(3, config.hidden_size, 3)
+
+
+def build_model(model_class: type, config: Any) -> Any:
+    """`model_class(config)`, with `TimmStandIn` for a timm vision tower where timm is not installed."""
+    own = transformers.AutoModel.__dict__["from_config"]
+    build = transformers.AutoModel.from_config
+
+    def from_config(sub_config, **kwargs):
+        if type(sub_config).__name__ == "Gemma3nVisionConfig" and not is_timm_available():
+            return TimmStandIn(sub_config)
+        return build(sub_config, **kwargs)
+
+    transformers.AutoModel.from_config = from_config
+    try:
+        return model_class(config)
+    finally:
+        transformers.AutoModel.from_config = own
+
+
 def _mistral3(vocab_size: int) -> Built:
     """Mistral Small 3.x as shipped: the wrapper with a Mistral text stack and a one-layer Pixtral tower."""
     text = make_config("MistralConfig", vocab_size=vocab_size, sliding_window=None)
@@ -902,6 +957,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "gemma3_text": _gemma3_text_only,
     "gemma4": _gemma4,
     "gemma4_text": _gemma4_text_only,
+    "gemma3n": _gemma3n,
     "gpt_oss": _gpt_oss,
     "llama4": _llama4,
     "llama4_text": _llama4_text,
@@ -962,7 +1018,7 @@ def build_zoo_target(
     writes the tokens a test asks for instead of stopping where it happens to draw the end of a turn."""
     model_class, config = zoo_config(name, vocab_size)
     torch.manual_seed(seed)
-    model = model_class(config)
+    model = build_model(model_class, config)
     writer = generating_part(model, config.get_text_config(decoder=True))[1]  # Omni: its thinker's head
     with torch.no_grad():
         writer.get_output_embeddings().weight[list(unwritten)] = 0

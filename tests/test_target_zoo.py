@@ -20,6 +20,7 @@ from target_zoo import (
     EXPERT_WIDTH,
     TOP_K,
     ZOO_NAMES,
+    build_model,
     build_zoo_target,
     defined_fields,
     make_config,
@@ -41,8 +42,8 @@ from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.setup import run as setup_run
 from dflash_ddp.setup.run import target_weights
 from dflash_ddp.target_model import kernels, quantization
-from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, layer_output
-from dflash_ddp.target_model.forward_code import causal_lm_class, residual_streams
+from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_layers, stream_readout
+from dflash_ddp.target_model.forward_code import causal_lm_class
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
 from dflash_ddp.target_model.loading import load_causal_lm
@@ -524,19 +525,6 @@ def launch_tp2(target: Path, data: Path, out: Path) -> subprocess.CompletedProce
     )
 
 
-def test_decoder_layers_that_pass_several_streams_are_refused_in_one_line(chat_data, tmp_path, capsys):
-    """Gemma 3n's AltUp streams: refused from the config before anything is built (a shape error in the
-    first forward before)."""
-    target = tmp_path / "target"
-    build_tokenizer(target)
-    transformers.Gemma3nConfig().save_pretrained(target)
-    save_file({"unread": torch.zeros(1)}, target / "model.safetensors")  # refused before any weight is read
-    assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert "'gemma3n_text' passes 4 AltUp streams between its decoder layers" in line, line
-    assert "not supported as a target yet" in line, line
-
-
 def test_taps_skip_the_layers_a_vision_targets_forward_skips_on_text(zoo, chat_data, tmp_path, capsys):
     """Llama 3.2 Vision's cross-attention layers run only with an image: its default taps (40 layers: 1, 10,
     19, 28, 37) move off layer 28 to the layer before, whose output is the stream layer 28 passes on; a tap
@@ -573,7 +561,7 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
     if moe is not None:  # experts of 2 x 24 rows, not the hidden width: a transposed load cannot pass
         config.get_text_config(decoder=True).moe_intermediate_size = [24, 16] if isinstance(moe, list) else 24
     torch.manual_seed(0)
-    model = model_class(config).eval()
+    model = build_model(model_class, config).eval()
     model.save_pretrained(tmp_path)
     if released:
         weights = load_file(tmp_path / "model.safetensors")
@@ -588,9 +576,8 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
         hidden = text_model(input_ids=ids, output_hidden_states=True).hidden_states
     info = inspect_target(tmp_path)
     features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
-    torch.testing.assert_close(
-        features, torch.cat([layer_output(hidden[i], residual_streams(config)) for i in (2, 3)], dim=-1)
-    )
+    readout = stream_readout(text_model)  # a hyper-connection model's mean, Gemma 3n's AltUp readout
+    torch.testing.assert_close(features, torch.cat([readout(hidden[i]) for i in (2, 3)], dim=-1))
     # what a download by hub name fetches for target ranks holds the text model's layers and nothing of its
     # vision tower (Inkling 2's and Mistral Large 3's files name the text model otherwise than it does)
     read = target_weights(info)
@@ -1045,6 +1032,48 @@ def test_a_hyper_connection_target_feeds_the_drafter_the_mean_of_its_streams(
     assert info.hidden_size == 64 and streams[1].shape == (2, 24, *streams_shape)
     expected = torch.cat([streams[i].view(2, 24, 4, -1).mean(dim=-2) for i in (1, 2)], dim=-1)
     torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+
+
+class _PassedOn(torch.nn.Module):
+    """A decoder layer that passes its input streams on as they are."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def test_gemma_3n_feeds_the_drafter_its_altup_streams_read_out_as_its_final_hidden_state(
+    zoo, chat_data, tmp_path, capsys
+):
+    """Gemma 3n passes 4 AltUp streams ([4, B, S, H]) between its layers and reads its last layer's out into
+    its final hidden state (the first stream, the others through its unembedding projections at its
+    magnitude, their mean, normed). A tapped layer's feature is that readout: a tap on the last layer is
+    transformers' final hidden state, and one on layer 1, normed, is the final hidden state of the same model
+    with its later layers passing their input on. --plan says so. Its MLP width is given per layer (the
+    drafter takes the widest), and its release's vision tower, which transformers builds only with timm, is
+    never built here: it is counted from the files' headers."""
+    target = zoo("gemma3n")
+    info = inspect_target(target)
+    assert train_main([*train_flags(target, chat_data, tmp_path), "--plan"]) == 0
+    assert "4 AltUp streams between layers" in capsys.readouterr().out
+    ids = torch.randint(3, info.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    features, _ = TargetFeatureExtractor(info, [1, 3], CPU, torch.float32)(ids, torch.ones_like(ids))
+    whole = load_causal_lm(info, CPU, torch.float32)
+    with torch.no_grad():
+        final = whole.model(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(features[..., 64:], final, rtol=1e-5, atol=1e-5)
+        whole.model.layers[2], whole.model.layers[3] = _PassedOn(), _PassedOn()
+        after_layer_1 = whole.model(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(whole.model.norm(features[..., :64]), after_layer_1, rtol=1e-5, atol=1e-5)
+
+    read = target_weights(info)
+    saved = load_file(target / "model.safetensors")
+    assert any(n.startswith("model.vision_tower.") for n in saved)
+    assert info.other_parameters == sum(t.numel() for n, t in saved.items() if not read.holds(n))
+    per_layer = transformers.Gemma3nTextConfig(
+        num_hidden_layers=3, intermediate_size=[64, 96, 32], num_kv_shared_layers=0
+    )
+    widths = target_info_from_config(per_layer, Path("gemma-3n"))
+    assert widths.mlp_widths == (64, 96, 32) and widths.intermediate_size == 96
 
 
 def test_a_target_whose_cache_changes_its_logits_is_said_in_one_line_not_called_lossy(chat_data, tmp_path):

@@ -17,8 +17,13 @@ from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.sampling import Sampling, accept_drafts, draw, token_probs
-from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers, last_layer_norm
-from dflash_ddp.target_model.forward_code import own_cache_class, residual_streams
+from dflash_ddp.target_model.features import (
+    capture_layer_outputs,
+    decoder_layers,
+    last_layer_norm,
+    stream_readout,
+)
+from dflash_ddp.target_model.forward_code import own_cache_class
 from dflash_ddp.target_model.head import embed_as_target
 
 
@@ -224,9 +229,8 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     # the last position's logits only, named by index: an integer would let Gemma 4 run its KV-shared
     # layers on the last position alone, and those layers' outputs at every prompt position are context
     last = torch.tensor([ids.shape[1] - 1], device=device)
-    streams = residual_streams(target.config)
     with capture_layer_outputs(
-        layers, layer_ids, stop_after_last=False, final_norm=final_norm, streams=streams
+        layers, layer_ids, stop_after_last=False, final_norm=final_norm, readout=stream_readout(target)
     ) as captured:
         logits = target(input_ids=ids, cache=target_cache.cache, use_cache=True, logits_to_keep=last).logits
         context = torch.cat([captured[i] for i in layer_ids], dim=-1)

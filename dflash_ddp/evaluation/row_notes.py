@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from dflash_ddp.evaluation.decoding import new_target_cache
 from dflash_ddp.evaluation.report import family_label
 from dflash_ddp.evaluation.sampling import Sampling
-from dflash_ddp.target_model.forward_code import residual_streams
+from dflash_ddp.target_model.forward_code import hyper_connection_streams, residual_streams
 
 # the greedy evaluation's row at temperature 1.0: this drafter with speculative sampling, prompt i seeded with
 # SAMPLED_ROW.seed + i (lossless in distribution, so not compared token for token)
@@ -42,15 +42,17 @@ def assisted_decoding_note(target) -> str | None:
 
 def hyper_connection_note(target) -> str | None:
     """Why transformers' DFlash generate cannot run a drafter of this target, or None when it can: it hands the
-    drafter a hyper-connection model's hidden states as they are ([.., streams, hidden]), not their mean over
-    the streams, which the engines feed and the drafter is trained on."""
+    drafter the residual streams of a hyper-connection model or Gemma 3n's AltUp streams as they are
+    ([.., streams, hidden]), not the hidden states read out of them that the drafter is trained on."""
     streams = residual_streams(target.config)
     if streams == 1:
         return None
+    trained = (
+        "their mean, as vLLM feeds it" if hyper_connection_streams(target.config) > 1 else "their readout"
+    )
     return (
         f"transformers' DFlash generate passes the drafter all {streams} residual streams of model type "
-        f"'{target.config.get_text_config(decoder=True).model_type}', not their mean as vLLM does: no "
-        "transformers row"
+        f"'{target.config.get_text_config(decoder=True).model_type}', not {trained}: no transformers row"
     )
 
 

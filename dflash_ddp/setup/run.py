@@ -255,7 +255,12 @@ def text_stack_note(info: TargetInfo) -> str:
     kinds = sorted(set(info.layer_types))
     if len(kinds) > 1:
         note += "; layers " + ", ".join(f"{info.layer_types.count(k)} {k}" for k in kinds)
-    if info.residual_streams > 1:
+    if info.altup:
+        note += (
+            f"; {info.residual_streams} AltUp streams between layers: each tapped feature is read out of them "
+            "as the model reads its final hidden state"
+        )
+    elif info.residual_streams > 1:
         note += (
             f"; {info.residual_streams} residual streams between layers (hyper-connections): each tapped "
             "feature is their mean after the layer's post-mix, as the engines feed a drafter"

@@ -6,6 +6,9 @@ transformers' tuple) with the later layers, the final norm and the LM head skipp
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,7 +17,7 @@ from transformers import logging as hf_logging
 
 from dflash_ddp.data.batch import SoftTargets
 from dflash_ddp.hub import LAYER_LISTS
-from dflash_ddp.target_model.forward_code import residual_streams
+from dflash_ddp.target_model.forward_code import hyper_connection_streams
 from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.loading import load_target_model
@@ -28,17 +31,53 @@ class _StopForward(Exception):
 
 
 def layer_output(output, streams: int = 1) -> torch.Tensor:
-    """A decoder layer's hidden states as a whole local [B, S, H] tensor. Under tensor parallelism
-    transformers' plans leave them replicated (plain tensors); a plan that leaves them sharded returns a
-    DTensor, gathered here once, on the device. A hyper-connection model (DeepSeek V4, GLM-5) passes
-    [B, S, streams, H] between its layers, after the layer's post-mix: the engines feed a drafter their mean
-    over the streams (vLLM's `aux_recon.mean(dim=1)`), and so does training; Qwen4-exp passes its `streams`
-    side by side, [B, S, streams x H]."""
-    out = output[0] if isinstance(output, tuple) else output
-    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    """A decoder layer's hidden states as a whole local [B, S, H] tensor (`whole_output`). A hyper-connection
+    model (DeepSeek V4, GLM-5) passes [B, S, streams, H] between its layers, after the layer's post-mix: the
+    engines feed a drafter their mean over the streams (vLLM's `aux_recon.mean(dim=1)`), and so does
+    training; Qwen4-exp passes its `streams` side by side, [B, S, streams x H]."""
+    out = whole_output(output)
     if streams > 1 and out.dim() == 3:
         out = out.unflatten(-1, (streams, -1))
     return out.mean(dim=-2) if out.dim() == 4 else out
+
+
+def whole_output(output) -> torch.Tensor:
+    """A decoder layer's output tensor, whole and local. Under tensor parallelism transformers' plans leave
+    it replicated (a plain tensor); a plan that leaves it sharded returns a DTensor, gathered here once, on
+    the device."""
+    out = output[0] if isinstance(output, tuple) else output
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+class AltUpReadout:
+    """Gemma 3n's hidden states at a layer: its AltUp streams ([streams, B, S, H] between its layers) read out
+    as its text model reads its last layer's into its final hidden state (before the norm): the first stream
+    as it is, each other one through its `altup_unembed_projections` and rescaled to the first's magnitude,
+    then their mean. There is no engine's convention to follow (vLLM serves no drafter of it); this is the
+    model's own, and the last layer's tap, normed, is its final hidden state exactly."""
+
+    def __init__(self, text_model: nn.Module):
+        self.projections = text_model.altup_unembed_projections
+
+    def __call__(self, output) -> torch.Tensor:
+        streams = whole_output(output)
+        first = streams[0]
+        magnitude = torch.mean(first**2, dim=-1, keepdim=True) ** 0.5
+        read = [first]
+        for stream, projection in zip(streams[1:], self.projections, strict=True):
+            projected = projection(stream).to(first.dtype)
+            scale = torch.sqrt(torch.mean(projected**2, dim=-1, keepdim=True).clamp(min=1e-5))
+            read.append(projected * magnitude / scale)
+        return torch.stack(read).mean(dim=0)
+
+
+def stream_readout(model: nn.Module) -> Callable[[Any], torch.Tensor]:
+    """How a decoder layer's output of `model` becomes the [B, S, H] hidden states a drafter reads: the
+    layer's output, or the mean of a hyper-connection model's streams (`layer_output`), or Gemma 3n's AltUp
+    streams read out as its final hidden state is (`AltUpReadout`)."""
+    if getattr(model.config.get_text_config(decoder=True), "altup_num_inputs", None):
+        return AltUpReadout(text_model_of(model))
+    return functools.partial(layer_output, streams=hyper_connection_streams(model.config))
 
 
 # a text model's final norm, under the names families give it: Llama's and most; GPT-2's family, Falcon and
@@ -73,7 +112,7 @@ def last_layer_norm(model: nn.Module, layer_ids: list[int], num_layers: int) -> 
     reference read exactly that entry when serving, so training must see the same features (on the tiny
     target the raw and normed outputs differ by up to 3.4). A hyper-connection model's last tap is the mean
     of its streams as for any other layer: the engines take it before the model's own reduction and norm."""
-    if num_layers - 1 not in layer_ids or residual_streams(model.config) > 1:
+    if num_layers - 1 not in layer_ids or hyper_connection_streams(model.config) > 1:
         return None
     norm = _text_model_part(model, FINAL_NORMS, nn.Module)
     if norm is None:
@@ -91,21 +130,21 @@ def capture_layer_outputs(
     layer_ids: list[int],
     stop_after_last: bool,
     final_norm: nn.Module | None = None,
-    streams: int = 1,
+    readout: Callable[[Any], torch.Tensor] = layer_output,
 ):
     """Record the outputs of `layers[i]` for i in layer_ids (the OUTPUT of decoder layer L is the
     `hidden_states[L + 1]` of transformers). Yields the dict that fills during the forward.
 
     `final_norm` (from `last_layer_norm`, given when `layers` is the whole decoder and its last layer is
-    tapped) is applied to that layer's output, as transformers does for `hidden_states[N]`; a layer passing
-    several residual `streams` gives their mean (`layer_output`)."""
+    tapped) is applied to that layer's output, as transformers does for `hidden_states[N]`; `readout` (from
+    `stream_readout`) reads a layer's output as hidden states."""
     captured: dict[int, torch.Tensor] = {}
     last = max(layer_ids)
     normed = len(layers) - 1 if final_norm is not None else None
 
     def make_hook(idx):
         def hook(_module, _inputs, output):
-            out = layer_output(output, streams)
+            out = readout(output)
             captured[idx] = final_norm(out) if idx == normed else out
             if stop_after_last and idx == last:
                 raise _StopForward
@@ -177,6 +216,7 @@ class TargetFeatureExtractor:
         self.model.to(device).eval().requires_grad_(False)
         self.layers = decoder_layers(self.model)
         self.final_norm = last_layer_norm(self.model, self.target_layer_ids, info.num_layers)
+        self.readout = stream_readout(self.model)
         self.lm_head = load_shared_embeddings(info)[1].to(device, dtype) if topk else None
         self.device = device
 
@@ -248,13 +288,8 @@ class TargetFeatureExtractor:
             return tapped_features(
                 self.model, self.layers, self.target_layer_ids, final_norm=self.final_norm, **run
             ), None
-        streams = residual_streams(self.model.config)
         with capture_layer_outputs(
-            self.layers,
-            self.target_layer_ids,
-            stop_after_last=False,
-            final_norm=self.final_norm,
-            streams=streams,
+            self.layers, self.target_layer_ids, False, final_norm=self.final_norm, readout=self.readout
         ) as captured:
             last = self.model(**run)
         hidden = last.last_hidden_state
@@ -289,7 +324,7 @@ def tapped_features(
             layer_ids,
             stop_after_last=True,
             final_norm=final_norm,
-            streams=residual_streams(model.config),
+            readout=stream_readout(model),
         ) as captured,
         contextlib.suppress(_StopForward),
     ):

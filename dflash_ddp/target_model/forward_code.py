@@ -18,8 +18,15 @@ FULL_ATTENTION = "full_attention"
 
 
 def residual_streams(config) -> int:
-    """How many residual streams a model passes between its layers (hyper-connections: DeepSeek V4's and
-    GLM-5's `hc_mult`, Qwen4-exp's `hc_count`, 4; else 1)."""
+    """How many hidden states per token a model passes between its layers: its hyper-connection streams
+    (`hyper_connection_streams`), Gemma 3n's AltUp streams (`altup_num_inputs`, 4), else 1."""
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "altup_num_inputs", None) or hyper_connection_streams(config)
+
+
+def hyper_connection_streams(config) -> int:
+    """A hyper-connection model's residual streams (DeepSeek V4's and GLM-5's `hc_mult`, Qwen4-exp's
+    `hc_count`, 4), which the engines average into the hidden states a drafter reads; else 1."""
     text = config.get_text_config(decoder=True)
     return getattr(text, "hc_mult", None) or getattr(text, "hc_count", None) or 1
 

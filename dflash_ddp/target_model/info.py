@@ -108,6 +108,9 @@ class TargetInfo:
     alibi_mask: bool = False  # ALiBi added onto SDPA's mask, one per head (Falcon with `alibi`)
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
+    altup: bool = (
+        False  # the streams are Gemma 3n's AltUp predictions, read out by its projections, not averaged
+    )
     attention_per_layer: int = 1  # attention layers in each decoder layer (LongCat-Flash: 2)
     # decoder layers its forward skips on text (Llama 3.2 Vision's cross-attention layers run with an image only)
     image_only_layers: tuple[int, ...] = ()
@@ -117,6 +120,9 @@ class TargetInfo:
     # per layer type, the positions a compressed key stands for (DeepSeek V4: beside a layer's own keys)
     key_compression: dict = field(default_factory=dict)
     shared_key_value: frozenset[str] = frozenset()  # layer types caching one tensor as keys and values
+    # Gemma 3n and 4: an input per token for each decoder layer, held through the forward (layers x width)
+    per_layer_inputs: int = 0
+    kv_shared_layers: int = 0  # Gemma 3n and 4: the last layers reuse earlier layers' keys and values
     key_window: int = 0  # a windowed layer's window (its cache keeps one key fewer), else 0
     masks_built: frozenset[str] = frozenset()  # kinds whose mask the forward builds whatever its layers
     causal_skip: bool = True  # transformers may skip a mask SDPA's causal flag expresses (not Falcon's)
@@ -236,8 +242,9 @@ FOUR_TIMES_HIDDEN = frozenset({"bloom", "openai-gpt"})
 FOUR_TIMES_IF_UNSET = ("intermediate_size", "n_inner")
 
 
-def _dense_width(config) -> int | None:
-    """A dense MLP's width: the first width field the class defines (`intermediate_size` only where it is
+def _dense_width(config) -> int | list[int] | None:
+    """A dense MLP's width (a list of one per decoder layer where the family gives it so: Gemma 3n): the
+    first width field the class defines (`intermediate_size` only where it is
     not an alias of its experts' width, as in DeepSeek V4), 4x the hidden size where that field is unset
     (GPT-2's `n_inner`, GPT-Neo's `intermediate_size`: their classes' documented default), a ratio of the
     hidden size (MPT), or 4x for BLOOM; None where the config names no dense width (all-expert models)."""
@@ -255,6 +262,11 @@ def _dense_width(config) -> int | None:
     if ratio is not None:
         return int(ratio * config.hidden_size)
     return 4 * config.hidden_size if config.model_type in FOUR_TIMES_HIDDEN else None
+
+
+def _widest(width: int | list[int] | None) -> int | None:
+    """A dense width, the widest layer's where it is given per layer."""
+    return max(width) if isinstance(width, (list, tuple)) else width
 
 
 def _first(config, names: tuple[str, ...]):
@@ -333,7 +345,7 @@ def layer_mlp_widths(config) -> tuple[int, ...]:
         elif sparse and expert_width and per_token:
             widths.append(expert_width * per_token + shared)
         elif not sparse and dense:
-            widths.append(dense)
+            widths.append(dense[i] if isinstance(dense, (list, tuple)) else dense)
         else:
             needed = "moe_intermediate_size and num_experts_per_tok" if sparse else "intermediate_size"
             raise ValueError(
@@ -361,9 +373,10 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         attention_per_layer=attention_layers_per_decoder_layer(config),
         image_only_layers=tuple(getattr(config, "cross_attention_layers", None) or ()),
         hidden_size=config.hidden_size,
-        intermediate_size=_dense_width(config) or max(widths),
+        intermediate_size=_widest(_dense_width(config)) or max(widths),
         mlp_widths=widths,
         residual_streams=residual_streams(config),
+        altup=bool(getattr(config, "altup_num_inputs", None)),
         num_attention_heads=heads,
         num_key_value_heads=_first(config, ("num_key_value_heads", "kv_n_heads")) or heads,
         head_dim=layer_attribute(config, "head_dim") or config.hidden_size // heads,
@@ -386,6 +399,9 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         sparse_indexer=sparse_indexer(config),
         key_compression=key_compression(config),
         shared_key_value=shared_key_value(config),
+        per_layer_inputs=decoder_layer_count(config)
+        * (getattr(config, "hidden_size_per_layer_input", 0) or 0),
+        kv_shared_layers=getattr(config, "num_kv_shared_layers", 0) or 0,
         key_window=key_window(config),
         masks_built=masks.always,
         causal_skip=masks.causal_skip,

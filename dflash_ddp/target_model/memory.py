@@ -65,7 +65,13 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # gate, up and their product split across the group (summed: a hybrid's mixers run side by side, and
     # an MoE layer's routed copies exceed its experts' widths)
     mixers = attention_width(info) + 3 * info.mlp_width
-    per_token = (2 + 2 * info.residual_streams) * info.hidden_size + mixers // tp_size
+    # Gemma 3n's AltUp layer holds four sets of its streams at once (its input, their predictions, the
+    # correction's repeated innovation and the corrected streams) beside a few single-stream tensors
+    residual = 4 + 4 * info.residual_streams if info.altup else 2 + 2 * info.residual_streams
+    per_token = residual * info.hidden_size + mixers // tp_size
+    # Gemma 3n's and 4's per-layer inputs and the keys and values their KV-shared layers reuse, held from
+    # the first layer (from the layer that stores them) to the forward's end
+    per_token += info.per_layer_inputs + shared_keys_and_values(info, load.layers) // tp_size
     piece, layers = load.prefill_tokens, load.layers
     indexed = indexed_layers(info, layers)
     pieces = in_pieces(load)
@@ -120,6 +126,16 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
         parts["soft-target logits"] = 3 * min(tokens_per_batch, SOFT_TARGET_CHUNK) * info.vocab_size * 4
         parts["soft targets"] = (2 + inflight) * tokens_per_batch * topk * 6  # the top-k, masked, in flight
     return MemoryPlan(parts)
+
+
+def shared_keys_and_values(info: TargetInfo, layers: int) -> int:
+    """Keys and values per token that the first `layers` layers keep for the KV-shared layers after them
+    (Gemma 3n and 4: the last earlier layer of each kind stores its own for the shared layers of that kind)."""
+    if not info.kv_shared_layers or not info.layer_types:
+        return 0
+    earlier = info.layer_types[: info.num_layers - info.kv_shared_layers]
+    stores = {kind: len(earlier) - 1 - earlier[::-1].index(kind) for kind in set(earlier)}
+    return sum(2 * info.num_key_value_heads * info.head_dim for i in stores.values() if i < layers)
 
 
 def attention_width(info: TargetInfo) -> int:

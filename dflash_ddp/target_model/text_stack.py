@@ -14,6 +14,7 @@ import contextlib
 import copy
 import inspect
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,19 +25,18 @@ from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
+    AutoModel,
     PretrainedConfig,
     PreTrainedModel,
-    conversion_mapping,
 )
 from transformers.conversion_mapping import (
-    get_checkpoint_conversion_mapping,
     get_model_conversion_mapping,
-    register_checkpoint_conversion_mapping,
 )
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from dflash_ddp.hub import LAYER_OF_WEIGHT, TextWeights, check_safetensors
 from dflash_ddp.target_model.forward_code import causal_lm_class, text_model_class
+from dflash_ddp.target_model.wrapper_loading import checkpoint_conversions
 
 
 @dataclass(frozen=True)
@@ -230,20 +230,12 @@ def decoder_layer_count(text: PretrainedConfig) -> int:
 
 def _refuse_unsupported_layers(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> None:
     """One line, before anything is built, for decoder layers that read more than the text before them (an
-    encoder-decoder's cross-attention) or do not pass one residual stream: the drafter is given a layer's
-    output as the stream and nothing else."""
+    encoder-decoder's cross-attention): the drafter is given a layer's output and nothing else."""
     if getattr(config, "is_encoder_decoder", False):  # Florence-2, Pix2Struct, T5Gemma 2, Nougat ...
         raise ValueError(
             f"--target_model {path}: {(config.architectures or [config.model_type])[0]} is an encoder-decoder "
             "model: its decoder's layers also attend to an encoder's output, which a drafter reading the "
             "decoder's hidden states is never given; DFlash drafts for decoder-only targets"
-        )
-    streams = getattr(text, "altup_num_inputs", None)
-    if streams:  # Gemma 3n
-        raise ValueError(
-            f"--target_model {path}: target model type '{text.model_type}' passes {streams} AltUp streams "
-            "between its decoder layers ([streams, batch, positions, hidden]) and gives each layer its own MLP "
-            "width; it is not supported as a target yet"
         )
 
 
@@ -280,6 +272,47 @@ def _restore_nested_rope_theta(text: PretrainedConfig) -> None:
         text.rope_parameters = {**rope, "rope_theta": float(theta)}
 
 
+class _LeftOut(nn.Module):
+    """In place of a wrapper's tower whose class needs a package this machine lacks (`_towers_left_out`)."""
+
+
+@contextlib.contextmanager
+def _towers_left_out(text: PretrainedConfig):
+    """While a wrapper is built on the meta device, a sub-model that transformers builds only with a package
+    this project does not install is left out, a `_LeftOut` in its place (Gemma 3n's vision tower is timm's:
+    building it needs timm and torchvision even on the meta device). Target ranks read the text model beside
+    it, never the tower; the text model itself is built or the error stands."""
+    own = AutoModel.__dict__["from_config"]
+    build = AutoModel.from_config
+
+    def from_config(config, **kwargs):
+        try:
+            return build(config, **kwargs)
+        except ImportError:
+            if type(config) is type(text):
+                raise
+            return _LeftOut()
+
+    AutoModel.from_config = from_config
+    try:
+        yield
+    finally:
+        AutoModel.from_config = own
+
+
+def _saved_numbers(locations: dict[str, Path], modules: set[str]) -> int:
+    """How many numbers the checkpoint's files hold under the module names `modules` (from their headers)."""
+    files: dict[Path, list[str]] = {}
+    for name, file in locations.items():
+        if any(name.startswith(f"{module}.") for module in modules):
+            files.setdefault(file, []).append(name)
+    total = 0
+    for file, names in files.items():
+        with safe_open(file, framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+    return total
+
+
 def read_text_stack(path: str | Path) -> TextStack:
     """The text model of the checkpoint in `path` (config only; the model is built on the meta device)."""
     path = Path(path)
@@ -293,7 +326,7 @@ def read_text_stack(path: str | Path) -> TextStack:
     _refuse_unsupported_layers(config, text, path)
     _restore_nested_rope_theta(text)
     cls = checkpoint_class(config, path)
-    with torch.device("meta"):
+    with torch.device("meta"), _towers_left_out(text):
         model = cls._from_config(copy.deepcopy(config))
     generator, writer = generating_part(model, text)
     embed, head = _input_embeddings(writer), writer.get_output_embeddings()
@@ -316,7 +349,8 @@ def read_text_stack(path: str | Path) -> TextStack:
     head_name = f"{names[id(embed) if head.weight is embed.weight else id(head)]}.weight"
     wanted = {embed_name, head_name}
     # a directory holding a config alone (the benchmarks plan real targets from their configs) names none
-    files = list(tensor_locations(path))
+    locations = tensor_locations(path)
+    files = list(locations)
     transforms = get_model_conversion_mapping(model)  # as transformers loads the checkpoint into `model`
     saved = _saved_names(transforms, wanted, files) if files else {name: name for name in wanted}
     if embed_name not in saved:
@@ -348,7 +382,8 @@ def read_text_stack(path: str | Path) -> TextStack:
         ),
         logit_scale=float(getattr(text, "lm_head_multiplier", 1.0)),
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None) or None,
-        other_parameters=sum(p.numel() for p in model.parameters() if id(p) not in counted),
+        other_parameters=sum(p.numel() for p in model.parameters() if id(p) not in counted)
+        + _saved_numbers(locations, {name for name, m in model.named_modules() if isinstance(m, _LeftOut)}),
         truncatable=_truncatable(text),
         base_key_mapping=None if cls is not type(own) else _base_key_mapping(text, files),
         text_module=prefix if cls is not type(own) else "",
@@ -477,6 +512,11 @@ def _load_checkpoint_class(
     return model
 
 
+# settings a family gives as a list of one per decoder layer, beside `layer_types` (Gemma 3n's MLP widths and
+# activation sparsity)
+PER_LAYER_SETTINGS = ("intermediate_size", "activation_sparsity_pattern")
+
+
 def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
     config = copy.deepcopy(text)
     whole = decoder_layer_count(config)
@@ -484,6 +524,10 @@ def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
     if getattr(config, "layer_types", None):
         with contextlib.suppress(AttributeError):  # Falcon-H1 derives them from its layer count
             config.layer_types = list(config.layer_types[:layers])
+    for name in PER_LAYER_SETTINGS:
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and len(value) == whole:
+            setattr(config, name, list(value[:layers]))
     shared = getattr(config, "num_kv_shared_layers", None)
     if shared:
         config.num_kv_shared_layers = max(0, layers - (whole - shared))
@@ -509,7 +553,7 @@ def load_text_model(
         return _load_checkpoint_class(path, stack, dtype, dequantize, **kwargs)
     model_class = causal_lm_class(stack.config) if with_head else None
     model_class = model_class or _text_model_class(stack.config)
-    with _checkpoint_conversions(model_class, stack, with_head):
+    with checkpoint_conversions(model_class, stack, with_head):
         model, loading = model_class.from_pretrained(
             path,
             config=truncated_text_config(stack, layers, with_head, dequantize),
@@ -531,70 +575,7 @@ def load_text_model(
 
 def _key_mapping(stack: TextStack, with_head: bool) -> dict[str, str] | None:
     """transformers' `key_mapping` for a load of the text model: none from a wrapper's files where its
-    transforms are registered (`_checkpoint_conversions`), the prefix change where they are not known."""
+    transforms are registered (`wrapper_loading.checkpoint_conversions`), the prefix change where they are not known."""
     if stack.wrapped:
         return None if stack.wrapper_conversions else stack.key_mapping
     return stack.key_mapping if with_head else stack.base_key_mapping
-
-
-def _wrapper_chain(stack: TextStack, own_prefix: str, with_head: bool) -> list:
-    """The weight transforms that read a wrapper's files into its text model loaded alone: transformers' own
-    for the wrapper in their order (its renamings of the family's original names, those of each sub-model
-    scoped to it), then its text model's path in the wrapper renamed to `own_prefix` (and its LM head's, where
-    it sits beside the text model, to the causal LM's), and the converters that act on the text model's
-    weights, no longer scoped (they see the renamed names: renamings all run first)."""
-    # transformers scopes a transform to a sub-model by its path less the wrapper's base model prefix (most
-    # wrappers': `model`)
-    paths = {stack.text_module, stack.text_module.removeprefix("model.")}
-    renamings = [t for t in stack.wrapper_conversions if not isinstance(t, WeightConverter)]
-    converters = []
-    for t in stack.wrapper_conversions:
-        # a converter of the text model's weights: unscoped, or scoped to the text model or a part holding it
-        # (Nemotron 3 Nano Omni's, to the causal LM around its text model)
-        scope = t.scope_prefix
-        if isinstance(t, WeightConverter) and (
-            not scope or any(p == scope or p.startswith(f"{scope}.") for p in paths)
-        ):
-            unscoped = copy.deepcopy(t)
-            unscoped.scope_prefix = None
-            converters.append(unscoped)
-    into_own = f"{own_prefix}." if own_prefix else ""
-    renamings.append(WeightRenaming(f"^{re.escape(stack.text_module)}\\.", into_own))
-    own_head = stack.own_head_tensor.removesuffix(".weight")
-    beside = stack.head_module and not stack.head_module.startswith(f"{stack.text_module}.")
-    if with_head and beside and stack.head_module != own_head:
-        renamings.append(WeightRenaming(f"^{re.escape(stack.head_module)}\\.", f"{own_head}."))
-    return [*renamings, *converters]
-
-
-@contextlib.contextmanager
-def _checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack, with_head: bool):
-    """While `model_class` loads from a wrapper's files, the wrapper's weight transforms (`_wrapper_chain`)
-    registered for it in place of its own, and taken back after: transformers converts some checkpoints as it
-    loads the wrapper and not as it loads the text model alone (Qwen3-VL-MoE's experts, transposed in its
-    releases; Ernie 4.5 VL's expert lists, split into text and vision experts; Mistral Large 3's original
-    names; GLM-4.5V's per-expert weights). A causal LM's text model gets none of its own meanwhile: they are
-    in the chain already, and would rename the renamed names again (Inkling 2's `embed_norm`)."""
-    if not stack.wrapped or not stack.wrapper_conversions:
-        yield
-        return
-    own_prefix = stack.own_prefix if with_head else ""  # a causal LM's text model, or the text model itself
-    chains = {model_class.__name__: _wrapper_chain(stack, own_prefix, with_head)}
-    if with_head:
-        chains.setdefault(_text_model_class(stack.config).__name__, [])
-    before = {name: get_checkpoint_conversion_mapping(name) for name in chains}
-    registered_by_user = conversion_mapping.USER_REGISTERED_MAPPINGS & set(chains)
-    try:
-        for name, chain in chains.items():
-            register_checkpoint_conversion_mapping(name, chain, overwrite=True)
-        yield
-    finally:
-        # the registry is transformers' module state: these classes load as before once the target is read
-        # (a class transformers registers is not one the user did: that decides how custom code loads)
-        for name, mapping in before.items():
-            if mapping is None:
-                conversion_mapping._checkpoint_conversion_mapping_cache.pop(name, None)
-            else:
-                register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
-            if name not in registered_by_user:
-                conversion_mapping.USER_REGISTERED_MAPPINGS.discard(name)
