@@ -49,6 +49,7 @@ from dflash_ddp.target_model.info import inspect_target, target_info_from_config
 from dflash_ddp.target_model.loading import load_causal_lm
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
 from dflash_ddp.target_model.quantization import WeightStorage, truncated_weight_bytes, weight_storage
+from dflash_ddp.target_model.tensor_parallel import check_tensor_parallel
 from dflash_ddp.target_model.text_stack import (
     generating_part,
     load_text_model,
@@ -1074,6 +1075,9 @@ def test_gemma_3n_feeds_the_drafter_its_altup_streams_read_out_as_its_final_hidd
     )
     widths = target_info_from_config(per_layer, Path("gemma-3n"))
     assert widths.mlp_widths == (64, 96, 32) and widths.intermediate_size == 96
+    # its sparse gates are cut at statistics of the whole gate, which a tensor-parallel plan would split
+    with pytest.raises(ValueError, match="activation_sparsity_pattern in .*pass --target_tp_size 1"):
+        check_tensor_parallel(target, 2)
 
 
 def test_a_target_whose_cache_changes_its_logits_is_said_in_one_line_not_called_lossy(chat_data, tmp_path):

@@ -42,8 +42,9 @@ def assisted_decoding_note(target) -> str | None:
 
 def hyper_connection_note(target) -> str | None:
     """Why transformers' DFlash generate cannot run a drafter of this target, or None when it can: it hands the
-    drafter the residual streams of a hyper-connection model or Gemma 3n's AltUp streams as they are
-    ([.., streams, hidden]), not the hidden states read out of them that the drafter is trained on."""
+    drafter a hyper-connection model's residual streams as they are ([.., streams, hidden]), not their mean,
+    and cuts Gemma 3n's AltUp streams ([streams, batch, positions, hidden]) as if they were a batch: never the
+    hidden states read out of them that the drafter is trained on."""
     streams = residual_streams(target.config)
     if streams == 1:
         return None

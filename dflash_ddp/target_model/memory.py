@@ -109,7 +109,10 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # the masks are built before the first layer runs, beside the embeddings only: the larger moment
     building = parts.pop("building a windowed mask", 0)
     if building:
-        embeddings = running * info.hidden_size * info.residual_streams * dtype_bytes
+        # beside the embeddings (a hyper-connection model's streams; Gemma 3n's streams come after the masks)
+        # and the per-layer inputs of Gemma 3n and 4
+        streams = 1 if info.altup else info.residual_streams
+        embeddings = running * (info.hidden_size * streams + info.per_layer_inputs) * dtype_bytes
         parts["activations"] = max(parts["activations"], embeddings + building)
     # a layer's work space lives while it runs, and layers (the indexer before its attention) run one after
     # another: only the largest counts

@@ -48,11 +48,20 @@ def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
         "vocabulary (vocab_size; the embedding is split by rows)": config.vocab_size,
     }
     for what, size in sizes.items():
-        if size is not None and size % tp_size:
-            raise ValueError(
-                f"--target_tp_size {tp_size} does not divide the target's {size} {what} in {path}/config.json; "
-                "pass a --target_tp_size that divides it"
-            )
+        # a width given per layer (Gemma 3n) or per modality (Ernie 4.5 VL's experts): every one is split
+        for one in size if isinstance(size, (list, tuple)) else [size]:
+            if one is not None and one % tp_size:
+                raise ValueError(
+                    f"--target_tp_size {tp_size} does not divide the target's {one} {what} in "
+                    f"{path}/config.json; pass a --target_tp_size that divides it"
+                )
+    if any(getattr(config, "activation_sparsity_pattern", None) or ()):
+        raise ValueError(
+            f"--target_tp_size {tp_size}: model type '{config.model_type}' keeps only the largest of some layers' "
+            f"MLP gate activations, cut at statistics of the whole gate (activation_sparsity_pattern in "
+            f"{path}/config.json), which transformers' plan splits across the group: each rank would cut its "
+            "own share at its own statistics; pass --target_tp_size 1"
+        )
 
 
 def check_groups_within_nodes(topology: Topology) -> None:

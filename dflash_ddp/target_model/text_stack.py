@@ -289,7 +289,7 @@ def _towers_left_out(text: PretrainedConfig):
         try:
             return build(config, **kwargs)
         except ImportError:
-            if type(config) is type(text):
+            if _holds(config, type(text)):
                 raise
             return _LeftOut()
 
@@ -298,6 +298,12 @@ def _towers_left_out(text: PretrainedConfig):
         yield
     finally:
         AutoModel.from_config = own
+
+
+def _holds(config: PretrainedConfig, kind: type) -> bool:
+    """Whether `config` is of class `kind` or holds one among its sub-configs (an Omni thinker's text)."""
+    subs = (getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {})
+    return type(config) is kind or any(isinstance(c, PretrainedConfig) and _holds(c, kind) for c in subs)
 
 
 def _saved_numbers(locations: dict[str, Path], modules: set[str]) -> int:

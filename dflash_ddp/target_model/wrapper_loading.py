@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from transformers import PreTrainedModel, conversion_mapping
+from transformers import PretrainedConfig, PreTrainedModel, conversion_mapping
 from transformers.conversion_mapping import (
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
@@ -18,11 +18,20 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming
 
 from dflash_ddp.target_model.forward_code import text_model_class
 
-if TYPE_CHECKING:
-    from dflash_ddp.target_model.text_stack import TextStack
+
+class WrappedTextModel(Protocol):
+    """What these transforms read of where a checkpoint keeps its text model (text_stack.TextStack)."""
+
+    config: PretrainedConfig  # the text config
+    wrapped: bool  # the checkpoint is a wrapper, not the causal LM of its text config
+    own_prefix: str  # the text model's path in that causal LM
+    text_module: str  # the text model's path in the wrapper
+    head_module: str  # its LM head's path in the wrapper
+    own_head_tensor: str  # the LM head's weight in the causal LM
+    wrapper_conversions: tuple  # transformers' weight transforms for the wrapper
 
 
-def _wrapper_chain(stack: TextStack, own_prefix: str, with_head: bool) -> list:
+def _wrapper_chain(stack: WrappedTextModel, own_prefix: str, with_head: bool) -> list:
     """The weight transforms that read a wrapper's files into its text model loaded alone: transformers' own
     for the wrapper in their order (its renamings of the family's original names, those of each sub-model
     scoped to it), then its text model's path in the wrapper renamed to `own_prefix` (and its LM head's, where
@@ -53,7 +62,7 @@ def _wrapper_chain(stack: TextStack, own_prefix: str, with_head: bool) -> list:
 
 
 @contextlib.contextmanager
-def checkpoint_conversions(model_class: type[PreTrainedModel], stack: TextStack, with_head: bool):
+def checkpoint_conversions(model_class: type[PreTrainedModel], stack: WrappedTextModel, with_head: bool):
     """While `model_class` loads from a wrapper's files, the wrapper's weight transforms (`_wrapper_chain`)
     registered for it in place of its own, and taken back after: transformers converts some checkpoints as it
     loads the wrapper and not as it loads the text model alone (Qwen3-VL-MoE's experts, transposed in its
