@@ -34,7 +34,13 @@ from dflash_ddp.drafter.config import drafter_config_for, resolve_target_layer_i
 from dflash_ddp.drafter.objective import chunked_weighted_ce, head_logits
 from dflash_ddp.drafter.weighting import LossSettings
 from dflash_ddp.evaluate import main as evaluate_main
-from dflash_ddp.evaluation.decoding import greedy_generate, speculative_generate, untrained_drafter
+from dflash_ddp.evaluation.decoding import (
+    crop_rolls_back,
+    greedy_generate,
+    new_target_cache,
+    speculative_generate,
+    untrained_drafter,
+)
 from dflash_ddp.evaluation.evaluate import evaluate
 from dflash_ddp.export import main as export_main
 from dflash_ddp.hub import LAYER_OF_WEIGHT
@@ -1078,6 +1084,54 @@ def test_gemma_3n_feeds_the_drafter_its_altup_streams_read_out_as_its_final_hidd
     # its sparse gates are cut at statistics of the whole gate, which a tensor-parallel plan would split
     with pytest.raises(ValueError, match="activation_sparsity_pattern in .*pass --target_tp_size 1"):
         check_tensor_parallel(target, 2)
+
+
+ONE_STATE_RECURRENT = {  # recurrent layers that record fewer states than transformers' crop reads
+    "zamba": (  # Mamba layers, two of them sharing one attention block
+        "ZambaForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            attention_head_dim=32,
+            mamba_d_state=8,
+            mamba_dt_rank=8,
+            n_mamba_heads=2,
+            attn_layer_period=2,
+            attn_layer_offset=0,
+        ),
+    ),
+    "recurrent_gemma": (  # Griffin: 2 recurrent blocks then a local-attention one
+        "RecurrentGemmaForCausalLM",
+        dict(
+            lru_width=64,
+            attention_window_size=16,
+            block_types=["recurrent", "recurrent", "attention"],
+            num_key_value_heads=1,
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ONE_STATE_RECURRENT)
+def test_a_target_whose_crop_does_not_roll_back_decodes_from_a_copy_of_its_cache(name, chat_data, tmp_path):
+    """Zamba's (v1) and RecurrentGemma's recurrent layers keep fewer states than transformers' crop reads:
+    its crop stopped the evaluation (Zamba) or would restore another state. The decoder finds so on a few
+    tokens before decoding, restores a copy of the cache instead and is lossless; transformers' rows, which
+    crop, are left out with one line saying why."""
+    target = tmp_path / name
+    tok = build_tokenizer(target)
+    model_class, fields = ONE_STATE_RECURRENT[name]
+    config = make_config(model_class.replace("ForCausalLM", "Config"), vocab_size=len(tok), **fields)
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(config).save_pretrained(target)
+    drafter = untrained_drafter(drafter_config_for(inspect_target(target), 1, [1, 2], 0, 4))
+    report = evaluate(target, drafter, chat_data, num_prompts=2, max_new_tokens=24, device="cpu")
+    assert report["lossless"]  # every output greedy's, or off it only at a near tie of the target's logits
+    assert "prompt_lookup" not in report and "transformers_dflash" not in report
+    assert f"which model type '{name}' cannot (its recurrent layers keep fewer states than a crop reads)" in (
+        "\n".join(report["notes"])
+    )
+    whole = load_causal_lm(inspect_target(target), CPU, torch.float32)
+    assert new_target_cache(whole).is_croppable and not crop_rolls_back(whole, 4)
 
 
 def test_a_target_whose_cache_changes_its_logits_is_said_in_one_line_not_called_lossy(chat_data, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -140,17 +141,56 @@ def greedy_generate(
     return DecodeResult(tokens, time.perf_counter() - start, target_forwards=len(tokens))
 
 
+# per target and verify length: whether a crop of its cache rolls it back (`crop_rolls_back`), checked once
+_ROLLS_BACK: weakref.WeakKeyDictionary[nn.Module, dict[int, bool]] = weakref.WeakKeyDictionary()
+
+
+def crop_rolls_back(target: nn.Module, block_size: int) -> bool:
+    """Whether cropping the target's cache after a verify of `block_size` positions puts it back as it was.
+    Some caches cannot be cropped (DeepSeek V4's compressed keys), and some families' recurrent layers keep
+    fewer states than the cache's crop reads (Zamba v1 and RecurrentGemma record one a forward): transformers'
+    crop then stops, or restores another state. Checked once per target and block size, for a verify that
+    keeps one position and one that keeps all but one: the crop, then 2 more positions, give the logits of
+    one forward of the same positions."""
+    known = _ROLLS_BACK.setdefault(target, {})
+    if block_size not in known:
+        known[block_size] = new_target_cache(target).is_croppable and all(
+            _crop_continues_as_one_forward(target, block_size, removed) for removed in {1, block_size - 1}
+        )
+    return known[block_size]
+
+
+@torch.inference_mode()
+def _crop_continues_as_one_forward(target: nn.Module, block_size: int, removed: int) -> bool:
+    cache = new_target_cache(target)
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(4, 200, (1, 3 + block_size + 2), generator=torch.Generator().manual_seed(0)) % vocab
+    ids = ids.to(target.device)
+    target(input_ids=ids[:, :3], cache=cache, use_cache=True)
+    cache.activate_past_recording(recurrent_states_to_keep=block_size)  # as VerifiedCache's
+    target(input_ids=ids[:, 3 : 3 + block_size], cache=cache, use_cache=True)
+    try:
+        cache.crop(-removed)
+    except (IndexError, TypeError):  # a recurrent layer without the states the crop reads
+        return False
+    kept = 3 + block_size - removed
+    continued = target(input_ids=ids[:, kept : kept + 2], cache=cache, use_cache=True).logits.float()
+    whole = target(input_ids=ids[:, : kept + 2], use_cache=False).logits[:, kept:].float()
+    return torch.allclose(continued, whole, rtol=1e-2, atol=1e-2 * (1 + whole.abs().max().item()))
+
+
 class VerifiedCache:
     """The target's cache across verify steps, rolled back to the committed prefix after each: cropped, or
-    where a layer cannot be cropped (DeepSeek V4's compressed keys) restored from a copy taken before the
-    verify and advanced over the committed tokens again."""
+    where a crop does not roll it back (`crop_rolls_back`: DeepSeek V4's compressed keys, Zamba's (v1) and
+    RecurrentGemma's recurrent layers) restored from a copy taken before the verify and advanced over the
+    committed tokens again."""
 
-    def __init__(self, cache: DynamicCache, block_size: int):
+    def __init__(self, cache: DynamicCache, block_size: int, croppable: bool):
         # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the last
         # block_size states (their recurrent state cannot be cut like keys and values), as transformers does
         cache.activate_past_recording(recurrent_states_to_keep=block_size)
         self.cache = cache
-        self.croppable = cache.is_croppable
+        self.croppable = croppable
         self.before: DynamicCache | None = None
 
     def before_verify(self) -> None:
@@ -215,7 +255,7 @@ def speculative_generate(  # noqa: PLR0913 - the decoding's inputs, each named
     scale = getattr(config, "input_embedding_scale", 1.0)
     masks = torch.full((1, block_size - 1), config.mask_token_id, dtype=torch.long, device=device)
     target_cache, drafter_cache = (
-        VerifiedCache(new_target_cache(target), block_size),
+        VerifiedCache(new_target_cache(target), block_size, crop_rolls_back(target, block_size)),
         DynamicCache(),
     )
     accepted: list[int] = []

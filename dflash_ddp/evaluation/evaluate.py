@@ -188,7 +188,7 @@ def run_evaluation(
         del runs["transformers_dflash"]
     if hyper_connection_note(target) or position_ids_note(target):
         runs.pop("transformers_dflash", None)
-    if assisted_decoding_note(target) or generation_note(target):
+    if assisted_decoding_note(target, block_size) or generation_note(target):
         runs.pop("transformers_dflash", None)
         runs.pop("prompt_lookup")
     sampled_row = sampled_row_note(setup.drafter.config) is None
@@ -288,7 +288,7 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
             for n in (
                 transformers_note(setup.drafter.config),
                 sampled_row_note(setup.drafter.config),
-                assisted_decoding_note(setup.target),
+                assisted_decoding_note(setup.target, block_size),
                 generation_note(setup.target),
                 hyper_connection_note(setup.target),
                 position_ids_note(setup.target),

@@ -9,7 +9,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from dflash_ddp.evaluation.decoding import new_target_cache
+from dflash_ddp.evaluation.decoding import crop_rolls_back, new_target_cache
 from dflash_ddp.evaluation.report import family_label
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.target_model.forward_code import hyper_connection_streams, residual_streams
@@ -26,13 +26,17 @@ NO_TRANSFORMERS_WINDOW = (
 )
 
 
-def assisted_decoding_note(target) -> str | None:
-    """Why transformers' assisted decoding (the prompt-lookup and transformers rows) cannot run on this target,
-    or None when it can: it crops the target's cache after each verify, and some caches cannot be cropped."""
-    cache = new_target_cache(target)
-    if cache.is_croppable:
+def assisted_decoding_note(target, block_size: int) -> str | None:
+    """Why transformers' assisted decoding (the prompt-lookup and transformers rows, verifying up to
+    `block_size` positions) cannot run on this target, or None when it can: it crops the target's cache after
+    each verify, and some caches cannot be cropped, or a crop does not roll them back (`crop_rolls_back`)."""
+    if crop_rolls_back(target, block_size):
         return None
-    why = "compressed attention" if type(cache) is DynamicCache else f"its own {type(cache).__name__}"
+    cache = new_target_cache(target)
+    if not cache.is_croppable:
+        why = "compressed attention" if type(cache) is DynamicCache else f"its own {type(cache).__name__}"
+    else:
+        why = "its recurrent layers keep fewer states than a crop reads"
     return (
         f"transformers' assisted decoding crops the target's cache, which model type "
         f"'{target.config.get_text_config(decoder=True).model_type}' cannot ({why}): no prompt_lookup or "
