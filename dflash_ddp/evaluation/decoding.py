@@ -186,14 +186,19 @@ class VerifiedCache:
     committed tokens again."""
 
     def __init__(self, cache: DynamicCache, block_size: int, croppable: bool):
-        # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the last
-        # block_size states (their recurrent state cannot be cut like keys and values), as transformers does
-        cache.activate_past_recording(recurrent_states_to_keep=block_size)
         self.cache = cache
+        self.block_size = block_size
         self.croppable = croppable
+        self.recording = False
         self.before: DynamicCache | None = None
 
     def before_verify(self) -> None:
+        if not self.recording:
+            # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the
+            # last block_size states (a recurrent state cannot be cut like keys and values), as transformers
+            # does: after the prefill, whose every position's states it would keep otherwise
+            self.cache.activate_past_recording(recurrent_states_to_keep=self.block_size)
+            self.recording = True
         if not self.croppable:
             self.before = copy.deepcopy(self.cache)
 
