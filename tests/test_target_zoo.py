@@ -1086,7 +1086,7 @@ def test_gemma_3n_feeds_the_drafter_its_altup_streams_read_out_as_its_final_hidd
         check_tensor_parallel(target, 2)
 
 
-ONE_STATE_RECURRENT = {  # recurrent layers that record fewer states than transformers' crop reads
+RECURRENT_STATE_TARGETS = {  # recurrent layers whose state transformers' crop cannot roll back
     "zamba": (  # Mamba layers, two of them sharing one attention block
         "ZambaForCausalLM",
         dict(
@@ -1111,27 +1111,41 @@ ONE_STATE_RECURRENT = {  # recurrent layers that record fewer states than transf
 }
 
 
-@pytest.mark.parametrize("name", ONE_STATE_RECURRENT)
-def test_a_target_whose_crop_does_not_roll_back_decodes_from_a_copy_of_its_cache(name, chat_data, tmp_path):
-    """Zamba's (v1) and RecurrentGemma's recurrent layers keep fewer states than transformers' crop reads:
-    its crop stopped the evaluation (Zamba) or would restore another state. The decoder finds so on a few
-    tokens before decoding, restores a copy of the cache instead and is lossless; transformers' rows, which
-    crop, are left out with one line saying why."""
-    target = tmp_path / name
-    tok = build_tokenizer(target)
-    model_class, fields = ONE_STATE_RECURRENT[name]
+def recurrent_state_target(name: str, out: Path) -> Path:
+    tok = build_tokenizer(out)
+    model_class, fields = RECURRENT_STATE_TARGETS[name]
     config = make_config(model_class.replace("ForCausalLM", "Config"), vocab_size=len(tok), **fields)
     torch.manual_seed(0)
-    getattr(transformers, model_class)(config).save_pretrained(target)
+    getattr(transformers, model_class)(config).save_pretrained(out)
+    return out
+
+
+def test_a_target_whose_crop_does_not_roll_back_decodes_from_a_copy_of_its_cache(chat_data, tmp_path):
+    """Zamba's (v1) Mamba layers record one state a forward where transformers' crop reads one a position: its
+    crop stopped the evaluation (or, by one position, restored another state). The decoder finds so on a
+    few tokens before decoding, restores a copy of the cache instead and equals greedy decoding; transformers'
+    rows, which crop, are left out with one line saying why."""
+    target = recurrent_state_target("zamba", tmp_path / "zamba")
     drafter = untrained_drafter(drafter_config_for(inspect_target(target), 1, [1, 2], 0, 4))
     report = evaluate(target, drafter, chat_data, num_prompts=2, max_new_tokens=24, device="cpu")
-    assert report["lossless"]  # every output greedy's, or off it only at a near tie of the target's logits
+    assert report["lossless"] and report["dflash"]["mismatches"] == 0
     assert "prompt_lookup" not in report and "transformers_dflash" not in report
-    assert f"which model type '{name}' cannot (its recurrent layers keep fewer states than a crop reads)" in (
-        "\n".join(report["notes"])
+    notes = "\n".join(report["notes"])
+    assert (
+        "which model type 'zamba' cannot (its recurrent layers keep fewer states than a crop reads)" in notes
     )
     whole = load_causal_lm(inspect_target(target), CPU, torch.float32)
     assert new_target_cache(whole).is_croppable and not crop_rolls_back(whole, 4)
+
+
+def test_a_target_that_keeps_its_state_outside_its_cache_is_refused_by_the_evaluation(chat_data, tmp_path):
+    """transformers' RecurrentGemma keeps its recurrent state on its modules, not in the cache it is given,
+    which counts no positions: nothing a decoder restores rolls it back, and the evaluation says so in one
+    line instead of excusing its mismatches as the target's own cache divergence."""
+    target = recurrent_state_target("recurrent_gemma", tmp_path / "recurrent_gemma")
+    drafter = untrained_drafter(drafter_config_for(inspect_target(target), 1, [1, 2], 0, 4))
+    with pytest.raises(ValueError, match="'recurrent_gemma' keeps its state outside the cache .* counts 0"):
+        evaluate(target, drafter, chat_data, num_prompts=2, max_new_tokens=24, device="cpu")
 
 
 def test_a_target_whose_cache_changes_its_logits_is_said_in_one_line_not_called_lossy(chat_data, tmp_path):

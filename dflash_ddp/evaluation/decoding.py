@@ -148,16 +148,34 @@ _ROLLS_BACK: weakref.WeakKeyDictionary[nn.Module, dict[int, bool]] = weakref.Wea
 def crop_rolls_back(target: nn.Module, block_size: int) -> bool:
     """Whether cropping the target's cache after a verify of `block_size` positions puts it back as it was.
     Some caches cannot be cropped (DeepSeek V4's compressed keys), and some families' recurrent layers keep
-    fewer states than the cache's crop reads (Zamba v1 and RecurrentGemma record one a forward): transformers'
-    crop then stops, or restores another state. Checked once per target and block size, for a verify that
-    keeps one position and one that keeps all but one: the crop, then 2 more positions, give the logits of
-    one forward of the same positions."""
+    fewer states than the cache's crop reads (Zamba v1 records one a forward): transformers' crop then stops,
+    or restores another state. Checked once per target and block size, for a verify that keeps one position
+    and one that keeps all but one: the crop, then 2 more positions, give the logits of one forward of the
+    same positions. A target whose forward keeps its state outside the cache is refused (`_check_cache`)."""
     known = _ROLLS_BACK.setdefault(target, {})
     if block_size not in known:
+        _check_cache(target)
         known[block_size] = new_target_cache(target).is_croppable and all(
             _crop_continues_as_one_forward(target, block_size, removed) for removed in {1, block_size - 1}
         )
     return known[block_size]
+
+
+@torch.inference_mode()
+def _check_cache(target: nn.Module) -> None:
+    """The decoder rolls back what the target's cache holds: a target whose forward keeps its state elsewhere
+    (transformers' RecurrentGemma keeps its recurrent state on its modules, and its cache counts no
+    positions) cannot be rolled back after a verify, and is refused in one line."""
+    cache = new_target_cache(target)
+    target(input_ids=torch.full((1, 3), 4, device=target.device), cache=cache, use_cache=True)
+    held = int(cache.get_seq_length())
+    if held != 3:
+        raise ValueError(
+            f"model type '{target.config.get_text_config(decoder=True).model_type}' keeps its state outside the "
+            f"cache its forward is given (after 3 positions the cache counts {held}): no decoder can roll it "
+            "back after a verify, so it cannot be evaluated by speculative decoding; training reads its forward "
+            "without a cache and is not affected"
+        )
 
 
 @torch.inference_mode()
@@ -176,14 +194,16 @@ def _crop_continues_as_one_forward(target: nn.Module, block_size: int, removed: 
     kept = 3 + block_size - removed
     continued = target(input_ids=ids[:, kept : kept + 2], cache=cache, use_cache=True).logits.float()
     whole = target(input_ids=ids[:, : kept + 2], use_cache=False).logits[:, kept:].float()
-    return torch.allclose(continued, whole, rtol=1e-2, atol=1e-2 * (1 + whole.abs().max().item()))
+    # on average over the logits: a cached and a cacheless forward round apart (in bf16, and where an MoE
+    # routes a position otherwise, at some logits by more), another state moves them all
+    return bool((continued - whole).abs().mean() <= 0.02 * whole.abs().mean() + 1e-6)
 
 
 class VerifiedCache:
     """The target's cache across verify steps, rolled back to the committed prefix after each: cropped, or
-    where a crop does not roll it back (`crop_rolls_back`: DeepSeek V4's compressed keys, Zamba's (v1) and
-    RecurrentGemma's recurrent layers) restored from a copy taken before the verify and advanced over the
-    committed tokens again."""
+    where a crop does not roll it back (`crop_rolls_back`: DeepSeek V4's compressed keys, Zamba's (v1)
+    recurrent layers) restored from a copy taken before the verify and advanced over the committed tokens
+    again."""
 
     def __init__(self, cache: DynamicCache, block_size: int, croppable: bool):
         self.cache = cache
@@ -193,25 +213,25 @@ class VerifiedCache:
         self.before: DynamicCache | None = None
 
     def before_verify(self) -> None:
-        if not self.recording:
+        if not self.croppable:
+            self.before = copy.deepcopy(self.cache)
+        elif not self.recording:
             # lets `crop` roll back sliding-window layers, and linear-attention / Mamba layers to any of the
             # last block_size states (a recurrent state cannot be cut like keys and values), as transformers
             # does: after the prefill, whose every position's states it would keep otherwise
             self.cache.activate_past_recording(recurrent_states_to_keep=self.block_size)
             self.recording = True
-        if not self.croppable:
-            self.before = copy.deepcopy(self.cache)
 
     def keep(self, target: nn.Module, block: torch.Tensor, kept: int) -> None:
         """Keep the first `kept` positions of the verified `block` in the cache (the tapped layers' outputs
         at them are captured again where the verify is run anew)."""
-        if kept == block.shape[1]:
-            return
         if self.croppable:
+            # a crop of 0 too, as transformers does: it drops the states recorded for the verify, and a
+            # sliding-window layer's keys beyond its window
             self.cache.crop(kept - block.shape[1])
-            return
-        self.cache = self.before
-        target(input_ids=block[:, :kept], cache=self.cache, use_cache=True)
+        elif kept < block.shape[1]:
+            self.cache = self.before
+            target(input_ids=block[:, :kept], cache=self.cache, use_cache=True)
 
 
 @torch.inference_mode()
