@@ -162,20 +162,28 @@ def _gemma3_text(vocab_size: int) -> Any:
     )
 
 
-def _gemma4_text(vocab_size: int) -> Any:
-    """A Gemma 4 (E2B-style) text config: alternating sliding/global layers, global layers with head size 32,
-    per-layer input embeddings, the last 2 layers reusing earlier layers' KV, final logit softcapping."""
-    return make_config(
-        "Gemma4TextConfig",
+def _on_device_gemma(vocab_size: int) -> dict:
+    """What Gemma 3n and Gemma 4's small models share: tied embeddings, alternating sliding/global layers,
+    per-layer input embeddings, and the last 2 layers reusing earlier layers' KV."""
+    return dict(
         vocab_size=vocab_size,
         tie_word_embeddings=True,
         pad_token_id=0,
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        global_head_dim=32,
         hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=vocab_size,
         num_kv_shared_layers=2,
+    )
+
+
+def _gemma4_text(vocab_size: int) -> Any:
+    """A Gemma 4 (E2B-style) text config: alternating sliding/global layers, global layers with head size 32,
+    per-layer input embeddings, the last 2 layers reusing earlier layers' KV, final logit softcapping."""
+    return make_config(
+        "Gemma4TextConfig",
+        **_on_device_gemma(vocab_size),
+        global_head_dim=32,
         final_logit_softcapping=30.0,
     )
 
@@ -567,20 +575,12 @@ def _gemma4(vocab_size: int) -> Built:
 
 
 def _gemma3n(vocab_size: int) -> Built:
-    """Gemma 3n as shipped (E2B, E4B): the wrapper over a text stack that passes 4 AltUp streams between its
-    layers, alternating sliding/global layers, per-layer input embeddings, its MLP width and activation
-    sparsity given per layer (the first layers' 95%), the last 2 layers reusing earlier layers' KV; a one-layer audio tower, and in place of its
-    timm vision tower a stand-in (`build_model`)."""
+    """Gemma 3n as shipped (E2B, E4B): the wrapper over an on-device Gemma text stack that passes 4 AltUp
+    streams between its layers, its MLP width and activation sparsity given per layer (the first layers'
+    95%); a one-layer audio tower, and in place of its timm vision tower a stand-in (`build_model`)."""
     text = make_config(
         "Gemma3nTextConfig",
-        vocab_size=vocab_size,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=vocab_size,
-        num_kv_shared_layers=2,
+        **_on_device_gemma(vocab_size),
         laurel_rank=8,
         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
     )
