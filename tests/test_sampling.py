@@ -84,9 +84,11 @@ class NearbyDrafter:
 @pytest.mark.parametrize("top_p", [1.0])
 def test_speculative_sampling_draws_as_the_target_samples(top_p):
     """At temperature 1.0 the second generated token (drafted, then accepted or drawn from the residual) of
-    600 speculative runs follows the target's exact distribution within sampling noise (three times the
-    expected total variation of 600 exact draws). Fixed seeds: the
-    same draws every run. Committing the drafts unchecked would be off by a total variation of 0.3 here."""
+    600 speculative runs follows the target's exact distribution within sampling noise: the total variation
+    over its 8 likeliest tokens and the rest (9 bins) within three times its expected value for 600 exact
+    draws, 0.062 (over the whole vocabulary that bound exceeded 1, which no total variation reaches).
+    Committing the drafts unchecked is off by 0.10 on the same bins, and fails. Fixed seeds: the same draws
+    every run."""
     target = load_causal_lm(inspect_target(EMBEDDED_TARGET), torch.device("cpu"), torch.float32)
     prompt = [5, 300, 41, 977, 12, 1500, 64, 7]
     exact = exact_second_token(target, prompt, Sampling(1.0, top_p))
@@ -99,9 +101,18 @@ def test_speculative_sampling_draws_as_the_target_samples(top_p):
         first = token_probs(drafter.draft_logits(None, None)[0], Sampling(1.0, top_p))
         unchecked[int(torch.multinomial(first, 1, generator=torch.Generator().manual_seed(seed)))] += 1
     assert 0.2 * runs < accepted < 0.9 * runs  # drafts both accepted and rejected
-    noise = float((2 * exact * (1 - exact) / (torch.pi * runs)).sqrt().sum() / 2)  # E[TV] of `runs` draws
-    assert float((counts / runs - exact).abs().sum() / 2) < 3 * noise, noise
-    assert float((unchecked / runs - exact).abs().sum() / 2) > 0.2  # the test tells a wrong rule apart
+    top = exact.topk(8).indices
+
+    def binned(p: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p[top], (p.sum() - p[top].sum()).reshape(1)])
+
+    expected = binned(exact)
+    noise = float((2 * expected * (1 - expected) / (torch.pi * runs)).sqrt().sum() / 2)  # E[TV], 600 draws
+    assert 3 * noise < 0.1
+    assert float((binned(counts / runs) - expected).abs().sum() / 2) < 3 * noise
+    assert (
+        float((binned(unchecked / runs) - expected).abs().sum() / 2) > 3 * noise
+    )  # tells a wrong rule apart
 
 
 def test_a_dflash2_drafter_is_not_sampled_silently():
