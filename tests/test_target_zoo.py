@@ -149,6 +149,12 @@ def test_a_rows_features_do_not_depend_on_its_batch_or_the_prefills_pieces(name,
             assert not features[1, 13:].any()  # padding zeroed
 
 
+def features_at_taps_1_2(info) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 seeded token ids and the features a target rank computes of them at taps 1 and 2 (CPU, fp32)."""
+    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    return ids, TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))[0]
+
+
 def peak_load(taps: list[int], piece: int = 0, rows: int = 2, length: int = 2048) -> TargetLoad:
     """What the target's plan reads for a CPU forward of `rows` rows of `length` positions in fp32 up to
     `taps`, in one pass or prefilled `piece` positions at a time."""
@@ -576,13 +582,12 @@ def test_a_wrappers_text_model_reads_its_weights_as_the_wrapper_does(name, relea
             k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in weights.items()
         }
         save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    info = inspect_target(tmp_path)
+    ids, features = features_at_taps_1_2(info)
     # the wrapper's own text model (BLIP-2's forward asks for an image), as built before it was saved
     text_model = text_model_of(generating_part(model, config.get_text_config(decoder=True))[1])
     with torch.no_grad():
         hidden = text_model(input_ids=ids, output_hidden_states=True).hidden_states
-    info = inspect_target(tmp_path)
-    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
     readout = stream_readout(text_model)  # a hyper-connection model's mean, Gemma 3n's AltUp readout
     torch.testing.assert_close(features, torch.cat([readout(hidden[i]) for i in (2, 3)], dim=-1))
     # what a download by hub name fetches for target ranks holds the text model's layers and nothing of its
@@ -681,8 +686,7 @@ def test_an_fp8_release_is_read_as_transformers_reads_it_and_trains_on_the_cpu(
     FP8 weights were read as numbers), and the CLIs train, export and decode it losslessly."""
     target = fp8_release(zoo, name, tmp_path)
     info = inspect_target(target)
-    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
-    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    ids, features = features_at_taps_1_2(info)
     own = text_model_of(zoo_config(name, info.vocab_size)[0].from_pretrained(target, dtype=torch.float32))
     with torch.no_grad():
         hidden = own(input_ids=ids, output_hidden_states=True).hidden_states
@@ -750,8 +754,7 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
     in bf16)."""
     target = mxfp4_release(zoo, tmp_path)
     info = inspect_target(target)
-    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
-    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    ids, features = features_at_taps_1_2(info)
     own = transformers.GptOssForCausalLM.from_pretrained(target, dtype=torch.float32).model
     assert not torch.equal(
         own.layers[0].mlp.experts.down_proj,
@@ -806,8 +809,7 @@ def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as
     byte for byte."""
     target = deepseek_v4_release(zoo, tmp_path)
     info = inspect_target(target)
-    ids = torch.randint(4, 200, (1, 12), generator=torch.Generator().manual_seed(0))
-    features, _ = TargetFeatureExtractor(info, [1, 2], CPU, torch.float32)(ids, torch.ones_like(ids))
+    ids, features = features_at_taps_1_2(info)
     own = DeepseekV4ForCausalLM.from_pretrained(target, dtype=torch.float32).model
     with torch.no_grad():
         hidden = own(input_ids=ids, output_hidden_states=True).hidden_states

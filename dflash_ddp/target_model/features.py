@@ -17,7 +17,7 @@ from transformers import logging as hf_logging
 
 from dflash_ddp.data.batch import SoftTargets
 from dflash_ddp.hub import LAYER_LISTS
-from dflash_ddp.target_model.forward_code import hyper_connection_streams
+from dflash_ddp.target_model.forward_code import altup_streams, hyper_connection_streams
 from dflash_ddp.target_model.head import load_shared_embeddings
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.loading import load_target_model
@@ -75,7 +75,7 @@ def stream_readout(model: nn.Module) -> Callable[[Any], torch.Tensor]:
     """How a decoder layer's output of `model` becomes the [B, S, H] hidden states a drafter reads: the
     layer's output, or the mean of a hyper-connection model's streams (`layer_output`), or Gemma 3n's AltUp
     streams read out as its final hidden state is (`AltUpReadout`)."""
-    if getattr(model.config.get_text_config(decoder=True), "altup_num_inputs", None):
+    if altup_streams(model.config):
         return AltUpReadout(text_model_of(model))
     return functools.partial(layer_output, streams=hyper_connection_streams(model.config))
 

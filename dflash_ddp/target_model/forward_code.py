@@ -20,8 +20,13 @@ FULL_ATTENTION = "full_attention"
 def residual_streams(config) -> int:
     """How many hidden states per token a model passes between its layers: its hyper-connection streams
     (`hyper_connection_streams`), Gemma 3n's AltUp streams (`altup_num_inputs`, 4), else 1."""
-    text = config.get_text_config(decoder=True)
-    return getattr(text, "altup_num_inputs", None) or hyper_connection_streams(config)
+    return altup_streams(config) or hyper_connection_streams(config)
+
+
+def altup_streams(config) -> int:
+    """Gemma 3n's AltUp streams (`altup_num_inputs`, 4), which its own readout turns into its hidden states;
+    else 0."""
+    return getattr(config.get_text_config(decoder=True), "altup_num_inputs", None) or 0
 
 
 def hyper_connection_streams(config) -> int:

@@ -14,6 +14,7 @@ from transformers.integrations.heterogeneity.configuration_utils import Ambiguou
 
 from dflash_ddp.target_model.forward_code import (
     FULL_ATTENTION,
+    altup_streams,
     mask_building,
     own_cache_class,
     residual_streams,
@@ -108,9 +109,8 @@ class TargetInfo:
     alibi_mask: bool = False  # ALiBi added onto SDPA's mask, one per head (Falcon with `alibi`)
     mlp_widths: tuple[int, ...] = ()  # per decoder layer, the MLP width a token passes through (0: none)
     residual_streams: int = 1  # hidden states passed between layers per token (hyper-connections: 4)
-    altup: bool = (
-        False  # the streams are Gemma 3n's AltUp predictions, read out by its projections, not averaged
-    )
+    # the streams are Gemma 3n's AltUp predictions, read out by its projections, not averaged
+    altup: bool = False
     attention_per_layer: int = 1  # attention layers in each decoder layer (LongCat-Flash: 2)
     # decoder layers its forward skips on text (Llama 3.2 Vision's cross-attention layers run with an image only)
     image_only_layers: tuple[int, ...] = ()
@@ -244,8 +244,8 @@ FOUR_TIMES_IF_UNSET = ("intermediate_size", "n_inner")
 
 def _dense_width(config) -> int | list[int] | None:
     """A dense MLP's width (a list of one per decoder layer where the family gives it so: Gemma 3n): the
-    first width field the class defines (`intermediate_size` only where it is
-    not an alias of its experts' width, as in DeepSeek V4), 4x the hidden size where that field is unset
+    first width field the class defines (`intermediate_size` only where it is not an alias of its experts'
+    width, as in DeepSeek V4), 4x the hidden size where that field is unset
     (GPT-2's `n_inner`, GPT-Neo's `intermediate_size`: their classes' documented default), a ratio of the
     hidden size (MPT), or 4x for BLOOM; None where the config names no dense width (all-expert models)."""
     aliases = getattr(type(config), "attribute_map", {})
@@ -376,7 +376,7 @@ def target_info_from_config(config, path: Path, stack: TextStack | None = None) 
         intermediate_size=_widest(_dense_width(config)) or max(widths),
         mlp_widths=widths,
         residual_streams=residual_streams(config),
-        altup=bool(getattr(config, "altup_num_inputs", None)),
+        altup=bool(altup_streams(config)),
         num_attention_heads=heads,
         num_key_value_heads=_first(config, ("num_key_value_heads", "kv_n_heads")) or heads,
         head_dim=layer_attribute(config, "head_dim") or config.hidden_size // heads,

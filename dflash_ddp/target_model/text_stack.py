@@ -465,9 +465,17 @@ def truncated_text_config(
     spec = getattr(config, "quantization_config", None)
     if isinstance(spec, dict) and (names := spec.get("modules_to_not_convert")):
         spec["modules_to_not_convert"] = _unconverted_modules(stack, names, with_head)
-    if isinstance(spec, dict) and dequantize:
-        spec["dequantize"] = True
+    if dequantize:
+        _dequantized_as_it_loads(config)
     return config
+
+
+def _dequantized_as_it_loads(config: PretrainedConfig) -> None:
+    """Ask transformers to dequantize a quantized release's weights as it loads them (where this device does
+    not keep them: it judges by the machine's GPU, not by the device a run asks for)."""
+    spec = getattr(config, "quantization_config", None)
+    if isinstance(spec, dict):
+        spec["dequantize"] = True
 
 
 def _unconverted_modules(stack: TextStack, names: list[str], with_head: bool) -> list[str]:
@@ -499,8 +507,8 @@ def _load_checkpoint_class(
     from its part of the files (Omni's thinker, beside a talker that speaks: Qwen2.5-Omni's class would also
     read the talker's voices from a pickle, which this project never loads)."""
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if dequantize and isinstance(getattr(config, "quantization_config", None), dict):
-        config.quantization_config["dequantize"] = True
+    if dequantize:
+        _dequantized_as_it_loads(config)
     cls = getattr(transformers, stack.architecture)
     if stack.generator:
         with torch.device("meta"):
