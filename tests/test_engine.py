@@ -14,6 +14,7 @@ import pytest
 
 from dflash_ddp.engines import EngineClient, EngineServer
 from dflash_ddp.evaluate import main as evaluate_main
+from dflash_ddp.evaluation import evaluate as evaluate_module
 from dflash_ddp.evaluation.engine import engine_evaluation
 from dflash_ddp.export import main as export_main
 from dflash_ddp.train import main as train_main
@@ -77,6 +78,43 @@ def test_the_counters_and_outputs_make_the_report(fake_engine):
     report = engine_evaluation(client, client, prompts, 8)  # a second server's outputs as the reference
     assert report["lossless"] is True and report["tokens_per_s_without_drafter"] > 0
     assert engine_evaluation(client, None, prompts, 8, reference=[[3, 2, 1], [0]])["mismatched"] == ["a:2"]
+
+
+def test_the_servers_evaluate_starts_run_one_at_a_time(tmp_path, monkeypatch, capsys):
+    """`evaluate --engine vllm` starts the server with the drafter, decodes, stops it, then the plain one: a
+    vLLM server takes its share of the GPU (0.9 by default), so a second beside it would not start. The
+    report is built from both servers' outputs and the drafter server's counters."""
+    started, alive = [], []
+
+    class OneFakeServer:
+        def __init__(self, python, target, speculative=None, dtype="auto", extra_args=()):
+            self.speculative = speculative
+
+        def __enter__(self):
+            assert not alive, "a second server started while another was running"
+            self.server = ThreadingHTTPServer(("127.0.0.1", 0), FakeEngine)
+            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+            self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+            started.append(self.speculative)
+            alive.append(self)
+            return self
+
+        def __exit__(self, *exc):
+            alive.remove(self)
+            self.server.shutdown()
+
+    monkeypatch.setattr(evaluate_module, "EngineServer", OneFakeServer)
+    run = ["--output_dir", str(tmp_path / "run"), "--max_steps", "0", "--eval_data", ""]
+    assert train_main(run) == 0
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "export")]) == 0
+    capsys.readouterr()
+    argv = ["--target_model", str(TARGET), "--drafter", str(tmp_path / "export"), "--data", str(HELDOUT)]
+    argv += ["--num_prompts", "2", "--engine", "vllm", "--vllm_python", sys.executable, "--device", "cpu"]
+    assert evaluate_main([*argv, "--json", str(tmp_path / "report.json")]) == 0
+    assert [spec and spec["method"] for spec in started] == ["dflash", None] and not alive
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["lossless"] is True and report["tau"] == 1 + 3 / 2  # the fake's 2 drafts, 3 accepted
+    assert report["tokens_per_s_without_drafter"] > 0
 
 
 def test_a_server_that_cannot_start_is_one_line_with_its_reason(tmp_path, capsys):

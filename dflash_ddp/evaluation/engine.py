@@ -7,18 +7,39 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from dflash_ddp.engines import EngineClient, SamplingRequest
+from dflash_ddp.engines import EngineClient, SamplingRequest, SpecCounters
 
 
-def _decode(client: EngineClient, prompts, max_new_tokens: int, sampling: SamplingRequest):
+@dataclasses.dataclass
+class EngineDecode:
+    """The prompts' outputs on one server, the seconds they took and, on the drafter's server, its
+    speculative-decoding counters over them."""
+
+    outputs: list[list[int]]
+    seconds: float
+    counted: SpecCounters | None
+
+
+def engine_decode(
+    client: EngineClient,
+    prompts,
+    max_new_tokens: int,
+    sampling: SamplingRequest | None = None,
+    drafting: bool = True,
+) -> EngineDecode:
+    """Decode `prompts` on `client`'s server, prompt i drawing with seed + i (greedy when `sampling` is None);
+    the counters are read where the server is `drafting` (a plain server need not serve /metrics)."""
+    sampling = sampling or SamplingRequest()
+    before = client.counters() if drafting else None
     start = time.perf_counter()
     outputs = [
         client.complete(ids, max_new_tokens, dataclasses.replace(sampling, seed=sampling.seed + i)).token_ids
         for i, (_, ids) in enumerate(prompts)
     ]
+    seconds = time.perf_counter() - start
     if any(o is None for o in outputs):
         raise ValueError(f"the server at {client.url} returns no token ids (`return_token_ids`): use vLLM")
-    return outputs, time.perf_counter() - start
+    return EngineDecode(outputs, seconds, client.counters() - before if drafting else None)
 
 
 def engine_evaluation(
@@ -30,20 +51,34 @@ def engine_evaluation(
     sampling: SamplingRequest | None = None,
 ) -> dict:
     """Decode `prompts` on the server with the drafter and on the one without it (or compare with
-    `reference`, the project's own greedy outputs, when there is none); prompt i draws with seed + i. Tau and
-    acceptance by position come from the drafter server's counters (tau = 1 + accepted / drafts: each verify
-    step commits the accepted drafts and one token of the target's). Greedy when `sampling` is None."""
+    `reference`, the project's own greedy outputs, when there is none): `engine_report` of both decodes."""
+    drafted = engine_decode(drafter_client, prompts, max_new_tokens, sampling)
+    plain = (
+        engine_decode(plain_client, prompts, max_new_tokens, sampling, drafting=False)
+        if plain_client
+        else None
+    )
+    return engine_report(drafted, plain, prompts, max_new_tokens, reference, sampling)
+
+
+def engine_report(
+    drafted: EngineDecode,
+    plain: EngineDecode | None,
+    prompts: list[tuple[str, list[int]]],
+    max_new_tokens: int,
+    reference: list[list[int]] | None = None,
+    sampling: SamplingRequest | None = None,
+) -> dict:
+    """Tau and acceptance by position from the drafter server's counters (tau = 1 + accepted / drafts: each
+    verify step commits the accepted drafts and one token of the target's), the rates, and the lossless
+    check of the drafted outputs against the plain server's (else `reference`)."""
     sampling = sampling or SamplingRequest()
-    before = drafter_client.counters()
-    drafted, seconds = _decode(drafter_client, prompts, max_new_tokens, sampling)
-    counted = drafter_client.counters() - before
-    if plain_client is not None:
-        reference, plain_seconds = _decode(plain_client, prompts, max_new_tokens, sampling)
-    else:
-        plain_seconds = None
-    tokens = sum(len(o) for o in drafted)
+    counted = drafted.counted
+    if plain is not None:
+        reference = plain.outputs
+    tokens = sum(len(o) for o in drafted.outputs)
     mismatched = [
-        where for (where, _), a, b in zip(prompts, drafted, reference or [], strict=False) if a != b
+        where for (where, _), a, b in zip(prompts, drafted.outputs, reference or [], strict=False) if a != b
     ]
     report = {
         "engine": "vllm",
@@ -57,9 +92,9 @@ def engine_evaluation(
         if counted.drafts
         else [],
         "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
+        "tokens_per_s": tokens / drafted.seconds,
         "tokens_per_s_without_drafter": (
-            sum(len(o) for o in reference) / plain_seconds if plain_seconds else None
+            sum(len(o) for o in plain.outputs) / plain.seconds if plain and plain.seconds else None
         ),
         "mismatched": mismatched,
     }

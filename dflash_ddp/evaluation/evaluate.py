@@ -20,7 +20,6 @@ instead (see watch.py, in this folder).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
 import sys
@@ -45,7 +44,7 @@ from dflash_ddp.evaluation.decoding import (
     transformers_generate,
     untrained_drafter,
 )
-from dflash_ddp.evaluation.engine import engine_evaluation
+from dflash_ddp.evaluation.engine import engine_decode, engine_evaluation, engine_report
 from dflash_ddp.evaluation.report import METHOD_LABELS, OWN_DECODING, methods, print_report
 from dflash_ddp.evaluation.row_notes import (
     SAMPLED_ROW,
@@ -414,16 +413,8 @@ def engine_main(args) -> int:
             seed=args.seed,
             stop_token_ids=tuple(eos_token_ids(tokenizer, info.path)),
         )
-        with contextlib.ExitStack() as servers:
-            urls = list(args.engine_url or [])
-            if not urls:  # fp32 on CPU as the project's own evaluation there; the engine's choice on GPUs
-                target, python = str(info.path), args.vllm_python
-                dtype = "float32" if resolve_device(args.device).type == "cpu" else "auto"
-                extra = tuple(shlex.split(args.vllm_args))
-                for spec in (speculative, None):
-                    server = EngineServer(python, target, spec, dtype, extra_args=extra)
-                    urls.append(servers.enter_context(server).url)
-            clients = [EngineClient(url) for url in urls]
+        if args.engine_url:
+            clients = [EngineClient(url) for url in args.engine_url]
             reference = None
             if len(clients) == 1 and not args.temperature:  # the project's own greedy decoding of the target
                 model = load_causal_lm(info, resolve_device(args.device), torch.float32)
@@ -439,7 +430,23 @@ def engine_main(args) -> int:
                 reference,
                 sampling,
             )
-            report["draft_sampling"] = args.draft_sampling if not args.engine_url else "the server's"
+        else:
+            # one server at a time, each stopped before the next starts: a vLLM server takes the share of the
+            # GPU its --gpu-memory-utilization asks (0.9 by default), so a second beside it would not start
+            target, python = str(info.path), args.vllm_python
+            dtype = "float32" if resolve_device(args.device).type == "cpu" else "auto"
+            extra = tuple(shlex.split(args.vllm_args))
+            decodes = []
+            for spec in (speculative, None):
+                with EngineServer(python, target, spec, dtype, extra_args=extra) as server:
+                    client = EngineClient(server.url)
+                    decodes.append(
+                        engine_decode(
+                            client, prompts, args.max_new_tokens, sampling, drafting=spec is not None
+                        )
+                    )
+            report = engine_report(*decodes, prompts, args.max_new_tokens, None, sampling)
+        report["draft_sampling"] = args.draft_sampling if not args.engine_url else "the server's"
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
