@@ -37,7 +37,7 @@
 #   regenerate        64 prompts, 128 new tokens, batches of 16
 # Where VLLM_PYTHON names the Python of a vLLM environment (README: vLLM in the loop), three more steps:
 #   vllm_dflash       the colocated_flex run exported and served by vLLM (`evaluate --engine vllm`: a server
-#                     with the drafter and one without): lossless and vLLM's tau beside this project's
+#                     with the drafter, then one without): lossless and vLLM's tau beside this project's
 #   vllm_dflash2      the dflash2_window run (DFlash2, a sliding-window layer) exported and served by vLLM:
 #                     its V2 runner on the GPU (the CPU build refuses it, as the dry run shows)
 #   vllm_dspark       the dspark run exported and served by vLLM (`"method": "dspark"`, V2 runner)
@@ -198,7 +198,7 @@ EOF
 step() {  # name, limit in seconds, command...: run under timeout, keep its log, summarize, go on
   local name=$1 limit=$2
   shift 2
-  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+  if [ -n "${ONLY:-}" ] && [ "$name" != preflight ] && [[ ",$ONLY," != *",$name,"* ]]; then
     note "$(printf '%-18s' "$name")exit=not-asked(ONLY) seconds=0"
     return 0
   fi

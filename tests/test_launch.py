@@ -79,12 +79,39 @@ def test_gpu_check_times_out_a_hung_step(tmp_path):
     assert (out / "preflight.log").read_text() == "hanging\n"  # unbuffered: the log holds the output
 
 
+# The dry run's steps in two lanes run side by side (most steps are one single-threaded process: a core
+# each), each lane a run of the script with ONLY= naming its steps; a step that reads another's output
+# (split_gloo colocated_flex's losses, large and long_context their plans) is in that step's lane
+LANES = (
+    ["colocated_flex", "split_gloo", "gpu_shapes", "plan_large", "large"],
+    ["dflash2_window", "dspark", "plan_long_context", "long_context", "colocated_sparse", "regenerate"],
+)
+
+
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
-    out = tmp_path / "out"
-    result = run_gpu_check(out, "--dry-run")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    summary = summary_lines(out)
-    for name in STEPS:
+    assert sorted(["preflight", *LANES[0], *LANES[1]]) == sorted(STEPS)
+    outs = [tmp_path / f"lane{i}" for i in range(len(LANES))]
+    env = {**os.environ, "PYTHON": sys.executable}
+    lanes = [
+        subprocess.Popen(
+            ["bash", str(GPU_CHECK), "--dry-run"],
+            env={**env, "OUT": str(out), "ONLY": ",".join(steps)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for out, steps in zip(outs, LANES, strict=True)
+    ]
+    for lane in lanes:
+        output = lane.communicate(timeout=900)[0]
+        assert lane.returncode == 0, output[-6000:]
+    summary = {}
+    for out, steps in zip(outs, LANES, strict=True):
+        lines = summary_lines(out)
+        assert "exit=0 " in lines["preflight"], lines["preflight"]  # every run starts with its preflight
+        summary.update({name: lines[name] for name in steps})
+        assert all("not-asked(ONLY)" in lines[name] for name in STEPS if name not in ["preflight", *steps])
+    for name in STEPS[1:]:
         assert "exit=0 " in summary[name], summary.get(name)
     for name in ("colocated_flex", "large", "colocated_sparse"):
         assert re.search(r"peak_gib=\d", summary[name]) and "tau_train=" in summary[name], summary[name]
@@ -93,9 +120,12 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "lossless=True" in summary["dflash2_window"] and "recompiles=0" in summary["dflash2_window"]
     assert "lossless=True" in summary["dspark"] and "recompiles=0" in summary["dspark"]
     assert re.search(r"peak_gib=\d.*plan_gib=\d", summary["long_context"]), summary["long_context"]
-    text = (out / "summary.txt").read_text()
-    assert "0 step(s) failed" in text
+    texts = [(out / "summary.txt").read_text() for out in outs]
+    assert all("0 step(s) failed" in text for text in texts)
     # the split job trains what the colocated one does (bit-identical on the CPU, one thread each)
-    assert re.search(r"losses colocated vs 1\+1: steps \[1, 2\], max \|difference\| 0\.0\b", text), text
-    assert (out / "regenerated.jsonl").is_file() and (out / "colocated_flex" / "eval.json").is_file()
-    assert not list(out.glob("*/checkpoints")) and not (out / "compile_cache").exists()
+    assert re.search(r"losses colocated vs 1\+1: steps \[1, 2\], max \|difference\| 0\.0\b", texts[0]), texts[
+        0
+    ]
+    assert (outs[1] / "regenerated.jsonl").is_file() and (outs[0] / "colocated_flex" / "eval.json").is_file()
+    for out in outs:
+        assert not list(out.glob("*/checkpoints")) and not (out / "compile_cache").exists()

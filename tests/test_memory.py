@@ -105,21 +105,23 @@ def test_checkpointed_layers_keep_only_their_inputs():
 FRESH = [sys.executable, "-S", "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
 
 
-def cli(*flags: str) -> str:
-    """Run the CLI in a fresh process started by a tiny one (see FRESH), with one thread, and glibc told to
-    return every freed block of 64 KiB and more at once, so that the resident peak is the tensors' peak
-    plus the runtime: the prediction models tensors, not what glibc keeps of freed memory for reuse (by
-    default 0.1 GiB and more here, varying from run to run)."""
+def planned_and_measured_peak(flags: list[str], run_dir: Path) -> tuple[float, float]:
+    """--plan's predicted peak and the run's measured one (GiB), each command in a fresh process started by a
+    tiny one (see FRESH), with one thread, and glibc told to return every freed block of 64 KiB and more at
+    once, so that the resident peak is the tensors' peak plus the runtime: the prediction models tensors, not
+    what glibc keeps of freed memory for reuse (by default 0.1 GiB and more here, varying from run to run).
+    The plan is made in a process of its own too (on a CPU it counts the planning process's resident
+    memory); it reads no data and writes nothing, so it runs beside the measured run, on the other core."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run(
-        [*FRESH, sys.executable, "-m", "dflash_ddp.train", *flags],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
+    command = [*FRESH, sys.executable, "-m", "dflash_ddp.train", *flags]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+    with subprocess.Popen([*command, "--plan"], **pipes) as plan, subprocess.Popen(command, **pipes) as run:
+        outputs = [process.communicate(timeout=600) for process in (plan, run)]
+    for process, (_, err) in zip((plan, run), outputs, strict=True):
+        assert process.returncode == 0, err[-2000:]
+    predicted = float(outputs[0][0].split("fits: yes: ")[1].split(" GiB")[0])
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return predicted, max(json.loads(line)["peak_memory_gib"] for line in records)
 
 
 @pytest.mark.parametrize(
@@ -157,11 +159,7 @@ def test_predicted_peak_matches_the_measured_peak_of_a_real_run(tmp_path, family
     ]
     flags += ["--tokens_per_batch", "1024", "--save_steps", "100", "--eval_data", ""]
     flags += ["--output_dir", str(tmp_path / "run")]
-    # planned in a fresh process too: on a CPU the plan counts the planning process's own resident memory
-    predicted = float(cli(*flags, "--plan").split("fits: yes: ")[1].split(" GiB")[0])
-    cli(*flags)
-    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    measured = max(json.loads(line)["peak_memory_gib"] for line in records)
+    predicted, measured = planned_and_measured_peak(flags, tmp_path / "run")
     # measured 0.53 GiB against 0.54 predicted (0.62 with glibc's default retention), DFlash2 0.57 against
     # 0.58; on 2026-12-05 0.60 against 0.62, DFlash with the loss in one piece 0.625 against 0.66, LiLiCorr
     # 1.65 against 1.81 in pieces and 1.85 in one piece. The prediction is used to refuse runs, so it should
@@ -282,10 +280,7 @@ def test_the_plan_predicts_a_long_context_run_within_a_third(tiny_target, tmp_pa
     flags += ["--max_seq_len", str(length), "--tokens_per_batch", str(length), "--max_steps", "2"]
     flags += ["--save_steps", "100", "--num_anchors", "512", "--block_size", "16", "--num_draft_layers", "2"]
     flags += ["--anchor_scale_tokens", "0"]  # 512 blocks whatever the length (scaled: the benchmark's (j))
-    predicted = float(cli(*flags, "--plan").split("fits: yes: ")[1].split(" GiB")[0])
-    cli(*flags)
-    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    measured = max(json.loads(line)["peak_memory_gib"] for line in records)
+    predicted, measured = planned_and_measured_peak(flags, tmp_path / "run")
     assert 1 / 1.3 <= predicted / measured <= 1.3, (predicted, measured)
 
 
