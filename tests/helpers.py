@@ -141,33 +141,33 @@ for target, taps, piece in zip(sys.argv[3::3], sys.argv[4::3], map(int, sys.argv
 """
 
 
-def target_forward_peaks(forwards: list[tuple[Path, list[int], int]], rows: int, length: int) -> list[int]:
-    """Bytes each target rank's forward (a target, its taps and its prefill's pieces) of a padded fp32 batch
-    adds to its resident peak, measured one after another in a fresh process with one thread (Linux: the
-    peak is reset after a warm-up); two such processes side by side where there are two forwards or more
-    (a process's peak is its own: one core each)."""
+def start_forward_peaks(
+    forwards: list[tuple[Path, list[int], int]], rows: int, length: int
+) -> subprocess.Popen:
+    """A fresh process with one thread measuring the bytes each target rank's forward (a target, its taps and
+    its prefill's pieces) of a padded fp32 batch adds to its resident peak, one after another (Linux: the
+    peak is reset after a warm-up); `read_forward_peaks` waits for its figures."""
+    args = [sys.executable, "-c", MEASURE_FORWARDS, str(rows), str(length)]
+    args += [
+        x for target, taps, piece in forwards for x in (str(target), ",".join(map(str, taps)), str(piece))
+    ]
     # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def read_forward_peaks(process: subprocess.Popen) -> list[int]:
+    out, err = process.communicate(timeout=900)
+    assert process.returncode == 0, err[-3000:]
+    return [int(line) for line in out.split()]
+
+
+def target_forward_peaks(forwards: list[tuple[Path, list[int], int]], rows: int, length: int) -> list[int]:
+    """`start_forward_peaks`'s figures, in two processes side by side where there are two forwards or more
+    (a process's peak is its own: one core each)."""
     halves = [forwards[0::2], forwards[1::2]] if len(forwards) > 1 else [forwards]
-    processes = []
-    for half in halves:
-        args = [sys.executable, "-c", MEASURE_FORWARDS, str(rows), str(length)]
-        args += [
-            x for target, taps, piece in half for x in (str(target), ",".join(map(str, taps)), str(piece))
-        ]
-        processes.append(
-            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        )
-    peaks: list[list[int]] = []
-    for process in processes:
-        out, err = process.communicate(timeout=900)
-        assert process.returncode == 0, err[-3000:]
-        peaks.append([int(line) for line in out.split()])
+    peaks = [
+        read_forward_peaks(process) for process in [start_forward_peaks(h, rows, length) for h in halves]
+    ]
     # back in the order given: the halves took every other forward
     return [peaks[i % len(halves)][i // len(halves)] for i in range(len(forwards))]
-
-
-def target_forward_peak(target: Path, taps: list[int], rows: int, length: int, prefill_tokens: int) -> int:
-    """target_forward_peaks of one forward."""
-    [peak] = target_forward_peaks([(target, taps, prefill_tokens)], rows, length)
-    return peak

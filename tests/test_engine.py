@@ -5,6 +5,7 @@ export served by vLLM is lossless with a tau within 2% of this project's evaluat
 
 import json
 import os
+import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -153,29 +154,48 @@ def test_vllm_serves_the_export_losslessly_with_the_projects_tau(trained_default
     assert abs(theirs["tau"] / ours["tau"] - 1) < 0.02, (theirs["tau"], ours["tau"])
 
 
+V2_RUNNER_FAMILIES = {
+    "dflash2": ([], "does not support"),
+    "dspark": (["--target_topk", "8"], "does not support: dspark speculative decoding"),
+    "lilicorr": (["--lilicorr_hidden_size", "32", "--lilicorr_factor_dim", "16"], "does not support"),
+}
+
+
+@pytest.fixture(scope="module")
+def v2_runner_refusals(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each V2-runner family's drafter as it starts (`--max_steps 0` saves it as step 0), exported as a trained
+    one is, then evaluated in vLLM by the real command, the three commands side by side (a vLLM start is
+    mostly one core's imports)."""
+    root = tmp_path_factory.mktemp("v2_runner")
+    commands = {}
+    for family, (flags, _) in V2_RUNNER_FAMILIES.items():
+        run, export = root / family / "run", root / family / "export"
+        argv = ["--output_dir", str(run), "--drafter", family, "--max_steps", "0", "--eval_data", ""]
+        assert train_main([*argv, *flags]) == 0
+        assert export_main([str(run), str(export), "--dtype", "float32"]) == 0
+        engine = ["--target_model", str(TARGET), "--drafter", str(export), "--data", str(HELDOUT)]
+        engine += ["--num_prompts", "1", "--engine", "vllm", "--vllm_python", VLLM_PYTHON, "--device", "cpu"]
+        commands[family] = [sys.executable, "-m", "dflash_ddp.evaluate", *engine]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    started = {family: subprocess.Popen(command, **pipes) for family, command in commands.items()}
+    finished = {family: process.communicate(timeout=900) for family, process in started.items()}
+    return {
+        family: subprocess.CompletedProcess(commands[family], started[family].returncode, *finished[family])
+        for family in commands
+    }
+
+
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")
-@pytest.mark.parametrize(
-    "family, flags, refusal",
-    [
-        ("dflash2", [], "does not support"),
-        ("dspark", ["--target_topk", "8"], "does not support: dspark speculative decoding"),
-        ("lilicorr", ["--lilicorr_hidden_size", "32", "--lilicorr_factor_dim", "16"], "does not support"),
-    ],
-)
+@pytest.mark.parametrize("family", V2_RUNNER_FAMILIES)
 def test_a_v2_runner_export_is_refused_by_vllms_cpu_build_in_one_line_naming_the_runner(
-    tmp_path, capsys, family, flags, refusal
+    v2_runner_refusals, family
 ):
     """vLLM serves DFlash2 and LiLiCorr (candidate heads) and DSpark on its V2 runner (GPU) only: the CPU
     build's refusal, which comes after its config validation accepted the export, is the message and the exit
     is 2, never a silent fallback to another family. The refusal reads the export's layout, not its weights:
-    the family's drafter as it starts (`--max_steps 0` saves it as step 0), exported as a trained one is."""
-    argv = ["--output_dir", str(tmp_path / "run"), "--drafter", family, "--max_steps", "0", "--eval_data", ""]
-    assert train_main([*argv, *flags]) == 0
-    assert export_main([str(tmp_path / "run"), str(tmp_path / "export"), "--dtype", "float32"]) == 0
-    capsys.readouterr()
-    engine = ["--target_model", str(TARGET), "--drafter", str(tmp_path / "export"), "--data", str(HELDOUT)]
-    engine += ["--num_prompts", "1", "--engine", "vllm", "--vllm_python", VLLM_PYTHON, "--device", "cpu"]
-    assert evaluate_main(engine) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the vLLM server exited at start" in err[0]
+    the family's drafter as it starts, exported as a trained one is."""
+    result, refusal = v2_runner_refusals[family], V2_RUNNER_FAMILIES[family][1]
+    assert result.returncode == 2, result.stderr[-3000:]
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and "the vLLM server exited at start" in err[0], err[-5:]
     assert refusal in err[0] and "V1" in err[0], err[0]

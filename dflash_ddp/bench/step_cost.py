@@ -138,7 +138,7 @@ def bench_step_cost(steps: int = 20, tokens_per_step: tuple[int, ...] = TOKENS_P
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for tokens in tokens_per_step:
-        n = max(2, steps * 512 // tokens)  # fewer steps where each is long
+        n = max(min(2, steps), steps * 512 // tokens)  # fewer steps where each is long (2 at least, if asked)
         warmup = 1
         flags = [*base, "--tokens_per_batch", str(tokens)]
         rows = {}
