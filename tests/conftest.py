@@ -184,7 +184,14 @@ DEFAULT_EVAL_PROMPTS, DEFAULT_EVAL_TOKENS = 8, 64
 
 
 @pytest.fixture(scope="session")
-def trained_default(tmp_path_factory) -> Path:
+def embedded_cache(tmp_path_factory) -> str:
+    """One tokenized-data cache (--cache_dir) for the embedded default's runs that do not test tokenizing: the
+    first run tokenizes its data once, the others read it (a cache per tokenizer, data and settings)."""
+    return str(tmp_path_factory.mktemp("embedded_cache"))
+
+
+@pytest.fixture(scope="session")
+def trained_default(tmp_path_factory, embedded_cache) -> Path:
     """The embedded default trained colocated for 30 of its 150 steps (`python -m dflash_ddp.train`'s `main`,
     in this process: a process start saved), then evaluated on DEFAULT_EVAL_PROMPTS held-out prompts x
     DEFAULT_EVAL_TOKENS: the run's directory with its eval.json. Trained once for the tests that read it
@@ -192,7 +199,7 @@ def trained_default(tmp_path_factory) -> Path:
     from dflash_ddp.train import main as train_main
 
     out = tmp_path_factory.mktemp("trained_default") / "run"
-    argv = ["--output_dir", str(out), "--max_steps", "30"]
+    argv = ["--output_dir", str(out), "--max_steps", "30", "--cache_dir", embedded_cache]
     argv += ["--eval_prompts", str(DEFAULT_EVAL_PROMPTS), "--eval_max_new_tokens", str(DEFAULT_EVAL_TOKENS)]
     assert train_main(argv) == 0
     return out

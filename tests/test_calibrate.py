@@ -160,12 +160,6 @@ def test_calibrate_without_plan_is_refused(tiny_target, chat_data, tmp_path, cap
 EMBEDDED_SMALL = ["--plan", "--calibrate", "--tokens_per_batch", "512", "--max_seq_len", "512"]
 
 
-@pytest.fixture(scope="module")
-def embedded_cache(tmp_path_factory) -> str:
-    """One tokenized-data cache for both runs of the embedded default (the second reads the first's)."""
-    return str(tmp_path_factory.mktemp("embedded_cache"))
-
-
 def test_embedded_default_colocated_prints_the_recommended_split(tmp_path, capsys, embedded_cache):
     assert main([*EMBEDDED_SMALL, "--output_dir", str(tmp_path / "run"), "--cache_dir", embedded_cache]) == 0
     text = capsys.readouterr().out

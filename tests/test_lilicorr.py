@@ -210,14 +210,14 @@ def test_the_serving_config_and_tensors_are_vllms_lilicorr_layout(conv):
     assert len(convolutions) == (2 * 2 * 2 if conv else 0)
 
 
-def test_a_lilicorr_run_trains_resumes_exactly_exports_and_decodes_losslessly(tmp_path):
+def test_a_lilicorr_run_trains_resumes_exactly_exports_and_decodes_losslessly(tmp_path, embedded_cache):
     """`--drafter lilicorr` (its penalty reading the target's top 64 by default) through the real CLI on the
     embedded default: the correlator trains away from its start once true tokens are among the candidates, a
     resume from the middle gives the same weights, the export loads back, and the evaluation is lossless
     greedy with a sampled row at temperature 1.0 (with the convolutions: the next test, and DFlash2's resume
     of the same layers)."""
     flags = ["--drafter", "lilicorr", "--max_steps", "4", "--save_steps", "2", "--eval_data", ""]
-    flags += [f"--{k}={v}" for k, v in HEAD.items()]
+    flags += [f"--{k}={v}" for k, v in HEAD.items()] + ["--cache_dir", embedded_cache]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert train_main([*flags, "--output_dir", str(whole)]) == 0
     middle = whole / "checkpoints" / "step-00000002"

@@ -67,10 +67,10 @@ def export(run: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
+def source(tmp_path_factory, embedded_cache) -> Path:
     """An export of the embedded default after 6 steps (the CLI's `main` in this process)."""
     root = tmp_path_factory.mktemp("source")
-    assert train_main([*SHORT, "--output_dir", str(root / "run")]) == 0
+    assert train_main([*SHORT, "--output_dir", str(root / "run"), "--cache_dir", embedded_cache]) == 0
     return export(root / "run", root / "export")
 
 
@@ -89,7 +89,9 @@ def refusal(flags: list[str], out: Path) -> str:
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark", "lilicorr"])
-def test_a_max_steps_0_run_exports_a_drafter_that_drafts_exactly_as_the_source(source, tmp_path, family):
+def test_a_max_steps_0_run_exports_a_drafter_that_drafts_exactly_as_the_source(
+    source, tmp_path, family, embedded_cache
+):
     """`--init_from A --max_steps 0` through the CLI saves the drafter the trainer builds from A, untrained, as
     step 0; its export (bf16, stamped, with a model card) decodes the same tokens with the same accepted lengths
     as A itself, grown into DFlash2, DSpark or LiLiCorr as well (DSpark and LiLiCorr with their default
@@ -97,6 +99,7 @@ def test_a_max_steps_0_run_exports_a_drafter_that_drafts_exactly_as_the_source(s
     export holds A's weights bit for bit. The run's own evaluation (--eval_data) measures it as A decodes."""
     run, evaluated = tmp_path / "run", family == "dflash"
     flags = ["--init_from", str(source), "--drafter", family, "--max_steps", "0", "--output_dir", str(run)]
+    flags += ["--cache_dir", embedded_cache]
     flags += ["--eval_prompts", "1", "--eval_max_new_tokens", "16"] if evaluated else ["--eval_data", ""]
     if family == "lilicorr":  # a correlator at the tiny drafter's width: its 1024-wide default decodes slowly
         flags += ["--lilicorr_hidden_size", "0", "--lilicorr_factor_dim", "64"]
@@ -224,11 +227,13 @@ def plan_in_process(args: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(source, tmp_path, capsys):
+def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(
+    source, tmp_path, capsys, embedded_cache
+):
     """1 target + 1 drafter rank through torchrun: the drafter rank starts from the export (its first loss far
     below a start from random weights), and the checkpoint, the export's stamp and its model card name the
     source and its digest; DSpark grown from it says what is new, and back to DFlash what is dropped."""
-    done = train(["--init_from", str(source)], tmp_path / "tuned", nproc=2)
+    done = train(["--init_from", str(source), "--cache_dir", embedded_cache], tmp_path / "tuned", nproc=2)
     assert "starting the drafter from" in done.stdout
     scratch = json.loads((source.parent / "run" / "metrics.jsonl").read_text().splitlines()[0])
     tuned = json.loads((tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()[0])

@@ -282,10 +282,15 @@ def bench_long_context(
     work = out if seed == 0 else out / f"seed{seed}"
     print(f"(j) long context in {work}: {budget}", flush=True)
     paths = long_target(out, budget)
+    measure = lambda n: measure_length(out, paths, n, budget)  # noqa: E731
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        trained = list(pool.map(lambda name: train_variant(work, name, paths, budget), variants or VARIANTS))
+        trainings = [pool.submit(train_variant, work, name, paths, budget) for name in variants or VARIANTS]
+        # --quick measures its length beside the last trainings (its seconds per step are no figures at that
+        # size; its peak is its own process's); the full benchmark measures alone, after the decoding
+        beside = [pool.submit(measure, n) for n in budget["lengths"]] if quick and lengths else []
+        trained = [training.result() for training in trainings]
     decoded = decode_all(paths, trained, budget, work)
-    measured = [measure_length(out, paths, n, budget) for n in budget["lengths"]] if lengths else []
+    measured = [m.result() for m in beside] or ([measure(n) for n in budget["lengths"]] if lengths else [])
     lines = tables(trained, decoded, measured)
     print("\n".join(lines))
     atomic_write_text(work / "table.md", "\n".join(lines) + "\n")

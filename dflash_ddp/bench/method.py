@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from dflash_ddp.config import EMBEDDED_PRESET
@@ -252,11 +252,15 @@ def bench_method(out: Path, quick: bool, jobs: int, targets: list[str], variants
     budget = QUICK if quick else FULL
     out = out / ("quick" if quick else "full")
     print(f"(g) method benchmark in {out}: {budget}, variants {', '.join(variants)}", flush=True)
-    paths = {target: TARGETS[target](out, budget) for target in targets}
     # seed by seed, so that a benchmark stopped early holds whole seeds of every variant on every target
-    work = [(t, paths[t], v, s) for s in range(budget["seeds"]) for t in targets for v in variants]
+    work = [(t, v, s) for s in range(budget["seeds"]) for t in targets for v in variants]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(lambda w: run_one(out, *w, budget), work))
+        # submitted before any run, so no run's worker waits on a build still queued; --quick builds beside the
+        # first runs, the full build alone (it trains for a fixed time: a neighbour would change the target)
+        builds = {target: pool.submit(TARGETS[target], out, budget) for target in targets}
+        if not quick:
+            wait(builds.values())
+        list(pool.map(lambda w: run_one(out, w[0], builds[w[0]].result(), *w[1:], budget), work))
     lines = summarise(kept_results(out, targets), targets)
     print("\n".join(lines))
     atomic_write_text(out / "table.md", "\n".join(lines) + "\n")
