@@ -284,10 +284,11 @@ def bench_long_context(
     paths = long_target(out, budget)
     measure = lambda n: measure_length(out, paths, n, budget)  # noqa: E731
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        trainings = [pool.submit(train_variant, work, name, paths, budget) for name in variants or VARIANTS]
-        # --quick measures its length beside the last trainings (its seconds per step are no figures at that
-        # size; its peak is its own process's); the full benchmark measures alone, after the decoding
+        # --quick measures its length (three processes in turn) beside the trainings, from the start (its
+        # seconds per step are no figures at that size; its peak is its own process's); the full benchmark
+        # measures alone, after the decoding
         beside = [pool.submit(measure, n) for n in budget["lengths"]] if quick and lengths else []
+        trainings = [pool.submit(train_variant, work, name, paths, budget) for name in variants or VARIANTS]
         trained = [training.result() for training in trainings]
     decoded = decode_all(paths, trained, budget, work)
     measured = [m.result() for m in beside] or ([measure(n) for n in budget["lengths"]] if lengths else [])
