@@ -22,7 +22,7 @@ class EngineDecode:
 
 def engine_decode(
     client: EngineClient,
-    prompts,
+    prompts: list[tuple[str, list[int]]],
     max_new_tokens: int,
     sampling: SamplingRequest | None = None,
     drafting: bool = True,
