@@ -141,33 +141,49 @@ for target, taps, piece in zip(sys.argv[3::3], sys.argv[4::3], map(int, sys.argv
 """
 
 
-def start_forward_peaks(
-    forwards: list[tuple[Path, list[int], int]], rows: int, length: int
-) -> subprocess.Popen:
-    """A fresh process with one thread measuring the bytes each target rank's forward (a target, its taps and
+def side_by_side(
+    commands: list[list[str]], envs: list[dict] | None = None, timeout: float = 900
+) -> list[subprocess.CompletedProcess]:
+    """Run `commands` at once (each with its `envs` entry as its whole environment, else this one's) and
+    wait for all: for independent single-threaded processes, a core each on a 2-core machine. Output
+    captured as text."""
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    started = [
+        subprocess.Popen(command, env=env, **pipes)
+        for command, env in zip(commands, envs or [None] * len(commands), strict=True)
+    ]
+    done = []
+    for command, process in zip(commands, started, strict=True):
+        out, err = process.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(command, process.returncode, out, err))
+    return done
+
+
+def forward_peaks_command(forwards: list[tuple[Path, list[int], int]], rows: int, length: int) -> list[str]:
+    """A fresh process with one thread printing the bytes each target rank's forward (a target, its taps and
     its prefill's pieces) of a padded fp32 batch adds to its resident peak, one after another (Linux: the
-    peak is reset after a warm-up); `read_forward_peaks` waits for its figures."""
+    peak is reset after a warm-up); run it with FORWARD_PEAKS_ENV."""
     args = [sys.executable, "-c", MEASURE_FORWARDS, str(rows), str(length)]
-    args += [
+    return args + [
         x for target, taps, piece in forwards for x in (str(target), ",".join(map(str, taps)), str(piece))
     ]
-    # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def read_forward_peaks(process: subprocess.Popen) -> list[int]:
-    out, err = process.communicate(timeout=900)
-    assert process.returncode == 0, err[-3000:]
-    return [int(line) for line in out.split()]
+# large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
+FORWARD_PEAKS_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def read_peaks(done: subprocess.CompletedProcess) -> list[int]:
+    """The figures a `forward_peaks_command` printed."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [int(line) for line in done.stdout.split()]
 
 
 def target_forward_peaks(forwards: list[tuple[Path, list[int], int]], rows: int, length: int) -> list[int]:
-    """`start_forward_peaks`'s figures, in two processes side by side where there are two forwards or more
+    """`forward_peaks_command`'s figures, in two processes side by side where there are two forwards or more
     (a process's peak is its own: one core each)."""
     halves = [forwards[0::2], forwards[1::2]] if len(forwards) > 1 else [forwards]
-    peaks = [
-        read_forward_peaks(process) for process in [start_forward_peaks(h, rows, length) for h in halves]
-    ]
+    commands = [forward_peaks_command(half, rows, length) for half in halves]
+    peaks = [read_peaks(done) for done in side_by_side(commands, [FORWARD_PEAKS_ENV] * len(commands))]
     # back in the order given: the halves took every other forward
     return [peaks[i % len(halves)][i // len(halves)] for i in range(len(forwards))]

@@ -21,6 +21,7 @@ from dflash_ddp.export import main as export_main
 from dflash_ddp.train import main as train_main
 
 from conftest import DEFAULT_EVAL_PROMPTS, DEFAULT_EVAL_TOKENS
+from helpers import side_by_side
 
 ASSETS = Path(__file__).parent.parent / "dflash_ddp" / "assets"
 TARGET, HELDOUT = ASSETS / "tiny_qwen3", ASSETS / "data" / "heldout_regenerated.jsonl"
@@ -176,13 +177,7 @@ def v2_runner_refusals(tmp_path_factory) -> dict[str, subprocess.CompletedProces
         engine = ["--target_model", str(TARGET), "--drafter", str(export), "--data", str(HELDOUT)]
         engine += ["--num_prompts", "1", "--engine", "vllm", "--vllm_python", VLLM_PYTHON, "--device", "cpu"]
         commands[family] = [sys.executable, "-m", "dflash_ddp.evaluate", *engine]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    started = {family: subprocess.Popen(command, **pipes) for family, command in commands.items()}
-    finished = {family: process.communicate(timeout=900) for family, process in started.items()}
-    return {
-        family: subprocess.CompletedProcess(commands[family], started[family].returncode, *finished[family])
-        for family in commands
-    }
+    return dict(zip(commands, side_by_side(list(commands.values())), strict=True))
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import side_by_side
+
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "launch" / "gpu_check.sh"
 STEPS = [
@@ -92,19 +94,12 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert sorted(["preflight", *LANES[0], *LANES[1]]) == sorted(STEPS)
     outs = [tmp_path / f"lane{i}" for i in range(len(LANES))]
     env = {**os.environ, "PYTHON": sys.executable}
-    lanes = [
-        subprocess.Popen(
-            ["bash", str(GPU_CHECK), "--dry-run"],
-            env={**env, "OUT": str(out), "ONLY": ",".join(steps)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for out, steps in zip(outs, LANES, strict=True)
-    ]
+    lanes = side_by_side(
+        [["bash", str(GPU_CHECK), "--dry-run"]] * len(LANES),
+        [{**env, "OUT": str(out), "ONLY": ",".join(steps)} for out, steps in zip(outs, LANES, strict=True)],
+    )
     for lane in lanes:
-        output = lane.communicate(timeout=900)[0]
-        assert lane.returncode == 0, output[-6000:]
+        assert lane.returncode == 0, lane.stdout[-4000:] + lane.stderr[-4000:]
     summary = {}
     for out, steps in zip(outs, LANES, strict=True):
         lines = summary_lines(out)
@@ -120,12 +115,10 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "lossless=True" in summary["dflash2_window"] and "recompiles=0" in summary["dflash2_window"]
     assert "lossless=True" in summary["dspark"] and "recompiles=0" in summary["dspark"]
     assert re.search(r"peak_gib=\d.*plan_gib=\d", summary["long_context"]), summary["long_context"]
-    texts = [(out / "summary.txt").read_text() for out in outs]
-    assert all("0 step(s) failed" in text for text in texts)
+    first, second = ((out / "summary.txt").read_text() for out in outs)
+    assert "0 step(s) failed" in first and "0 step(s) failed" in second
     # the split job trains what the colocated one does (bit-identical on the CPU, one thread each)
-    assert re.search(r"losses colocated vs 1\+1: steps \[1, 2\], max \|difference\| 0\.0\b", texts[0]), texts[
-        0
-    ]
+    assert re.search(r"losses colocated vs 1\+1: steps \[1, 2\], max \|difference\| 0\.0\b", first), first
     assert (outs[1] / "regenerated.jsonl").is_file() and (outs[0] / "colocated_flex" / "eval.json").is_file()
     for out in outs:
         assert not list(out.glob("*/checkpoints")) and not (out / "compile_cache").exists()

@@ -21,7 +21,7 @@ from dflash_ddp.drafter.memory import saved_per_context_token, saved_per_positio
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.train import main
 
-from helpers import small_draft_config
+from helpers import side_by_side, small_draft_config
 
 
 def saved_bytes(
@@ -114,12 +114,10 @@ def planned_and_measured_peak(flags: list[str], run_dir: Path) -> tuple[float, f
     memory); it reads no data and writes nothing, so it runs beside the measured run, on the other core."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     command = [*FRESH, sys.executable, "-m", "dflash_ddp.train", *flags]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
-    with subprocess.Popen([*command, "--plan"], **pipes) as plan, subprocess.Popen(command, **pipes) as run:
-        outputs = [process.communicate(timeout=600) for process in (plan, run)]
-    for process, (_, err) in zip((plan, run), outputs, strict=True):
-        assert process.returncode == 0, err[-2000:]
-    predicted = float(outputs[0][0].split("fits: yes: ")[1].split(" GiB")[0])
+    plan, run = side_by_side([[*command, "--plan"], command], [env, env], timeout=600)
+    for done in (plan, run):
+        assert done.returncode == 0, done.stderr[-2000:]
+    predicted = float(plan.stdout.split("fits: yes: ")[1].split(" GiB")[0])
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
     return predicted, max(json.loads(line)["peak_memory_gib"] for line in records)
 

@@ -34,7 +34,7 @@ from dflash_ddp.target_model.info import (
 )
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
 
-from helpers import read_forward_peaks, start_forward_peaks
+from helpers import FORWARD_PEAKS_ENV, forward_peaks_command, read_peaks, side_by_side
 
 
 @pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])
@@ -212,11 +212,12 @@ FORWARDS = {"one_pass": (8, 4096, 0), "pieces": (2, 8192, 2048)}  # rows, length
 @pytest.fixture(scope="module")
 def forward_peaks(tiny_target) -> dict[str, int]:
     """Each of FORWARDS' peaks, taps 1-3, measured in processes of their own side by side (one core each)."""
-    started = {
-        name: start_forward_peaks([(tiny_target, [1, 2, 3], piece)], rows, length)
-        for name, (rows, length, piece) in FORWARDS.items()
-    }
-    return {name: read_forward_peaks(process)[0] for name, process in started.items()}
+    commands = [
+        forward_peaks_command([(tiny_target, [1, 2, 3], piece)], rows, length)
+        for rows, length, piece in FORWARDS.values()
+    ]
+    done = side_by_side(commands, [FORWARD_PEAKS_ENV] * len(commands))
+    return {name: read_peaks(result)[0] for name, result in zip(FORWARDS, done, strict=True)}
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
