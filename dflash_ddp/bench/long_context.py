@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -282,7 +283,7 @@ def bench_long_context(
     work = out if seed == 0 else out / f"seed{seed}"
     print(f"(j) long context in {work}: {budget}", flush=True)
     paths = long_target(out, budget)
-    measure = lambda n: measure_length(out, paths, n, budget)  # noqa: E731
+    measure = partial(measure_length, out, paths, budget=budget)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         # --quick measures its length (three processes in turn) beside the trainings, from the start (its
         # seconds per step are no figures at that size; its peak is its own process's); the full benchmark
