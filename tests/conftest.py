@@ -5,8 +5,11 @@ Everything is built on the fly from fixed text and seeds: no download, a second 
 
 from __future__ import annotations
 
+import functools
 import json
+import multiprocessing.util
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,42 @@ WORDS = [
     "modules",
     "packages",
 ]
+
+
+# The README's test command runs two pytest-xdist workers (`-n 2 --dist loadgroup`): the tests that start
+# processes (torchrun jobs, the CLIs, vLLM servers), marked `processes`, one after another in one worker as
+# a serial run would, and the in-process tests in the other at a lower CPU priority, where they use the cores
+# the processes leave idle without slowing the jobs whose timeouts are real.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = "processes" if item.get_closest_marker("processes") else "in_process"
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@functools.cache
+def leave_the_cores_to_the_processes() -> None:
+    """In the in-process tests' xdist worker: a lower priority and one torch thread (two threads of a
+    lower-priority process wait on each other at every parallel region when one is preempted: the first
+    try of this layout ran the in-process tests 4x slower, and the processes' tests no faster)."""
+    os.nice(10)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def in_process_tests_start_no_processes(request, monkeypatch):
+    """A test not marked `processes` runs beside the process-starting ones: one that starts a process fails,
+    saying so, before the process starts."""
+    if request.node.get_closest_marker("processes"):
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        leave_the_cores_to_the_processes()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it `@pytest.mark.processes`")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refuse)
 
 
 def conversation(i: int) -> dict:

@@ -4,7 +4,11 @@ every drafter trained and decoded losslessly, tau by context bucket, and the pla
 import subprocess
 import sys
 
+import pytest
+
 from dflash_ddp.bench.long_context import VARIANTS
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 
 def bench(out_dir, timeout: int, *flags: str) -> str:

@@ -4,7 +4,11 @@ timed, the parts adding up to the step, and the ratios against the paper's recip
 import subprocess
 import sys
 
+import pytest
+
 from dflash_ddp.bench.step_cost import PARTS, RECIPES
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 TIMEOUT_S = 1800  # only catches a hang
 

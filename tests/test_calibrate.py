@@ -167,6 +167,7 @@ def test_embedded_default_colocated_prints_the_recommended_split(tmp_path, capsy
     assert len(RECOMMENDED.findall(text)) == 1
 
 
+@pytest.mark.processes
 def test_embedded_default_under_torchrun_plans_on_the_leader_only(tmp_path, embedded_cache):
     flags = [*EMBEDDED_SMALL, "--output_dir", str(tmp_path / "run"), "--cache_dir", embedded_cache]
     result = subprocess.run(
@@ -178,6 +179,7 @@ def test_embedded_default_under_torchrun_plans_on_the_leader_only(tmp_path, embe
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.processes
 def test_a_tensor_parallel_group_times_its_own_forward_under_torchrun(tiny_target, chat_data, tmp_path):
     """--plan --calibrate --target_tp_size 2 with 3 processes: group 0 (ranks 0-1) measures the sharded
     forward, the leader its steps; one report, the group counted as one unit."""

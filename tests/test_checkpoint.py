@@ -330,6 +330,7 @@ def test_rotation_keeps_the_limit_and_the_resumed_checkpoint(tiny_target, chat_d
     assert names == ["step-00000005", "step-00000008", "step-00000009"]
 
 
+@pytest.mark.processes
 def test_inspect_and_verify_cli(finished_run, capsys):
     run = [sys.executable, "-m", "dflash_ddp.checkpoint"]  # the module's entry point, once
     shown = subprocess.run([*run, "inspect", str(finished_run)], capture_output=True, text=True)
@@ -391,6 +392,7 @@ def test_a_target_with_the_same_config_but_other_weights_is_refused(
     assert "fingerprints.target: checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_latest_is_only_followed_to_a_checkpoint_beside_it(finished_run):
     root = finished_run / "checkpoints"
     for content in ("../../elsewhere\n", "/etc\n", "", "step-00000003/..\n", "step-00000009\n"):

@@ -56,6 +56,7 @@ def test_data_without_target_model_is_refused_unless_the_embedded_target_is_name
     assert named.max_steps == EMBEDDED_PRESET["max_steps"]
 
 
+@pytest.mark.processes
 def test_a_bad_flag_under_torchrun_is_printed_once(tmp_path):
     """Every rank parses the flags; one line is printed, and torchrun's own summary names it as the root cause."""
     done = subprocess.run(

@@ -70,6 +70,7 @@ def test_overlength_truncate_or_drop_and_too_short_samples_are_counted(tiny_targ
         tokenize_dataset(chat(tiny_target), [str(chat_data)], TokenizeSettings(256, 200))
 
 
+@pytest.mark.processes
 def test_several_processes_give_the_same_data(tiny_target, tmp_path, monkeypatch):
     rows = [conversation(i) for i in range(600)]
     rows[300] = {"messages": [{"role": "user", "content": "no answer"}]}
@@ -143,6 +144,7 @@ print("FROM_CACHE" if from_cache else "TOKENIZED", out.fingerprint())
 """
 
 
+@pytest.mark.processes
 def test_processes_of_one_job_tokenize_once(tiny_target, chat_data, tmp_path):
     go = tmp_path / "go"
     cmd = [

@@ -404,6 +404,7 @@ def test_a_config_missing_a_dflash2_field_names_it():
         from_zlab_config(causal)
 
 
+@pytest.mark.processes
 def test_a_dflash2_run_trains_evaluates_exports_and_decodes_losslessly(
     tiny_target, chat_data, tmp_path, capsys
 ):

@@ -70,6 +70,7 @@ def chunked_colocated(tiny_target, chat_data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.processes
 def test_split_jobs_train_bit_identical_drafters(tiny_target, chat_data, tmp_path, chunked_colocated):
     """Colocated and 1+1 give the same losses and the same final weights, bit for bit, with the drafter's
     batches processed in chunks (some sequences split across two). The 1+1 job resumes from the step-0
@@ -106,6 +107,7 @@ OBJECTIVES = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_two_drafter_ranks_match_one_with_twice_the_batch(tiny_target, chat_data, tmp_path, name):
     """1+2 (one target rank feeding a data-parallel drafter of 2 ranks) trains the same function as one
@@ -137,6 +139,7 @@ def colocated_and_split(tiny_target, data, tmp_path, **settings) -> tuple[dict, 
     return final_weights(tmp_path / "colocated"), final_weights(tmp_path / "2+1")
 
 
+@pytest.mark.processes
 def test_dflash2_trains_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):
     """A DFlash2 drafter trained colocated and by a 2+1 job, in chunks that split sequences, is the same
     drafter bit for bit, convolutions and selector included."""
@@ -146,6 +149,7 @@ def test_dflash2_trains_bit_identical_drafters_colocated_and_split(tiny_target, 
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
+@pytest.mark.processes
 def test_soft_targets_train_bit_identical_drafters_colocated_and_split(tiny_target, chat_data, tmp_path):
     """With --loss tv --target_topk 4, the soft targets computed in the drafter's own process and those sent
     by a target rank over the channel train the same weights, bit for bit."""
@@ -157,6 +161,7 @@ def test_soft_targets_train_bit_identical_drafters_colocated_and_split(tiny_targ
     assert state["config"]["loss"] == "tv" and state["config"]["target_topk"] == 4
 
 
+@pytest.mark.processes
 def test_messages_of_varying_length_arrive_intact(tiny_target):
     """Features, and with --target_topk the soft targets' ids and bf16 probabilities, bit for bit; a slow
     drafter's receiver holds two messages ahead of training (the cap it was given), never more. Without and
@@ -167,6 +172,7 @@ def test_messages_of_varying_length_arrive_intact(tiny_target):
     assert "all 6 messages intact (top-5)" in result.stdout
 
 
+@pytest.mark.processes
 def test_two_nodes_on_localhost_train_a_3_plus_1_job(tiny_target, chat_data, tmp_path, chunked_colocated):
     """Two torchrun agents of 2 processes each meet at one rendezvous as a 3+1 job, which trains the colocated
     run's losses and weights bit for bit, the drafter's batches processed in chunks."""
@@ -238,6 +244,7 @@ def kill_rank_while_training(nproc: int, args: list[str], out: Path, rank: int) 
     return output, job.returncode, ranks
 
 
+@pytest.mark.processes
 def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, chat_data, tmp_path):
     out = tmp_path / "killed"
     args = train_args(tiny_target, chat_data, out, max_steps=100000, dist_timeout=30)
@@ -252,6 +259,7 @@ def test_killing_a_target_rank_ends_the_job_with_the_rank_named(tiny_target, cha
     assert leftovers == []
 
 
+@pytest.mark.processes
 def test_accelerate_launch_with_the_cpu_profile(tiny_target, chat_data, tmp_path):
     profile = Path(__file__).parents[1] / "configs" / "accelerate" / "cpu.yaml"
     cmd = [
@@ -302,6 +310,7 @@ def test_more_drafters_than_batches_per_epoch_is_refused(
     assert "one optimizer step takes 80" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_ranks_that_read_different_data_refuse_to_start(tiny_target, chat_data, tmp_path):
     other = tmp_path / "other.jsonl"
     other.write_text("".join(chat_data.read_text().splitlines(keepends=True)[:-1]))  # one row fewer
@@ -330,6 +339,7 @@ def test_the_drafter_refuses_a_batch_its_schedule_does_not_expect():
         check_batch(message, ScheduledBatch(5, 0, 1, [7, 8]), rank=3)
 
 
+@pytest.mark.processes
 def test_killing_the_drafter_leader_gives_every_rank_a_clear_message(tiny_target, chat_data, tmp_path):
     out = tmp_path / "killed"
     args = train_args(tiny_target, chat_data, out, max_steps=100000, drafter_ranks=2, dist_timeout=30)
@@ -341,6 +351,7 @@ def test_killing_the_drafter_leader_gives_every_rank_a_clear_message(tiny_target
     assert "dflash_ddp/" not in output  # no traceback through our code on any surviving rank
 
 
+@pytest.mark.processes
 def test_a_slow_first_drafter_step_does_not_time_out_the_channel(tiny_target, chat_data, tmp_path):
     """The drafter's first forward takes 2x --dist_timeout (as a first compiled step on a GPU can): it happens
     in the warm-up, before the channel opens, so no target's send waits on it and the 1+1 job completes."""
@@ -391,6 +402,7 @@ def test_the_channel_header_travels_as_named_fields():
     assert Header.decode(Header(kind=END).encode()).kind == END
 
 
+@pytest.mark.processes
 def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tmp_path):
     """Two 16K-token multi-turn conversations (every assistant turn in the loss), the target prefilled in
     pieces of 4096: a 2+1 job trains the colocated run's weights bit for bit, and each target's outstanding

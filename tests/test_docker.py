@@ -8,6 +8,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
@@ -35,6 +37,7 @@ def tracked(*paths: str) -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.processes
 def test_every_file_of_the_package_is_copied_into_the_image():
     sources = copied_sources()
     package = tracked("dflash_ddp") or [

@@ -4,6 +4,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ddp.config import ASSETS, EMBEDDED_PRESET, EMBEDDED_TARGET
@@ -23,6 +24,7 @@ def test_assets_are_small_and_load_offline():
         assert len(rows) > 100 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
 
 
+@pytest.mark.processes
 def test_no_argument_job_runs_as_7_plus_1(tmp_path):
     """`torchrun --nproc-per-node 8 -m dflash_ddp.train` with only the step count and evaluation reduced."""
     out = tmp_path / "run"
@@ -54,6 +56,7 @@ def test_no_argument_job_runs_as_7_plus_1(tmp_path):
     assert report["lossless"]
 
 
+@pytest.mark.processes  # beside the vLLM test that reads the same training: it is trained once
 def test_short_training_raises_real_tau_above_baselines(trained_default):
     """30 colocated steps of the default (it trains 150): real speculative decoding accepts clearly more
     than an untrained drafter (tau 1.0) and than prompt lookup; measured 2.43 vs 1.00 vs 1.20 after 60 steps

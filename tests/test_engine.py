@@ -119,6 +119,7 @@ def test_the_servers_evaluate_starts_run_one_at_a_time(tmp_path, monkeypatch, ca
     assert report["tokens_per_s_without_drafter"] > 0
 
 
+@pytest.mark.processes
 def test_a_server_that_cannot_start_is_one_line_with_its_reason(tmp_path, capsys):
     """An interpreter without vLLM: the server exits at once, its last error line is the message, and
     nothing is left running."""
@@ -140,6 +141,7 @@ def test_a_server_that_cannot_start_is_one_line_with_its_reason(tmp_path, capsys
     assert "--engine vllm needs --vllm_python" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")
 def test_vllm_serves_the_export_losslessly_with_the_projects_tau(trained_default, tmp_path):
     """The trained default's fp32 export served by vLLM on the held-out prompts the run's own evaluation

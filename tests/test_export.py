@@ -92,6 +92,7 @@ def test_extra_or_missing_keys_are_refused(tmp_path):
         load_drafter(tmp_path)
 
 
+@pytest.mark.processes
 def test_export_cli_from_a_checkpoint_directory(tmp_path, capsys):
     save_drafter(drafter(), tmp_path / "ckpt", dtype="float32")
     result = subprocess.run(
@@ -308,6 +309,7 @@ def one_line_error_of(cli_main, argv: list[str], capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.processes
 def test_a_damaged_weights_file_is_one_line_naming_it_wherever_it_is_read(
     tiny_target, chat_data, tmp_path, capsys
 ):

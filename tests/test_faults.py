@@ -70,6 +70,7 @@ def assert_only_step_3_is_left(out: Path) -> None:
     assert verify_checkpoint(root / "step-00000003") == []
 
 
+@pytest.mark.processes
 def test_a_full_disk_during_a_background_save_stops_the_run_at_the_next_step(
     run_at_step_3, tiny_target, chat_data
 ):
@@ -87,6 +88,7 @@ def test_a_full_disk_during_a_background_save_stops_the_run_at_the_next_step(
     assert_only_step_3_is_left(run_at_step_3)
 
 
+@pytest.mark.processes
 def test_a_full_cache_dir_names_cache_dir(tiny_target, chat_data, tmp_path):
     cache = tmp_path / "cache"
     result = subprocess.run(
@@ -107,6 +109,7 @@ def test_a_full_cache_dir_names_cache_dir(tiny_target, chat_data, tmp_path):
     assert [p.name for p in cache.iterdir() if ".tmp-" in p.name] == []  # no half-written file left
 
 
+@pytest.mark.processes
 def test_a_failing_drafter_rank_exits_with_its_own_message_and_is_the_root_cause(
     run_at_step_3, tiny_target, chat_data, tmp_path
 ):
@@ -136,6 +139,7 @@ def test_a_failing_drafter_rank_exits_with_its_own_message_and_is_the_root_cause
     lock.release()
 
 
+@pytest.mark.processes
 def test_sigterm_to_a_target_rank_only_stops_the_whole_job_with_a_checkpoint(
     tiny_target, chat_data, tmp_path
 ):
@@ -214,6 +218,7 @@ def test_a_partial_last_metrics_line_is_dropped_on_resume(run_at_step_3, tiny_ta
     assert logged_steps(run_at_step_3) == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.processes
 def test_a_failing_metrics_append_is_a_save_error(tmp_path):
     code = (
         "import sys\n"
@@ -235,6 +240,7 @@ def test_a_failing_metrics_append_is_a_save_error(tmp_path):
     assert f"appending step 1 to {tmp_path / 'metrics.jsonl'} failed" in result.stdout, result.stderr
 
 
+@pytest.mark.processes
 def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_over(
     tiny_target, chat_data, tmp_path, capsys
 ):

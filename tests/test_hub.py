@@ -337,6 +337,7 @@ def test_a_name_missing_from_the_cache_offline_names_the_cache_and_the_variable(
     assert str(tmp_path / "empty") in message and "HF_HUB_OFFLINE=1" in message and "HF_HUB_CACHE" in message
 
 
+@pytest.mark.processes
 def test_the_real_command_offline_without_the_name_in_the_cache_is_one_line(tmp_path, chat_data):
     flags = as_flags(
         {"target_model": "org/absent", "data": chat_data, "output_dir": tmp_path / "run", **SMALL_JOB}
@@ -399,6 +400,7 @@ def test_a_disk_too_small_for_the_shards_is_refused_before_the_download(hub_cach
         hub.fetch_weights(source, None)
 
 
+@pytest.mark.processes
 def test_a_cut_short_weights_file_is_named_with_how_to_fetch_it_again(tiny_target, tmp_path, chat_data):
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)
@@ -434,6 +436,7 @@ def offline(monkeypatch, cache: Path):
         yield
 
 
+@pytest.mark.processes
 def test_training_by_hub_names_offline_reads_only_the_shards_it_needs(
     hub_cache, tmp_path, monkeypatch, capsys
 ):

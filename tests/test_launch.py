@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +55,21 @@ def test_torch_version_is_the_same_in_dockerfile_readme_pyproject_and_preflight(
     assert preflight == [tuple(minor.split("."))], f"gpu_check.sh's preflight checks {preflight}"
 
 
+def test_ci_runs_the_readmes_test_command():
+    """CI checks what a new user runs: .ci/run's pytest line is the README's, flags and all (the two
+    workers the conftest's grouping is for)."""
+    readme = re.findall(r"^python -m pytest.*$", (ROOT / "README.md").read_text(), re.M)
+    ci = re.findall(r"^python -m pytest.*$", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert len(readme) == 1 and readme == ci, (readme, ci)
+    assert "-n 2 --dist loadgroup" in readme[0]
+
+
+@pytest.mark.processes
 def test_gpu_check_parses():
     subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
 
 
+@pytest.mark.processes
 def test_gpu_check_stops_after_a_failed_preflight(tmp_path):
     fake = tmp_path / "fake"
     fake.mkdir()
@@ -70,6 +83,7 @@ def test_gpu_check_stops_after_a_failed_preflight(tmp_path):
     assert not set(STEPS[1:]) & set(summary)
 
 
+@pytest.mark.processes
 def test_gpu_check_times_out_a_hung_step(tmp_path):
     fake = tmp_path / "fake"
     fake.mkdir()
@@ -90,6 +104,7 @@ LANES = (
 )
 
 
+@pytest.mark.processes
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert sorted(["preflight", *LANES[0], *LANES[1]]) == sorted(STEPS)
     outs = [tmp_path / f"lane{i}" for i in range(len(LANES))]

@@ -146,6 +146,7 @@ def test_muon_orthogonalises_in_fp32_on_the_cpu_and_keeps_torchs_state(orthogona
     assert layout(opt_other.state_dict()) == layout(opt32.state_dict())  # the same state either way
 
 
+@pytest.mark.processes
 def test_muon_trains_the_same_bits_on_a_cpu_without_bf16_instructions():
     """oneDNN and ATen held to AVX2 (a CPU without bf16 instructions, as CI and many servers are) train the
     same weights as this CPU's fastest path: the orthogonalisation's precision no longer depends on the CPU

@@ -418,6 +418,7 @@ def test_bad_input_is_a_clear_error(tiny_target, chat_data, tmp_path, capsys, se
         assert "no row has anything to generate" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_sigkill_and_restart_give_the_uninterrupted_rows_once_each(
     tiny_target, chat_data, tmp_path, monkeypatch
 ):

@@ -151,6 +151,7 @@ def test_seeds_depend_on_the_row_not_on_the_requests_in_flight(tiny_target, chat
     assert seeds[0] == seeds[1] and len(set(seeds[0].values())) == len(seeds[0])
 
 
+@pytest.mark.processes
 def test_a_kill_and_a_restart_give_every_row_once(tiny_target, chat_data, tmp_path, fake_server):
     reference = tmp_path / "reference.jsonl"
     assert rg.main(argv(tiny_target, chat_data, reference, fake_server)) == 0
@@ -246,6 +247,7 @@ def test_engine_flags_are_checked(tiny_target, chat_data, tmp_path, capsys, flag
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not VLLM_PYTHON, reason="vLLM's own environment: set DFLASH_DDP_VLLM_PYTHON (README)")
 def test_greedy_regeneration_through_vllm_equals_the_transformers_path(tmp_path):
     """The embedded target (vLLM's CPU attention needs head sizes of 64 and more), 12 held-out rows, each

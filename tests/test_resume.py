@@ -64,6 +64,7 @@ def wait_for_checkpoint(out: Path, step: int, job: subprocess.Popen, timeout=120
         time.sleep(0.05)
 
 
+@pytest.mark.processes
 def test_sigkill_then_resume_is_bit_identical(tiny_target, chat_data, tmp_path, tmp_path_factory):
     """A 2+1 job killed after its step-8 checkpoint (every process, without warning) and started again ends
     with the uninterrupted run's metrics and weights: the resume crosses an epoch (12 batches) boundary."""
@@ -86,6 +87,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_target, chat_data, tmp_path, 
     assert_same_run(out, ref)
 
 
+@pytest.mark.processes
 def test_sigterm_saves_exits_0_and_resumes_as_2_plus_1(tiny_target, chat_data, tmp_path, tmp_path_factory):
     """A 3+1 job stopped with SIGTERM saves the step it was at; resumed as 2+1 it ends like the 3+1 run."""
     ref = reference(tiny_target, chat_data, tmp_path_factory)
@@ -122,6 +124,7 @@ def test_sigterm_saves_exits_0_and_resumes_as_2_plus_1(tiny_target, chat_data, t
     assert_same_run(out, ref)
 
 
+@pytest.mark.processes
 def test_torchrun_restarts_after_a_killed_target_rank_and_finishes_identically(
     tiny_target, chat_data, tmp_path, tmp_path_factory
 ):
@@ -149,6 +152,7 @@ def test_torchrun_restarts_after_a_killed_target_rank_and_finishes_identically(
     assert_same_run(out, ref)
 
 
+@pytest.mark.processes
 def test_fewer_drafter_ranks_keep_the_global_batch(tiny_target, chat_data, tmp_path):
     """A 2+2 job killed and resumed as 1+1 accumulates 2 batches per step: same global batch, same model
     (the model of one drafter accumulating 2 batches, trained here colocated, in this process: an
@@ -180,6 +184,7 @@ def test_fewer_drafter_ranks_keep_the_global_batch(tiny_target, chat_data, tmp_p
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.processes
 def test_a_second_ctrl_c_ends_the_process_at_once_a_second_sigterm_does_not():
     code = (
         "import os, signal, sys, time\n"
@@ -199,6 +204,7 @@ def test_a_second_ctrl_c_ends_the_process_at_once_a_second_sigterm_does_not():
     assert result.returncode == -signal.SIGINT
 
 
+@pytest.mark.processes
 def test_a_random_op_in_the_step_resumes_exactly_after_the_leader_changes_rank(
     tiny_target, chat_data, tmp_path, monkeypatch
 ):

@@ -216,6 +216,7 @@ def test_dbrx_is_read_from_its_sub_configs_and_runs_with_its_checkpoints_rope_th
     torch.testing.assert_close(rotary.inv_freq, expected)
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_scores_of_a_target_transformers_runs_eagerly(zoo):
     """gpt-oss has no SDPA path in transformers: every layer materialises its [rows, heads, queries, keys]
@@ -229,6 +230,7 @@ def test_the_plan_counts_the_scores_of_a_target_transformers_runs_eagerly(zoo):
     assert plan.parts["attention scores"] > plan.total / 2
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_a_windowed_layer_is_planned_with_its_window_of_keys(zoo, tmp_path):
     """A sliding-window or chunked layer's cache keeps only its window (transformers' sliding cache layers):
@@ -251,6 +253,7 @@ def test_a_windowed_layer_is_planned_with_its_window_of_keys(zoo, tmp_path):
         assert 1.0 <= plan.total / measured <= bound, (name, plan.describe(), measured / 2**30)
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_masks_a_forward_builds_beyond_what_its_layers_need_are_planned(tmp_path):
     """Ministral builds a full mask beside its sliding layers, Qwen2-MoE a sliding one with a window of 0
@@ -278,6 +281,7 @@ def test_masks_a_forward_builds_beyond_what_its_layers_need_are_planned(tmp_path
         assert 1.0 <= plan.total / measured <= 1.6, (name, plan.describe(), measured / 2**30)
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_widths_of_latent_attention(zoo, tmp_path):
     """Multi-head latent attention (DeepSeek V2/V3, Kimi, GLM-5) points `head_dim` at its RoPE part, while
@@ -315,6 +319,7 @@ def test_the_plan_counts_the_kv_cache_of_every_attention_layer_it_runs(name, zoo
     assert target_memory(info, peak_load(taps, piece=8, rows=rows, length=length)).parts["KV cache"] == held
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_reference_code_of_a_hybrids_linear_layers(zoo):
     """Without the kernel packages (always on a CPU) transformers runs a hybrid's linear-attention and
@@ -340,6 +345,7 @@ def build_deepseek_v32(out: Path) -> Path:
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
 def test_the_plan_counts_the_scores_of_a_sparse_attention_indexer(zoo, tmp_path):
     """DeepSeek Sparse Attention's indexer (DeepSeek V3.2, GLM-5, Mistral Large 4, ...) scores every key for
@@ -498,6 +504,7 @@ def test_a_hybrid_targets_recurrent_state_rolls_back_to_the_accepted_prefix(name
     assert {1, 2, 3, 4} <= set(result.accepted[:-1])  # every acceptance length, each rolled back
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", ["qwen3_5", "deepseek_v4"])
 def test_a_target_trains_as_a_tensor_parallel_group(name, zoo, chat_data, tmp_path):
     """Qwen3.5 as it ships (Gated DeltaNet + gated attention under a vision wrapper) and DeepSeek V4 (4
@@ -514,6 +521,7 @@ def test_a_target_trains_as_a_tensor_parallel_group(name, zoo, chat_data, tmp_pa
     assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-4)
 
 
+@pytest.mark.processes
 def test_a_tensor_parallel_plan_that_does_not_run_is_one_line_on_the_group(zoo, chat_data, tmp_path):
     """transformers 5.25's GLM-5 plan shards its linear-attention layers' output projection but not their
     inputs: the group's ranks say so in one line before training, without a traceback."""

@@ -90,6 +90,7 @@ def test_a_group_never_spans_two_nodes(monkeypatch):
         check_groups_within_nodes(Topology(6, 0, 2, 2))
 
 
+@pytest.mark.processes
 def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_target, tmp_path):
     """Every tapped layer (the last one final-normed), a padded batch, dense and mixture-of-experts."""
     targets = [str(tiny_target), str(tiny_moe_target)]
@@ -112,6 +113,7 @@ def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_t
     assert not (tmp_path / "rank2.json").exists()
 
 
+@pytest.mark.processes
 def test_a_tp2_group_trains_like_the_unsharded_target(tiny_target, chat_data, tmp_path, tp2_run):
     """Colocated vs 1 group of TP 2 + 1 drafter: same batches, weights within float summation order; and 2
     groups of TP 2 train exactly the batches of 1 group."""
@@ -126,6 +128,7 @@ def test_a_tp2_group_trains_like_the_unsharded_target(tiny_target, chat_data, tm
     assert_close_weights(weights(two_groups), weights(tp2_run))
 
 
+@pytest.mark.processes
 def test_a_stopped_tp2_run_resumes_with_whole_target_ranks(tiny_target, chat_data, tmp_path, tp2_run):
     """A TP-2 job stopped with SIGTERM in the middle saves the step it is at; resumed as 1 + 1 without
     tensor parallelism it continues at the same global batch and ends where the uninterrupted run ended."""
@@ -159,6 +162,7 @@ def test_a_stopped_tp2_run_resumes_with_whole_target_ranks(tiny_target, chat_dat
     assert_close_weights(weights(out), weights(tp2_run))
 
 
+@pytest.mark.processes
 def test_a_moe_target_trains_colocated_and_as_a_tp2_group(tiny_moe_target, chat_data, tmp_path):
     colocated(tiny_moe_target, chat_data, tmp_path / "colocated", max_steps=6)
     torchrun(3, train_args(tiny_moe_target, chat_data, tmp_path / "tp2", max_steps=6, target_tp_size=2))
@@ -167,6 +171,7 @@ def test_a_moe_target_trains_colocated_and_as_a_tp2_group(tiny_moe_target, chat_
     assert_close_weights(weights(tmp_path / "tp2", 6), weights(tmp_path / "colocated", 6))
 
 
+@pytest.mark.processes
 def test_a_target_whose_heads_cannot_be_split_is_refused_at_start(chat_data, tmp_path):
     """3 attention heads cannot go to 2 ranks: one line naming the count, non-zero exit, no traceback of
     the trainer's (torchrun's agent prints its own for any failed worker)."""

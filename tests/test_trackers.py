@@ -49,6 +49,7 @@ def installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+@pytest.mark.processes
 @needs_tensorboard
 def test_every_installed_tracker_gets_every_logged_metric_and_the_config(
     tiny_target, chat_data, tmp_path, monkeypatch

@@ -227,6 +227,7 @@ def plan_in_process(args: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.processes
 def test_a_split_job_fine_tunes_an_export_and_records_where_it_started(
     source, tmp_path, capsys, embedded_cache
 ):
@@ -336,6 +337,7 @@ def damaged_copy(kind: str, source: Path, root: Path) -> tuple[str, Path, dict]:
     return "org/drafter", snapshot, {"HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("kind", "file", "damage", "expected", "nproc"),
     [

@@ -138,6 +138,7 @@ def test_rotation_keeps_the_best_checkpoint_and_latest_moves_on(tmp_path):
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]
 
 
+@pytest.mark.processes
 def test_training_with_eval_steps_evaluates_in_the_background(tiny_target, chat_data, tmp_path, capsys):
     out = tmp_path / "run"
     flags = train_flags(tiny_target, chat_data, out, save_steps=2, max_steps=6, eval_steps=4, **EVAL)
