@@ -89,34 +89,41 @@ WORDS = [
 ]
 
 
-# The README's test command runs two pytest-xdist workers (`-n 2 --dist loadgroup`): the tests that start
-# processes (torchrun jobs, the CLIs, vLLM servers), marked `processes`, one after another in one worker as
-# a serial run would, and the in-process tests in the other at a lower CPU priority, where they use the cores
-# the processes leave idle without slowing the jobs whose timeouts are real.
+# The README's test command runs two pytest-xdist workers (`-n 2 --dist loadgroup`). The foreground one runs
+# the tests marked `processes` (torchrun jobs, the CLIs, vLLM servers) one after another, as a serial run
+# would: their timeouts and signal windows see the machine they were written for. The background one runs
+# the rest at a lower CPU priority, on the cycles the jobs leave idle: the in-process tests and the tests
+# marked `processes(background=True)`, whose processes wait on no clock (measured memory peaks, the quick
+# benchmarks' tables; their processes inherit the priority).
+def in_background(item: pytest.Item) -> bool:
+    """Whether `item` runs in the background worker."""
+    mark = item.get_closest_marker("processes")
+    return mark is None or mark.kwargs.get("background", False)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     for item in items:
-        group = "processes" if item.get_closest_marker("processes") else "in_process"
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group("background" if in_background(item) else "foreground"))
 
 
 @functools.cache
-def leave_the_cores_to_the_processes() -> None:
-    """In the in-process tests' xdist worker: a lower priority and one torch thread (two threads of a
-    lower-priority process wait on each other at every parallel region when one is preempted: the first
-    try of this layout ran the in-process tests 4x slower, and the processes' tests no faster)."""
+def leave_the_cores_to_the_foreground() -> None:
+    """In the background worker: a lower priority and one torch thread (two threads of a lower-priority
+    process wait on each other at every parallel region when one is preempted: the first try of this layout
+    ran the in-process tests 4x slower, and the foreground no faster)."""
     os.nice(10)
     torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
 def in_process_tests_start_no_processes(request, monkeypatch):
-    """A test not marked `processes` runs beside the process-starting ones: one that starts a process fails,
-    saying so, before the process starts."""
+    """A test not marked `processes` starts none: one that does fails, saying so, before the process starts
+    (it would run in the background beside the jobs, which the mark keeps it out of or lets it in)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and in_background(request.node):
+        leave_the_cores_to_the_foreground()
     if request.node.get_closest_marker("processes"):
         return
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        leave_the_cores_to_the_processes()
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"{request.node.nodeid} starts a process: mark it `@pytest.mark.processes`")

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_ddp.bench.long_context import VARIANTS
 
-pytestmark = pytest.mark.processes  # every test here starts processes
+pytestmark = pytest.mark.processes(background=True)  # untimed processes: the tables' figures
 
 
 def bench(out_dir, timeout: int, *flags: str) -> str:

@@ -34,7 +34,7 @@ def test_every_variant_is_settings_the_cli_accepts():
         assert all(getattr(cfg, k) == v for k, v in settings.items()), name
 
 
-@pytest.mark.processes
+@pytest.mark.processes(background=True)  # untimed: the table's figures
 def test_quick_method_benchmark_runs_variants_on_both_targets_and_resumes(tmp_path):
     cmd = [sys.executable, "-m", "dflash_ddp.bench", "--method", "--quick", "--method_out", str(tmp_path)]
     first = subprocess.run(  # from elsewhere than the checkout: the package finds its own assets

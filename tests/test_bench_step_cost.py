@@ -8,7 +8,7 @@ import pytest
 
 from dflash_ddp.bench.step_cost import PARTS, RECIPES
 
-pytestmark = pytest.mark.processes  # every test here starts processes
+pytestmark = pytest.mark.processes(background=True)  # untimed processes: the tables' figures
 
 TIMEOUT_S = 1800  # only catches a hang
 

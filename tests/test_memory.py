@@ -82,7 +82,7 @@ def test_saved_tensors_per_layer_match_the_plan(family, recompute):
         assert abs((two - one) - predicted) <= 0.01 * predicted, (two - one, predicted)
 
 
-@pytest.mark.processes
+@pytest.mark.processes(background=True)  # peaks, untimed
 def test_peak_resident_memory_is_the_process_own(tmp_path):
     """A process started from a larger one reports its own peak, not its starter's (getrusage's ru_maxrss
     carries the parent's high-water mark through fork and exec: the measured-peak run read 1.11 GiB instead
@@ -123,7 +123,7 @@ def planned_and_measured_peak(flags: list[str], run_dir: Path) -> tuple[float, f
     return predicted, max(json.loads(line)["peak_memory_gib"] for line in records)
 
 
-@pytest.mark.processes
+@pytest.mark.processes(background=True)  # peaks, untimed
 @pytest.mark.parametrize(
     ("family", "recompute", "loss_rows"),
     [
@@ -266,7 +266,7 @@ def test_an_evaluation_whose_target_cannot_fit_the_leaders_device_is_refused_at_
         plan.check_evaluation_memory(TrainConfig(eval_data=eval_data, eval_steps=1000), memory)
 
 
-@pytest.mark.processes
+@pytest.mark.processes(background=True)  # peaks, untimed
 @pytest.mark.parametrize("length", [8192])
 def test_the_plan_predicts_a_long_context_run_within_a_third(tiny_target, tmp_path, length):
     """One 8K-token multi-turn conversation a batch, 512 anchors x 16: --plan's peak against the run's
