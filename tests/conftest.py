@@ -89,6 +89,9 @@ WORDS = [
 ]
 
 
+pytest_plugins = ["pytester"]  # the test of the grouping's guard runs an inner session
+
+
 # The README's test command runs two pytest-xdist workers (`-n 2 --dist loadgroup`). The foreground one runs
 # the tests marked `processes` (torchrun jobs, the CLIs, vLLM servers) one after another, as a serial run
 # would: their timeouts and signal windows see the machine they were written for. The background one runs

@@ -64,6 +64,29 @@ def test_ci_runs_the_readmes_test_command():
     assert "-n 2 --dist loadgroup" in readme[0]
 
 
+@pytest.mark.processes  # the inner marked test's
+def test_a_test_that_starts_a_process_unmarked_fails_naming_the_mark(pytester):
+    """The grouping holds only while every process-starting test is marked: an unmarked one fails before its
+    process starts (it would run beside the jobs), a marked one runs."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(
+        test_inner="""
+        import subprocess, sys
+        import pytest
+
+        def test_unmarked():
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+        @pytest.mark.processes
+        def test_marked():
+            subprocess.run([sys.executable, "-c", "pass"], check=True)
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_unmarked starts a process: mark it `@pytest.mark.processes`*"])
+
+
 @pytest.mark.processes
 def test_gpu_check_parses():
     subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
