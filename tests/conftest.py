@@ -32,6 +32,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+pytest_plugins = ["pytester"]  # the test of the grouping's guard runs an inner session
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -89,9 +91,6 @@ WORDS = [
 ]
 
 
-pytest_plugins = ["pytester"]  # the test of the grouping's guard runs an inner session
-
-
 # The README's test command runs two pytest-xdist workers (`-n 2 --dist loadgroup`). The foreground one runs
 # the tests marked `processes` (torchrun jobs, the CLIs, vLLM servers) one after another, as a serial run
 # would: their timeouts and signal windows see the machine they were written for. The background one runs
@@ -119,12 +118,15 @@ def leave_the_cores_to_the_foreground() -> None:
     torch.set_num_threads(1)
 
 
+def pytest_runtest_setup(item):
+    if os.environ.get("PYTEST_XDIST_WORKER") and in_background(item):
+        leave_the_cores_to_the_foreground()
+
+
 @pytest.fixture(autouse=True)
 def in_process_tests_start_no_processes(request, monkeypatch):
     """A test not marked `processes` starts none: one that does fails, saying so, before the process starts
     (it would run in the background beside the jobs, which the mark keeps it out of or lets it in)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and in_background(request.node):
-        leave_the_cores_to_the_foreground()
     if request.node.get_closest_marker("processes"):
         return
 

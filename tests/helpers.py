@@ -162,28 +162,28 @@ def side_by_side(
 def forward_peaks_command(forwards: list[tuple[Path, list[int], int]], rows: int, length: int) -> list[str]:
     """A fresh process with one thread printing the bytes each target rank's forward (a target, its taps and
     its prefill's pieces) of a padded fp32 batch adds to its resident peak, one after another (Linux: the
-    peak is reset after a warm-up); run it with FORWARD_PEAKS_ENV."""
+    peak is reset after a warm-up); `measure_forward_peaks` runs it."""
     args = [sys.executable, "-c", MEASURE_FORWARDS, str(rows), str(length)]
     return args + [
         x for target, taps, piece in forwards for x in (str(target), ",".join(map(str, taps)), str(piece))
     ]
 
 
-# large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
-FORWARD_PEAKS_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-def read_peaks(done: subprocess.CompletedProcess) -> list[int]:
-    """The figures a `forward_peaks_command` printed."""
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [int(line) for line in done.stdout.split()]
+def measure_forward_peaks(commands: list[list[str]]) -> list[list[int]]:
+    """The figures each `forward_peaks_command` printed, the commands run side by side (a process's peak is
+    its own: one core each)."""
+    # large blocks straight from and back to the system: the resident peak is the tensors', not the heap's
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    peaks = []
+    for done in side_by_side(commands, [env] * len(commands)):
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks.append([int(line) for line in done.stdout.split()])
+    return peaks
 
 
 def target_forward_peaks(forwards: list[tuple[Path, list[int], int]], rows: int, length: int) -> list[int]:
-    """`forward_peaks_command`'s figures, in two processes side by side where there are two forwards or more
-    (a process's peak is its own: one core each)."""
+    """`forward_peaks_command`'s figures, in two processes where there are two forwards or more."""
     halves = [forwards[0::2], forwards[1::2]] if len(forwards) > 1 else [forwards]
-    commands = [forward_peaks_command(half, rows, length) for half in halves]
-    peaks = [read_peaks(done) for done in side_by_side(commands, [FORWARD_PEAKS_ENV] * len(commands))]
+    peaks = measure_forward_peaks([forward_peaks_command(half, rows, length) for half in halves])
     # back in the order given: the halves took every other forward
     return [peaks[i % len(halves)][i // len(halves)] for i in range(len(forwards))]

@@ -34,7 +34,7 @@ from dflash_ddp.target_model.info import (
 )
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
 
-from helpers import FORWARD_PEAKS_ENV, forward_peaks_command, read_peaks, side_by_side
+from helpers import forward_peaks_command, measure_forward_peaks
 
 
 @pytest.mark.parametrize("family", ["tiny_target", "tiny_moe_target"])
@@ -216,8 +216,7 @@ def forward_peaks(tiny_target) -> dict[str, int]:
         forward_peaks_command([(tiny_target, [1, 2, 3], piece)], rows, length)
         for rows, length, piece in FORWARDS.values()
     ]
-    done = side_by_side(commands, [FORWARD_PEAKS_ENV] * len(commands))
-    return {name: read_peaks(result)[0] for name, result in zip(FORWARDS, done, strict=True)}
+    return {name: peaks[0] for name, peaks in zip(FORWARDS, measure_forward_peaks(commands), strict=True)}
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak reset")
