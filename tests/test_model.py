@@ -238,10 +238,8 @@ def test_keeping_every_activation_gives_the_recomputing_outputs_and_gradients(fa
 
 
 # graphs compiled per layer class: before attention and after it, two each (the first layer's input needs no
-# gradient); DFlash2 compiles its projections only (its convolutions wrap attention and the MLP), and its
-# first layer's input to them is normed and convolved, so it needs a gradient already. DSpark and LiLiCorr
-# are built of these same two layer classes.
-COMPILED_GRAPHS = {"dflash": (4, 2), "dflash2": (1, 0)}
+# gradient); DFlash2's hold its convolutions too. DSpark and LiLiCorr are built of these same two layer classes.
+COMPILED_GRAPHS = {"dflash": (4, 2), "dflash2": (4, 2)}
 
 
 @pytest.mark.parametrize("family", sorted(COMPILED_GRAPHS))

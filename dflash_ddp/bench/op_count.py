@@ -14,10 +14,18 @@ allows:
 - Muon's orthogonalisation in bf16 (torch's own iterations, what CUDA runs), of same-shaped matrices
   together where the optimizer has that option (its CUDA default), and AdamW's multi-tensor (foreach)
   implementation, torch's default for CUDA parameters (its default on the CPU loops per tensor);
-- one sequence per drafter chunk, as the recipe's 512 anchors x 16 fill its 8192-position chunks.
+- one sequence per drafter chunk, as the recipe's 512 anchors x 16 fill its 8192-position chunks;
+- the drafter's matrices cast to bf16 once a step, as the trainer does on CUDA where the layers keep their
+  activations (`DrafterTrainer.casts_weights_once`);
+- the regions CUDA runs compiled (the layers' chains around attention and the loss's pieces, where the
+  execution keeps every activation): they run eagerly here, their operations, forward and backward (the
+  backward of each autograd node a region made), counted apart as `fused`. What is left, `outside_regions`,
+  is what CUDA launches one kernel at a time; a compiled region launches its matrix products and a few fused
+  kernels per call.
 
 What differs from CUDA: the attention is the path the trainer resolves on the CPU ("sparse": a loop of
-matmuls and softmax pieces per anchor chunk) where CUDA runs flex (a few compiled kernels); `--optimizer
+matmuls and softmax pieces per anchor chunk) where CUDA runs flex (a compiled kernel each way: counted as a
+region here too); `--optimizer
 adamw` counts foreach AdamW where CUDA runs the fused kernel; CUDA's autocast casts more functions to fp32
 than the CPU's (exp, log, sum, softmax: none sees a bf16 input in the step today); and the blocks (anchors,
 block ids, masks), which a GPU builds on the host and copies over, are counted apart and left out of the
@@ -30,20 +38,24 @@ one piece a chunk, as CUDA's plan chooses where they fit, no such loop runs at t
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from dflash_ddp.config import TrainConfig
-from dflash_ddp.drafter.config import DFlashDraftConfig, default_target_layer_ids, drafter_config_for
+from dflash_ddp.drafter import attention
+from dflash_ddp.drafter.config import default_target_layer_ids, drafter_config_for
+from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.trainer import DrafterTrainer
 from dflash_ddp.setup.plan import executions
+from dflash_ddp.setup.trainer import configure_execution
 from dflash_ddp.target_model.info import target_info_from_config
 
 from .gpu_shapes import SCALES, build_trainer, qwen3_config, random_batch
@@ -71,9 +83,7 @@ SCALE = "tiny"  # the fixed shape: counts compare between machines and runs only
 BLOCKS = "blocks"  # the trainer's part that a GPU runs on the host
 OTHER = "other"  # operations outside the trainer's named parts (the loss sums' adds, the finite check)
 
-# (cfg, drafter config, device) -> trainer; the default is gpu_shapes.build_trainer without checkpointing
-# unless the config asks for it (the plan leaves it off at both scales)
-Builder = Callable[[TrainConfig, DFlashDraftConfig, torch.device], DrafterTrainer]
+REGIONS = "op-count"  # the loss's compile backend while counting: its pieces run as `_as_region` wraps them
 
 
 def launches(func) -> bool:
@@ -92,7 +102,10 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts: dict[str, Counter] = defaultdict(Counter)  # part -> op name -> times dispatched
         self.launching: dict[str, Counter] = defaultdict(Counter)  # the same, launching ops alone
+        self.fused: dict[str, Counter] = defaultdict(Counter)  # launching ops inside compiled regions
         self._part = OTHER
+        self._regions_running = 0
+        self._region_nodes: list[range] = []  # the sequence numbers of the autograd nodes each region made
 
     @contextlib.contextmanager
     def part(self, name: str):
@@ -103,12 +116,47 @@ class OpCounter(TorchDispatchMode):
         finally:
             self._part = outer
 
+    @contextlib.contextmanager
+    def region(self):
+        """Count the enclosed operations, and later the backward of the autograd nodes they make, as a
+        compiled region's (`_as_region`)."""
+        first = torch._C._autograd._get_sequence_nr()
+        self._regions_running += 1
+        try:
+            yield
+        finally:
+            self._regions_running -= 1
+            self._region_nodes.append(range(first, torch._C._autograd._get_sequence_nr()))
+
+    def _in_region(self) -> bool:
+        if self._regions_running:
+            return True
+        node = torch._C._current_autograd_node()  # the node whose backward runs now, if any
+        return node is not None and any(node._sequence_nr() in made for made in self._region_nodes)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.counts[self._part][name] += 1
         if launches(func):
             self.launching[self._part][name] += 1
+            if self._in_region():
+                self.fused[self._part][name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _as_region(fn, **_compile_options):
+    """Stands in for torch.compile while counting: `fn` runs eagerly, its operations counted as a compiled
+    region's by the active OpCounter (dynamo compiles nothing under a dispatch mode)."""
+
+    @functools.wraps(fn)
+    def region(*args, **kwargs):
+        counter = _get_current_dispatch_mode()
+        if not isinstance(counter, OpCounter):
+            return fn(*args, **kwargs)
+        with counter.region():
+            return fn(*args, **kwargs)
+
+    return region
 
 
 @dataclass(frozen=True)
@@ -117,6 +165,7 @@ class StepOps:
 
     dispatched: int  # every aten operation, views and the blocks' host work included
     launching: int  # those that would launch device work, outside the blocks
+    outside_regions: int  # ... and outside the regions CUDA compiles: launched one at a time there
     parts: dict[str, int]  # launching operations per part of the step (blocks: host work on a GPU)
     top: list[tuple[str, int]]  # the most frequent launching operations outside the blocks
 
@@ -126,23 +175,28 @@ class OpCount:
     """`count_step_ops`' figures: the step at the scale's own depth and batch, and what a layer, a sequence
     and the optimizer add to it."""
 
+    drafter: str  # the family
     layers: int
     sequences: int
     step: StepOps
     per_layer: int  # launching operations one more drafter layer adds (at one sequence)
     per_sequence: int  # ... one more sequence adds (at one layer)
+    per_layer_outside: int  # the same, outside the compiled regions
+    per_sequence_outside: int
     optimizer: int  # launching operations of the optimizer part of the step
     seconds: float  # to count all of it
 
     def lines(self) -> list[str]:
-        """One line of figures, one of the top operations."""
+        """One line of figures, one of those outside the compiled regions, one of the top operations."""
         step = self.step
         top = ", ".join(f"{name} {n:,}" for name, n in step.top[:5])
         return [
-            f"op count (CPU, fixed {SCALE} shape as CUDA would dispatch it, {self.layers} layers x "
-            f"{self.sequences} sequences): {step.launching:,} launching ops per step ({step.dispatched:,} "
-            f"dispatched), per layer {self.per_layer:,}, per sequence {self.per_sequence:,}, optimizer "
-            f"{self.optimizer:,} ({self.seconds:.1f} s to count)",
+            f"op count (CPU, fixed {SCALE} shape as CUDA would dispatch it, {self.drafter}, {self.layers} "
+            f"layers x {self.sequences} sequences): {step.launching:,} launching ops per step "
+            f"({step.dispatched:,} dispatched), per layer {self.per_layer:,}, per sequence "
+            f"{self.per_sequence:,}, optimizer {self.optimizer:,} ({self.seconds:.1f} s to count)",
+            f"op count outside the regions CUDA compiles (launched one by one there): {step.outside_regions:,} "
+            f"per step, per layer {self.per_layer_outside:,}, per sequence {self.per_sequence_outside:,}",
             f"op count, top: {top}",
         ]
 
@@ -151,56 +205,58 @@ class OpCount:
         return asdict(self)
 
 
-def count_step_ops(overrides: dict | None = None, build: Builder | None = None, top: int = 10) -> OpCount:
+def count_step_ops(overrides: dict | None = None, top: int = 10) -> OpCount:
     """Count the operations one `DrafterTrainer.step` dispatches at the fixed tiny shape (module docstring).
 
     Four trainers run one warm-up step (the first creates the optimizer's state), then one counted step:
     (1 layer, 1 sequence), (2 layers, 1 sequence), (1 layer, 2 sequences) and the scale's own (2, 2).
-    per_layer = c(2, 1) - c(1, 1) and per_sequence = c(1, 2) - c(1, 1), in launching operations. The
-    optimizer's operations are those inside the trainer's "optimizer" part (clipping, the optimizer's and the
-    schedule's steps, dropping the gradients), found by standing an OpCounter in for the trainer's timer.
+    per_layer = c(2, 1) - c(1, 1) and per_sequence = c(1, 2) - c(1, 1), in launching operations (all of them,
+    and those outside the compiled regions). The optimizer's operations are those inside the trainer's
+    "optimizer" part (clipping, the optimizer's and the schedule's steps, dropping the gradients), found by
+    standing an OpCounter in for the trainer's timer.
 
-    `overrides`: TrainConfig fields over the shape's and the defaults (Muon; e.g. {"optimizer": "adamw"}, or a
-    future execution setting); `build(cfg, drafter_config, device)`: the trainer, by default as gpu_shapes
-    builds it. `top`: how many of the most frequent operations to keep."""
+    `overrides`: TrainConfig fields over the shape's and the defaults (DFlash, Muon; e.g. {"drafter":
+    "dflash2"}, {"optimizer": "adamw"}, {"recompute": "qkv_mlp"}); families that train on the target's soft
+    targets are refused. `top`: how many of the most frequent operations to keep."""
     start = time.perf_counter()
     scale = SCALES[SCALE]
     own = (scale.draft_layers, scale.tokens_per_batch // scale.max_seq_len)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # counts do not depend on threads; one keeps a shared machine's cores free
     try:
-        counts = {
-            shape: _count(*shape, overrides or {}, build or _default_build, top)
-            for shape in dict.fromkeys([(1, 1), (2, 1), (1, 2), own])
-        }
+        # regions run as _as_region wraps them (their compile happens at set-up, the loss's at its first
+        # call); the CPU's block-sparse attention stands in for flex's compiled kernel and counts as one too
+        sparse = _as_region(attention.block_sparse_attention)
+        with (
+            mock.patch.object(torch, "compile", _as_region),
+            mock.patch.object(attention, "block_sparse_attention", sparse),
+        ):
+            counts = {
+                shape: _count(*shape, overrides or {}, top)
+                for shape in dict.fromkeys([(1, 1), (2, 1), (1, 2), own])
+            }
     finally:
         torch.set_num_threads(threads)
-    base = counts[(1, 1)].launching
-    step = counts[own]
+    base, step = counts[(1, 1)], counts[own]
     return OpCount(
+        drafter=(overrides or {}).get("drafter", "dflash"),
         layers=own[0],
         sequences=own[1],
         step=step,
-        per_layer=counts[(2, 1)].launching - base,
-        per_sequence=counts[(1, 2)].launching - base,
+        per_layer=counts[(2, 1)].launching - base.launching,
+        per_sequence=counts[(1, 2)].launching - base.launching,
+        per_layer_outside=counts[(2, 1)].outside_regions - base.outside_regions,
+        per_sequence_outside=counts[(1, 2)].outside_regions - base.outside_regions,
         optimizer=step.parts.get("optimizer", 0),
         seconds=time.perf_counter() - start,
     )
 
 
-def _default_build(cfg: TrainConfig, c: DFlashDraftConfig, device: torch.device) -> DrafterTrainer:
-    # the execution a GPU's plan picks where it has room: the fastest the settings allow there
-    execution = executions(cfg, torch.device("cuda"), cfg.drafter_chunk_tokens)[0]
-    return build_trainer(cfg, c, execution, device)
-
-
-def _count(layers: int, sequences: int, overrides: dict, build: Builder, top: int) -> StepOps:
+def _count(layers: int, sequences: int, overrides: dict, top: int) -> StepOps:
     """One warm-up step, then the operations of one step, of a trainer of `layers` at `sequences`."""
     scale, device = SCALES[SCALE], torch.device("cpu")
     config = qwen3_config(scale, scale.target["num_hidden_layers"])
     info = target_info_from_config(config, Path(f"qwen3-{SCALE}"))  # a label: nothing is read from it
-    taps = default_target_layer_ids(info.num_layers)
-    c = drafter_config_for(info, layers, taps, scale.mask_token_id, scale.block_size)
     fields = dict(
         target_model=str(info.path),
         device=device.type,
@@ -211,7 +267,19 @@ def _count(layers: int, sequences: int, overrides: dict, build: Builder, top: in
         tokens_per_batch=sequences * scale.max_seq_len,
         drafter_chunk_tokens=scale.num_anchors * scale.block_size,  # one sequence per chunk
     )
-    trainer = build(TrainConfig(**{**fields, **overrides}), c, device)
+    cfg = TrainConfig(**{**fields, **overrides})
+    if cfg.target_topk:
+        raise ValueError(f"op count: --drafter {cfg.drafter} trains on soft targets, which the count has not")
+    config_class = FAMILIES[cfg.drafter][0]
+    taps = default_target_layer_ids(info.num_layers)
+    c = drafter_config_for(
+        info, layers, taps, scale.mask_token_id, scale.block_size, config_class, config_class.run_values(cfg)
+    )
+    # the execution a GPU's plan picks where it has room: the fastest the settings allow there, set up as
+    # on CUDA (its compiled regions)
+    execution = executions(cfg, torch.device("cuda"), cfg.drafter_chunk_tokens)[0]
+    trainer = build_trainer(cfg, c, execution, device)
+    configure_execution(trainer.drafter, execution, torch.device("cuda"))
     _as_on_cuda(trainer)
     batch = random_batch(scale, sequences, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -224,9 +292,12 @@ def _count(layers: int, sequences: int, overrides: dict, build: Builder, top: in
         trainer.step([(batch, features, 0)])
     parts = {part: sum(ops.values()) for part, ops in counter.launching.items()}
     device_ops = sum((ops for part, ops in counter.launching.items() if part != BLOCKS), Counter())
+    fused = sum(sum(ops.values()) for part, ops in counter.fused.items() if part != BLOCKS)
+    launching = sum(n for part, n in parts.items() if part != BLOCKS)
     return StepOps(
         dispatched=sum(sum(ops.values()) for ops in counter.counts.values()),
-        launching=sum(n for part, n in parts.items() if part != BLOCKS),
+        launching=launching,
+        outside_regions=launching - fused,
         parts=parts,
         top=device_ops.most_common(top),
     )
@@ -238,6 +309,10 @@ def _as_on_cuda(trainer: DrafterTrainer) -> None:
         raise AttributeError("DrafterTrainer has no _autocast to set to bf16: update op_count._as_on_cuda")
     trainer._autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     trainer.head.to(dtype=torch.bfloat16)
+    trainer.casts_weights_once = True
+    # the loss's pieces compiled, as the trainer sets them on CUDA (`LossSettings.compile_backend`)
+    loss = replace(trainer.settings.loss, compile_backend=REGIONS)
+    trainer.settings = replace(trainer.settings, loss=loss)
     if hasattr(trainer.optimizer, "ortho_dtype"):  # Muon: torch's own iterations, in bf16
         trainer.optimizer.ortho_dtype = torch.bfloat16
     if hasattr(trainer.optimizer, "grouped"):  # Muon: same-shaped matrices orthogonalised together

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dflash_ddp.drafter.attention import attend
 from dflash_ddp.drafter.config import DFlashDraftConfig
-from dflash_ddp.drafter.model import DFlashDecoderLayer, DFlashDraftModel
+from dflash_ddp.drafter.model import DFlashDecoderLayer, DFlashDraftModel, dynamic_lengths
 from dflash_ddp.drafter.selector import CandidateSelector, selector_terms, walk
 
 
@@ -168,15 +169,28 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         super().__init__(config, layer_idx)
         self.attention_conv = DynamicConvolution(config)
         self.mlp_conv = DynamicConvolution(config)
+        self._compiled_before_attention = None  # `compile_regions`
 
-    def compile_regions(self, backend: str) -> None:
-        """The projections before attention only: the convolutions around attention and the MLP run eagerly."""
-        self.self_attn.compile_projections(backend)
+    def compile_regions(self, backend) -> None:
+        """Compile the chains around attention (`DFlashDraftModel.compile_regions`): before it the norm, the
+        attention convolution's first side, the projections, q/k norms and rope; after it o_proj, the
+        convolution's second side, the residual and the whole MLP half with its own convolution. The
+        convolutions keep their recomputation inside the graphs (their kernels are [taps, H] per position)."""
+        self._compiled_before_attention = torch.compile(
+            self._before_attention, backend=backend, fullgraph=True
+        )
+        self._compiled_after_attention = torch.compile(self._after_attention, backend=backend, fullgraph=True)
 
-    def forward(self, hidden, context, cos, sin, mask, cache=None):
+    def _before_attention(self, hidden, context, cos, sin):
+        """Roped q, k, v of the convolved, normed block (`DFlashAttention._qkv`) and the convolution's deltas."""
         normed, deltas = self.attention_conv.prepare(self.input_layernorm(hidden))
-        attended = self.self_attn(normed, _NORMED_ALREADY, context, cos, sin, mask, cache)
-        hidden = hidden + self.attention_conv.finish(attended, deltas)
+        return (*self.self_attn._qkv(normed, context, cos, sin, _NORMED_ALREADY), deltas)
+
+    def _after_attention(self, hidden, heads, deltas):
+        attended = self.self_attn.o_proj(heads.flatten(2))
+        return self._mlp_half(hidden + self.attention_conv.finish(attended, deltas))
+
+    def _mlp_half(self, hidden):
         normed, deltas = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
         if self.mlp.recompute and torch.is_grad_enabled():  # keep the MLP's input only, as DFlash's does
             transformed = checkpoint(
@@ -185,6 +199,16 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         else:
             transformed = self.mlp.transform(normed)
         return hidden + self.mlp_conv.finish(transformed, deltas)
+
+    def forward(self, hidden, context, cos, sin, mask, cache=None):
+        compiled = self._compiled_after_attention is not None and not self.mlp.recompute
+        if compiled and cache is None and torch.is_grad_enabled():
+            *qkv, deltas = self._compiled_before_attention(*dynamic_lengths(hidden, context, cos, sin))
+            heads = attend(*qkv, mask).transpose(1, 2)
+            return self._compiled_after_attention(*dynamic_lengths(hidden, heads, deltas))
+        normed, deltas = self.attention_conv.prepare(self.input_layernorm(hidden))
+        attended = self.self_attn(normed, _NORMED_ALREADY, context, cos, sin, mask, cache)
+        return self._mlp_half(hidden + self.attention_conv.finish(attended, deltas))
 
 
 class DFlash2DraftModel(DFlashDraftModel):

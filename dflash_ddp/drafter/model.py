@@ -193,7 +193,7 @@ class DFlashAttention(nn.Module):
             # recomputed in backward, instead of keeping the normed input and q, k before their norms.
             q, k, v = checkpoint(self._qkv, x, context, cos, sin, norm, use_reentrant=False)
         elif self._compiled_qkv is not None and training:
-            q, k, v = self._compiled_qkv(*_dynamic_lengths(x, context, cos, sin), norm=norm)
+            q, k, v = self._compiled_qkv(*dynamic_lengths(x, context, cos, sin), norm=norm)
         else:
             q, k, v = self._qkv(x, context, cos, sin, norm)
         if cache is not None:
@@ -201,7 +201,7 @@ class DFlashAttention(nn.Module):
         return attend(q, k, v, mask).transpose(1, 2)
 
 
-def _dynamic_lengths(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def dynamic_lengths(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`tensors` ([batch, length, ...]) with batch and length marked dynamic before a compiled region: chunks
     differ in rows, draft positions and context, and each new size would otherwise compile another graph."""
     for t in tensors:
@@ -320,7 +320,7 @@ class DFlashDecoderLayer(nn.Module):
         compiled = self._compiled_after_attention is not None and not self.mlp.recompute
         if compiled and cache is None and torch.is_grad_enabled():
             heads = self.self_attn.attended_heads(hidden, self.input_layernorm, context, cos, sin, mask)
-            return self._compiled_after_attention(*_dynamic_lengths(hidden, heads))
+            return self._compiled_after_attention(*dynamic_lengths(hidden, heads))
         hidden = hidden + self.self_attn(hidden, self.input_layernorm, context, cos, sin, mask, cache)
         return self.mlp(hidden, self.post_attention_layernorm)
 

@@ -108,6 +108,8 @@ class DrafterTrainer:
         self.global_step = 0
         self._first_bad_step = torch.zeros((), dtype=torch.long, device=self.device)
         self.timer = StepTimer(self.device, enabled=False)  # the step-cost benchmark turns it on
+        # the matrices cast to bf16 once a step (`_step_weights`): on CUDA, where the forward runs in bf16
+        self.casts_weights_once = self.device.type == "cuda"
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -209,7 +211,7 @@ class DrafterTrainer:
         activations: autocast would cast each one again for every chunk. The casts stay in the graph, so each
         chunk's gradients still reach the fp32 weights (and in bf16, as under autocast). None elsewhere: the CPU
         trains in fp32, and recomputing layers cast in their own backward."""
-        if self.device.type != "cuda" or self.drafter.recomputes:
+        if not self.casts_weights_once or self.drafter.recomputes:
             return None
         return {name: p.to(torch.bfloat16) for name, p in self.drafter.named_parameters() if p.ndim == 2}
 
