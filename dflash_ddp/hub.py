@@ -111,7 +111,7 @@ def hub_dataset_name(spec: str) -> tuple[str, str] | None:
     if not spec or Path(spec).exists() or any(c in spec for c in "*?["):
         return None
     repo_id, _, split = spec.partition(":")
-    if not REPO_ID.fullmatch(repo_id) or Path(repo_id).suffix in DATA_SUFFIXES:
+    if not REPO_ID.fullmatch(repo_id) or Path(repo_id).suffix.lower() in DATA_SUFFIXES:
         return None
     return repo_id, split or "train"
 
@@ -375,7 +375,12 @@ def resolve_data(spec: str, flag: str = "--data", commit: str | None = None) -> 
         return [spec], None
     repo_id, split = hub
     patterns = [f"*{suffix}" for suffix in DATA_SUFFIXES]
-    folder = download(repo_id, commit, patterns, "dataset", flag, local_only=commit is not None)
+    try:
+        folder = download(repo_id, commit, patterns, "dataset", flag, local_only=commit is not None)
+    except ValueError as e:  # a mistyped local path reads as a hub name too: say that none exists here
+        raise ValueError(
+            f"{flag} {spec}: no such local file or directory, and as a hub dataset: {e}"
+        ) from None
     listed = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
     files = split_files(listed, split)
     if not files:

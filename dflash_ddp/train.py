@@ -24,7 +24,13 @@ from dflash_ddp.checkpoint.resume import RestoreError
 from dflash_ddp.checkpoint.writer import remove_leftovers
 from dflash_ddp.cli_help import usage
 from dflash_ddp.config import TrainConfig, config_to_dict, parse_config
-from dflash_ddp.evaluation.in_job import evaluated_at, finish_watcher, run_final_evaluation, start_watcher
+from dflash_ddp.evaluation.in_job import (
+    check_eval_prompts,
+    evaluated_at,
+    final_evaluation_or_error,
+    finish_watcher,
+    start_watcher,
+)
 from dflash_ddp.files import SaveError
 from dflash_ddp.observe.trackers import Trackers, close_trackers, resolve_report_to
 from dflash_ddp.parallel.channel import ChannelError, PeerLost
@@ -89,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 calibrate_split(cfg, setup, topology, where)
             return 0
         check_memory(cfg, setup.memory)
+        if leader and cfg.eval_data:  # the leader evaluates: its prompts are read now, not after training
+            check_eval_prompts(cfg, setup.tokenizer)
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)
         run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))
@@ -136,7 +144,11 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
                 + (" and name it in --resume_override" if run.start_step else "")
             )
             if cfg.eval_data and not evaluated_at(Path(cfg.output_dir), run.start_step):
-                run_final_evaluation(cfg, ctx.device)  # the job that trained it stopped before evaluating
+                # the job that trained it stopped before evaluating
+                _, error = final_evaluation_or_error(cfg, ctx.device)
+                if error:
+                    print(f"error: {error}", file=sys.stderr)
+                    return 2
         return 0
     torch.manual_seed(cfg.seed)
     if leader:
@@ -186,9 +198,14 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         )
         if watcher:
             finish_watcher(watcher, stopped, Path(cfg.output_dir))
-        report = run_final_evaluation(cfg, ctx.device) if cfg.eval_data and not stopped else None
+        report, error = (
+            final_evaluation_or_error(cfg, ctx.device) if cfg.eval_data and not stopped else (None, "")
+        )
         if run.trackers:
             close_trackers(run.trackers, Path(cfg.output_dir), report)
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     return 0
 
 

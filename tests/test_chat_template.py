@@ -217,3 +217,38 @@ def test_an_end_token_written_only_after_the_whole_conversation_is_not_taken_for
     assert chat.end_of_turn is None
     with pytest.raises(BadRow, match="d.jsonl:2: turn 1: the chat template renders this turn differently"):
         chat([USER_1, PLAIN_1, USER_2, PLAIN_2], "d.jsonl:2")  # never a span running into the next user turn
+
+
+@pytest.mark.parametrize("template", [QWEN3, QWEN3_UNMARKED], ids=["markers", "growing prefixes"])
+def test_an_answer_that_writes_the_end_of_turn_text_is_masked_whole(template):
+    """An answer quoting the end-of-turn token's text (a conversation about chat templates) is masked to its
+    own end of turn, not to the quote, with and without generation markers."""
+    quoting = {"role": "assistant", "content": "ends with <|im_end|> then goes on"}
+    assert spans(qwen3_tokenizer(template), [USER_1, quoting, USER_2, THINK_2]) == [
+        "ends with <|im_end|> then goes on<|im_end|>",
+        "<think>\nlazy\n</think>\n\nthe lazy dog<|im_end|>",
+    ]
+
+
+TOOLS_TEMPLATE = (  # ChatML that writes an assistant's tool calls
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ (c.function or c).name }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_calls_the_template_drops_are_a_bad_row():
+    """A template that does not render tool calls would leave a tool-calling turn an empty answer in the loss:
+    the row is refused, naming the call; a template that renders them masks the call."""
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "w"}}],
+    }
+    messages = [USER_1, call, {"role": "tool", "content": "sunny"}, PLAIN_2]
+    with pytest.raises(BadRow, match="row 1: turn 1 calls a tool, which the chat template does not render"):
+        spans(qwen3_tokenizer(QWEN3_UNMARKED), messages)
+    assert spans(qwen3_tokenizer(TOOLS_TEMPLATE), messages) == [
+        "<tool_call>w</tool_call><|im_end|>",
+        "the lazy dog<|im_end|>",
+    ]

@@ -29,6 +29,7 @@ from dflash_ddp.hub import (
     hub_model_name,
     locate_model,
     other_parts,
+    resolve_data,
     split_files,
     weight_files,
 )
@@ -335,6 +336,18 @@ def test_a_name_missing_from_the_cache_offline_names_the_cache_and_the_variable(
     message = str(e.value)
     assert message.startswith("--target_model org/absent: not in the hub cache ")
     assert str(tmp_path / "empty") in message and "HF_HUB_OFFLINE=1" in message and "HF_HUB_CACHE" in message
+
+
+def test_a_mistyped_local_data_path_says_no_such_path_exists_as_well(tmp_path, monkeypatch):
+    """`--data mydata/train` read as a hub name when no such path exists: the error says both."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        resolve_data("mydata/train")
+    assert str(e.value).startswith("--data mydata/train: no such local file or directory, and as a hub dataset: ")
+    assert "not in the hub cache" in str(e.value)
+    assert hub_dataset_name("exports/train.JSONL") is None  # a data file's suffix in any case: a local path
 
 
 @pytest.mark.processes

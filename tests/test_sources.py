@@ -18,9 +18,9 @@ BAD_ROWS = {
     ),
     "unknown role": (
         json.dumps({"messages": [{"role": "robot", "content": "x"}, GOOD["messages"][1]]}).encode(),
-        "turn 0 has unknown role 'robot'",
+        "turn 0 has unknown role 'robot' \\(known: human, user, gpt, assistant, system",
     ),
-    "empty conversation": (json.dumps({"messages": []}).encode(), "the conversation is empty"),
+    "empty conversation": (json.dumps({"messages": []}).encode(), "'messages' is empty"),
     "empty assistant turn": (
         json.dumps({"messages": [GOOD["messages"][0], {"role": "assistant", "content": "  "}]}).encode(),
         "turn 1 is an empty assistant turn",
@@ -147,3 +147,104 @@ def test_a_rows_chat_template_kwargs_are_read_and_checked(tmp_path):
     path = write(tmp_path / "bad.jsonl", [json.dumps({**GOOD, "chat_template_kwargs": "thinking"}).encode()])
     with pytest.raises(BadRow, match="bad.jsonl:1: 'chat_template_kwargs' must be a JSON object"):
         read_conversations([str(path)])
+
+
+def test_a_byte_order_mark_opens_a_file_without_harm(tmp_path):
+    """Windows tools start a UTF-8 file with a byte-order mark: the first row reads as any other."""
+    bom = b"\xef\xbb\xbf"
+    jsonl = write(tmp_path / "d.jsonl", [bom + json.dumps(GOOD).encode(), json.dumps(GOOD).encode()])
+    (tmp_path / "d.json").write_bytes(bom + json.dumps([GOOD]).encode())
+    assert len(read_conversations([str(jsonl)])) == 2
+    assert read_conversations([str(tmp_path / "d.json")])[0].messages == GOOD["messages"]
+
+
+def test_openai_rows_as_clients_write_them(tmp_path):
+    """Content as a list of text parts (joined by newlines), a tool-calling turn with no content key, the
+    developer role (the system prompt's), and a system prompt beside ShareGPT turns (LLaMA-Factory's)."""
+    row = {
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "weather"}, {"type": "text", "text": "now?"}],
+            },
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]},
+        ]
+    }
+    sharegpt = {
+        "system": "Be kind.",
+        "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hey"}],
+    }
+    path = write(tmp_path / "o.jsonl", [json.dumps(row).encode(), json.dumps(sharegpt).encode()])
+    first, second = (c.messages for c in read_conversations([str(path)]))
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "tool", "assistant"]
+    assert first[1]["content"] == "weather\nnow?" and first[4]["content"] == "Sunny."
+    assert first[2]["content"] == "" and first[2]["tool_calls"][0]["function"]["name"] == "w"
+    assert second[0] == {"role": "system", "content": "Be kind."} and len(second) == 3
+    image = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            GOOD["messages"][1],
+        ]
+    }
+    no_text = {"messages": [GOOD["messages"][0], {"role": "assistant"}]}
+    bad = write(tmp_path / "b.jsonl", [json.dumps(image).encode(), json.dumps(no_text).encode()])
+    with pytest.raises(
+        BadRow, match="b.jsonl:1: turn 0 'content' must be a string or a list of text parts.*image_url"
+    ):
+        read_conversations([str(bad)])
+    stats = DataStats()
+    with pytest.raises(ValueError, match="no usable rows .2 read, 2 bad and skipped; the first: .*b.jsonl:1"):
+        read_conversations([str(bad)], skip_bad_rows=True, stats=stats)
+    assert "turn 1 'content' is missing" in stats.bad_row_examples[1]
+
+
+def test_parquet_nulls_count_as_absent(tmp_path):
+    """Parquet gives each row every column and key any row has, as nulls: rows joined from both formats, and
+    template arguments that other rows set, read as the rows that were written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sharegpt = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    table = pa.Table.from_pylist(
+        [
+            {
+                "messages": GOOD["messages"],
+                "conversations": None,
+                "chat_template_kwargs": {"enable_thinking": True},
+            },
+            {
+                "messages": None,
+                "conversations": sharegpt,
+                "chat_template_kwargs": {"reasoning_effort": "low"},
+            },
+        ]
+    )
+    pq.write_table(table, tmp_path / "mixed.parquet")
+    first, second = read_conversations([str(tmp_path / "mixed.parquet")])
+    assert first.messages == GOOD["messages"] and first.template_kwargs == {"enable_thinking": True}
+    assert [m["content"] for m in second.messages] == ["q", "a"]
+    assert second.template_kwargs == {"reasoning_effort": "low"}
+
+
+def test_file_names_and_folders_as_users_give_them(tmp_path):
+    """An upper-case suffix, a one-row .json file written as JSON Lines, a folder of files (named through a
+    pattern), an empty file and a limit that leaves the rest unread."""
+    upper = write(tmp_path / "d.JSONL", [json.dumps(GOOD).encode()])
+    one = write(tmp_path / "one.json", [json.dumps(GOOD).encode()])
+    assert len(read_conversations([str(upper), str(one)])) == 2
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write(folder / "a.jsonl", [json.dumps(GOOD).encode()])
+    with pytest.raises(ValueError, match=r"folder: a directory must be written by .*name them: DIR/\*.jsonl"):
+        read_conversations([str(folder)])
+    empty = write(tmp_path / "empty.jsonl", [b""])
+    with pytest.raises(ValueError, match="empty.jsonl: no usable rows .the input is empty."):
+        read_conversations([str(empty)])
+    tail_bad = write(tmp_path / "t.jsonl", [json.dumps(GOOD).encode(), b'{"messages": ['])
+    assert len(read_conversations([str(tail_bad)], limit=1)) == 1

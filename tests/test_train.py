@@ -220,3 +220,50 @@ def test_only_a_lost_peer_is_reported_without_traceback():
     assert lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error"))
     assert not lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))  # a bug
     assert not lost_peer(torch.distributed.DistBackendError("NCCL error: invalid usage"))
+
+
+def test_eval_data_the_evaluation_would_refuse_stops_the_run_before_it_trains(
+    tiny_target, chat_data, tmp_path, capsys
+):
+    """--eval_data is read after training; its prompts are read and rendered at start too, so a bad row among
+    them is refused before any step (only the rows --eval_prompts takes are read)."""
+    from types import SimpleNamespace
+
+    from dflash_ddp.data.chat_template import load_target_tokenizer
+    from dflash_ddp.evaluation.in_job import check_eval_prompts
+
+    good = chat_data.read_text().splitlines()[0]
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(f'{good}\n{{"messages": [\n')
+    out = tmp_path / "run"
+    flags = base_args(tiny_target, chat_data, out) + ["--max_steps", "2", "--eval_prompts", "2"]
+    assert main(flags + ["--eval_data", str(heldout)]) == 2
+    assert f"error: --eval_data {heldout}: {heldout}:2: malformed JSON" in capsys.readouterr().err
+    assert not out.exists()  # refused before the run wrote anything
+    cfg = SimpleNamespace(eval_data=str(heldout), eval_prompts=1, chat_template_kwargs={})
+    check_eval_prompts(cfg, load_target_tokenizer(tiny_target))  # the first row alone: fine
+
+
+def test_a_final_evaluation_that_stops_says_what_is_kept_and_how_to_evaluate_it(tiny_target, tmp_path):
+    """Should the final evaluation stop on bad input after training (the file changed meanwhile), its error
+    is one line that says the checkpoints are kept and how to evaluate them, not a traceback."""
+    from types import SimpleNamespace
+
+    from dflash_ddp.evaluation.in_job import final_evaluation_or_error
+
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text('{"messages": [\n')
+    cfg = SimpleNamespace(
+        output_dir=str(tmp_path / "run"),
+        target_model=str(tiny_target),
+        eval_data=str(heldout),
+        eval_prompts=2,
+        eval_max_new_tokens=8,
+        chat_template="",
+        chat_template_kwargs={},
+    )
+    report, error = final_evaluation_or_error(cfg, torch.device("cpu"))
+    assert report is None
+    assert error.startswith("the final evaluation stopped: ")
+    assert "Training finished and its checkpoints are kept" in error
+    assert f"python -m dflash_ddp.evaluate --target_model {tiny_target} --drafter " in error

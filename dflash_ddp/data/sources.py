@@ -8,6 +8,7 @@ empty) always raise ValueError.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ ROLE_ALIASES = {
     "function": "tool",
     "observation": "tool",
     "ipython": "tool",
+    # OpenAI's newer name for the system prompt's role
+    "developer": "system",
 }
 
 
@@ -78,33 +81,84 @@ def _row_template_kwargs(row: dict, where: str) -> dict:
         raise BadRow(
             f"{where}: 'chat_template_kwargs' must be a JSON object such as {{\"enable_thinking\": true}}"
         )
-    return kwargs
+    # None = absent: parquet gives every row every key its column holds in any row, as nulls, which would
+    # otherwise override the run's --chat_template_kwargs
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _text(content, where: str, i: int, text_key: str) -> str:
+    """A turn's text: a string, or OpenAI's list of content parts, joined by newlines (as vLLM renders them
+    for a template that takes strings) when every part is text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "\n".join(part["text"] for part in content)
+    kinds = (
+        sorted({str(part.get("type")) for part in content if isinstance(part, dict)})
+        if isinstance(content, list)
+        else [type(content).__name__]
+    )
+    raise BadRow(
+        f"{where}: turn {i} '{text_key}' must be a string or a list of text parts "
+        f'([{{"type": "text", "text": "..."}}]); got {", ".join(kinds) or "an empty list"}'
+    )
+
+
+def _turns(row: dict, where: str) -> tuple[list, str, str]:
+    """The row's turns and their role and text keys: OpenAI's 'messages' (role/content) or ShareGPT's
+    'conversations' (from/value). A null counts as absent: parquet data joined from both formats holds
+    both columns, each row filling one."""
+    formats = [(key, role, text) for key, role, text in FORMATS if row.get(key) is not None]
+    if not formats:
+        present = [key for key, _, _ in FORMATS if key in row]
+        if present:
+            raise BadRow(f"{where}: '{present[0]}' is null")
+        raise BadRow(f"{where}: the row has neither 'messages' nor 'conversations'")
+    key, role_key, text_key = formats[0]  # 'messages' where a row has both
+    turns = row[key]
+    if not isinstance(turns, list) or not turns:
+        raise BadRow(f"{where}: '{key}' is empty or not a list")
+    system = row.get("system")  # LLaMA-Factory's ShareGPT rows give the system prompt beside the turns
+    if system is not None:
+        if not isinstance(system, str):
+            raise BadRow(f"{where}: 'system' must be a string (the system prompt)")
+        roles = [str(t.get(role_key)).lower() for t in turns if isinstance(t, dict)]
+        if system.strip() and "system" not in roles:
+            turns = [{role_key: "system", text_key: system}, *turns]
+    return turns, role_key, text_key
+
+
+# (the row's key, its turns' role key, their text key)
+FORMATS = (("messages", "role", "content"), ("conversations", "from", "value"))
 
 
 def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -> list[dict]:
-    if "messages" in row:
-        turns = row["messages"]
-        role_key, text_key = "role", "content"
-    elif "conversations" in row:
-        turns = row["conversations"]
-        role_key, text_key = "from", "value"
-    else:
-        raise BadRow(f"{where}: the row has neither 'messages' nor 'conversations'")
-    if not isinstance(turns, list) or not turns:
-        raise BadRow(f"{where}: the conversation is empty or not a list")
+    turns, role_key, text_key = _turns(row, where)
     messages = []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise BadRow(f"{where}: turn {i} needs '{role_key}' and '{text_key}'")
+        if not isinstance(turn, dict):
+            raise BadRow(f"{where}: turn {i} must be a JSON object with '{role_key}' and '{text_key}'")
+        if role_key not in turn:
+            other = " (ShareGPT's keys: the row's turns go under 'conversations')" if "from" in turn else ""
+            raise BadRow(f"{where}: turn {i} has no '{role_key}'{other}")
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
-            raise BadRow(f"{where}: turn {i} has unknown role '{turn[role_key]}'")
+            raise BadRow(
+                f"{where}: turn {i} has unknown role '{turn[role_key]}' (known: {', '.join(ROLE_ALIASES)})"
+            )
         # other keys (reasoning_content, tool_calls, name...) go to the template; None = absent (parquet
         # gives every turn every key of the column's schema)
         extra = {k: v for k, v in turn.items() if k not in (role_key, text_key) and v is not None}
-        content = "" if turn[text_key] is None and extra.get("tool_calls") else turn[text_key]
-        if not isinstance(content, str):
-            raise BadRow(f"{where}: turn {i} '{text_key}' must be a string")
+        if turn.get(text_key) is None:  # an assistant's tool calls need no text (OpenAI leaves it out)
+            if not extra.get("tool_calls"):
+                missing = "is null" if text_key in turn else "is missing"
+                raise BadRow(f"{where}: turn {i} '{text_key}' {missing}")
+            content = ""
+        else:
+            content = _text(turn[text_key], where, i, text_key)
         if role == "assistant" and not content.strip() and not extra.get("tool_calls"):
             raise BadRow(f"{where}: turn {i} is an empty assistant turn")
         messages.append({**extra, "role": role, "content": content})
@@ -128,12 +182,12 @@ def data_files(paths: list[str]) -> list[Path]:
             found.append(Path(path))
     for p in found:
         if p.is_dir() and not (p / "state.json").is_file():
-            hint = " (a DatasetDict: pass one split's directory, e.g. DIR/train)"
-            raise ValueError(
-                f"--data {p}: a directory must be written by datasets' save_to_disk"
-                + (hint if (p / "dataset_dict.json").is_file() else "")
-            )
-        if p.is_file() and p.suffix not in (".jsonl", ".json", ".parquet"):
+            if (p / "dataset_dict.json").is_file():
+                hint = " (a DatasetDict: pass one split's directory, e.g. DIR/train)"
+            else:
+                hint = " (for a folder of data files, name them: DIR/*.jsonl)"
+            raise ValueError(f"--data {p}: a directory must be written by datasets' save_to_disk{hint}")
+        if p.is_file() and _suffix(p) not in (".jsonl", ".json", ".parquet"):
             raise ValueError(
                 f"--data {p}: unsupported file type '{p.suffix}' (use .jsonl, .json or .parquet)"
             )
@@ -149,6 +203,10 @@ def data_file_contents(paths: list[str]) -> list[Path]:
     ]
 
 
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
 def _jsonl_rows(path: Path):
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
@@ -156,7 +214,8 @@ def _jsonl_rows(path: Path):
             if not raw.strip():
                 continue
             try:
-                yield where, json.loads(raw.decode("utf-8"))
+                # utf-8-sig: a byte-order mark, which Windows tools write, opens the first line
+                yield where, json.loads(raw.decode("utf-8-sig"))
             except UnicodeDecodeError:
                 yield where, BadRow(f"{where}: not valid UTF-8")
             except json.JSONDecodeError as e:
@@ -165,7 +224,7 @@ def _jsonl_rows(path: Path):
 
 def _json_rows(path: Path):
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON Lines under a .json name, as `datasets` accepts
             yield from _jsonl_rows(path)
@@ -173,8 +232,10 @@ def _json_rows(path: Path):
         raise ValueError(f"--data {path}: not a valid JSON file ({e})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"--data {path}: not valid UTF-8 ({e})") from None
+    if isinstance(data, dict):  # one row: JSON Lines of one line under a .json name
+        data = [data]
     if not isinstance(data, list):
-        raise ValueError(f"--data {path}: a .json file must hold a list of rows")
+        raise ValueError(f"--data {path}: a .json file must hold a list of rows (or rows one per line)")
     yield from ((f"{path}:row {i}", row) for i, row in enumerate(data))
 
 
@@ -198,9 +259,9 @@ def _arrow_rows(path: Path):
 
 
 def _rows(path: Path):
-    if path.suffix == ".jsonl":
+    if _suffix(path) == ".jsonl":
         return _jsonl_rows(path)
-    if path.suffix == ".json":
+    if _suffix(path) == ".json":
         return _json_rows(path)
     return _arrow_rows(path)
 
@@ -228,18 +289,20 @@ def read_conversations(
     skip_bad_rows: bool = False,
     stats: DataStats | None = None,
     require_assistant: bool = True,
+    limit: int | None = None,
 ) -> list[Conversation]:
     """Rows of the --data inputs as Conversations, where = 'file:line' or 'file:row N'.
 
-    `require_assistant=False` accepts prompt-only rows (for regeneration).
+    `require_assistant=False` accepts prompt-only rows (for regeneration); `limit`: stop after that many
+    usable rows (the rest is not read).
 
     A bad row raises BadRow naming its place and the reason, or with `skip_bad_rows` is counted in
     `stats` and skipped. Problems of a whole file (missing, wrong type) always raise."""
     stats = stats if stats is not None else DataStats()
-    rows = [c for c, _ in _conversations(paths, skip_bad_rows, stats, require_assistant)]
+    rows = list(itertools.islice(_conversations(paths, skip_bad_rows, stats, require_assistant), limit))
     if not rows:
-        raise ValueError(f"--data {paths}: no usable rows")
-    return rows
+        raise ValueError(_no_rows(paths, stats))
+    return [c for c, _ in rows]
 
 
 def read_conversations_and_rows(
@@ -253,5 +316,13 @@ def read_conversations_and_rows(
     stats = stats if stats is not None else DataStats()
     rows = list(_conversations(paths, skip_bad_rows, stats, require_assistant))
     if not rows:
-        raise ValueError(f"--data {paths}: no usable rows")
+        raise ValueError(_no_rows(paths, stats))
     return rows
+
+
+def _no_rows(paths: list[str], stats: DataStats) -> str:
+    named = ", ".join(paths)
+    if not stats.rows:
+        return f"--data {named}: no usable rows (the input is empty)"
+    first = f"; the first: {stats.bad_row_examples[0]}" if stats.bad_row_examples else ""
+    return f"--data {named}: no usable rows ({stats.rows} read, {stats.bad_rows} bad and skipped{first})"

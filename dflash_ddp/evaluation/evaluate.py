@@ -91,7 +91,8 @@ def load_prompts(
     last assistant turn, rendered with the tokenizer's chat template and the generation prompt (a row's own
     template arguments over `template_kwargs`)."""
     prompts = []
-    for where, messages, row_kwargs in read_conversations(resolve_data(str(data_path))[0])[:num_prompts]:
+    paths = resolve_data(str(data_path))[0]
+    for where, messages, row_kwargs in read_conversations(paths, limit=num_prompts):
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if last == 0:
             raise ValueError(f"{where}: nothing precedes the assistant turn, so there is no prompt")

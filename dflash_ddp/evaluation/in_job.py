@@ -14,7 +14,7 @@ import torch
 from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
 from dflash_ddp.checkpoint.reader import read_json
-from dflash_ddp.evaluation.evaluate import evaluate
+from dflash_ddp.evaluation.evaluate import evaluate, load_prompts
 from dflash_ddp.evaluation.report import print_report
 from dflash_ddp.evaluation.watch import LOG_FILE, start_in_job
 
@@ -61,6 +61,29 @@ def finish_watcher(watcher: subprocess.Popen, stopped: bool, out: Path) -> None:
         taus = ", ".join(f"{r['step']}: {r['tau']:.2f}" for r in records if r["tau"] is not None)
         best = best_record(records)
         print(f"real tau per evaluated step: {taus}" + (f"; best {best['checkpoint']}" if best else ""))
+
+
+def check_eval_prompts(cfg: EvaluationSettings, tokenizer) -> None:
+    """Read and render --eval_data's prompts at start, as the evaluations after training will: a file they
+    would refuse stops the run before it trains, not after (ValueError naming the file and row)."""
+    try:
+        load_prompts(tokenizer, cfg.eval_data, cfg.eval_prompts, cfg.chat_template_kwargs)
+    except ValueError as e:
+        raise ValueError(f"--eval_data {cfg.eval_data}: {e}") from None
+
+
+def final_evaluation_or_error(cfg: EvaluationSettings, device: torch.device) -> tuple[dict | None, str]:
+    """`run_final_evaluation`'s report and "", or None and the line that says why it stopped (bad input or a
+    failed read: the trained checkpoints stay, and the command that evaluates them later)."""
+    try:
+        return run_final_evaluation(cfg, device), ""
+    except (ValueError, OSError) as e:
+        checkpoint = resolve_checkpoint(Path(cfg.output_dir))
+        return None, (
+            f"the final evaluation stopped: {e}. Training finished and its checkpoints are kept; evaluate the "
+            f"last with `python -m dflash_ddp.evaluate --target_model {cfg.target_model} --drafter {checkpoint} "
+            "--data FILE`"
+        )
 
 
 def run_final_evaluation(cfg: EvaluationSettings, device: torch.device) -> dict:
