@@ -39,7 +39,7 @@ CHUNK_ROWS = 256  # rows per task of a tokenization worker
 PROGRESS_EVERY_S = 30.0
 
 
-CACHE_VERSION = 2  # bump when tokenization or masking changes, so that old caches are not reused
+CACHE_VERSION = 3  # bump when tokenization or masking changes, so that old caches are not reused
 
 
 TOKENIZER_FILES = (
