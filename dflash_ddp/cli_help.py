@@ -35,26 +35,26 @@ def shown(value: typing.Any) -> str:
     return "''" if value == "" else str(value)
 
 
-def resolved_values(argv: list[str]) -> tuple[dict, bool]:
-    """The values the run given by `argv` would use (before validation), and whether they are the embedded
-    preset's; a flag that does not parse is left out (the run itself reports it)."""
+def resolved_values(argv: list[str]) -> tuple[dict, bool, str]:
+    """The values the run given by `argv` would use (before validation), whether they are the embedded
+    preset's, and why `argv` does not parse ("" when it does: then none of it is shown)."""
     types_ = field_types(TrainConfig)
     try:
         config_file, flags = parse_flags(argv, types_)
-        given = {**(load_yaml(config_file, types_) if config_file else {}), **flags}
-    except ValueError:
-        given = {}
+        given, error = {**(load_yaml(config_file, types_) if config_file else {}), **flags}, ""
+    except ValueError as e:
+        given, error = {}, str(e)
     defaults = {name: getattr(TrainConfig(), name) for name in types_}
     if given.get("target_model") == EMBEDDED_NAME:
         del given["target_model"]
     embedded = "target_model" not in given
     values = {**(EMBEDDED_PRESET if embedded else {}), **given}
-    return {**defaults, **values, **family_defaults(values)}, embedded
+    return {**defaults, **values, **family_defaults(values)}, embedded, error
 
 
 def usage(argv: list[str] | None = None) -> str:
     """The --help text; `argv` (the other flags given with --help) decides the values shown."""
-    values, embedded = resolved_values([a for a in argv or [] if a not in ("--help", "-h")])
+    values, embedded, error = resolved_values([a for a in argv or [] if a not in ("--help", "-h")])
     types_ = field_types(TrainConfig)
     defaults = TrainConfig()
     lines = [
@@ -70,6 +70,11 @@ def usage(argv: list[str] | None = None) -> str:
             "'otherwise' gives it."
             if embedded
             else "."
+        ),
+        *(
+            [f"NOTE: the flags given with --help do not parse ({error}): the values below are the defaults."]
+            if error
+            else []
         ),
         "",
         "  --config FILE.yaml    settings as key: value (the flag names without --); flags override it",

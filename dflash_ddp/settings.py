@@ -84,9 +84,32 @@ def field_types(cls) -> dict[str, typing.Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
+# names other trainers give these settings -> this project's (the spelling alone would suggest another)
+OTHER_NAMES = {
+    "lr": "learning_rate",
+    "batch_size": "tokens_per_batch",
+    "micro_batch_size": "tokens_per_batch",
+    "per_device_train_batch_size": "tokens_per_batch",
+    "train_data": "data",
+    "train_file": "data",
+    "model": "target_model",
+    "target": "target_model",
+    "model_name_or_path": "target_model",
+    "layers": "num_draft_layers",
+    "num_layers": "num_draft_layers",
+    "epochs": "num_epochs",
+}
+
+
+def _unknown_key_error(key: typing.Any, known: list[str], where: str) -> ValueError:
+    key = str(key)
+    if OTHER_NAMES.get(key) in known:
+        hint = f" (did you mean '{OTHER_NAMES[key]}'?)"
+    elif key.startswith("no_") and key[3:] in known:
+        hint = f" (to turn '{key[3:]}' off, give it false)"
+    else:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ValueError(f"{where}: unknown key '{key}'{hint}")
 
 
@@ -94,7 +117,7 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
     """Turn a YAML value or command-line string into the field's type, or say what was expected."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if value is None or (isinstance(value, str) and value.lower() in UNSET):
             return None
         hint = next(a for a in args if a is not type(None))
         args = typing.get_args(hint)
@@ -105,14 +128,22 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
                 raise ValueError
             return parsed
         if typing.get_origin(hint) is list:
-            # `--key a b`, `--key a,b` and YAML lists all work
+            # `--key a b`, `--key a,b` and YAML lists all work (numbers also `--key "1 2"`); YAML's null: none
             items = [
                 part
-                for v in (value if isinstance(value, list) else [value])
-                for part in (v.split(",") if isinstance(v, str) else [v])
+                for v in (value if isinstance(value, list) else [] if value is None else [value])
+                for part in (_parts(v, args[0]) if isinstance(v, str) else [v])
                 if not isinstance(part, str) or part.strip()
             ]
             return [_convert(v.strip() if isinstance(v, str) else v, args[0], where) for v in items]
+        if hint is str:
+            if value is None:  # YAML's null: the empty text, which means "none" for every text setting
+                return ""
+            if isinstance(value, (bool, list, dict)):  # YAML turned it into something else than text
+                raise ValueError
+            return str(value)
+        if hint in (int, float) and isinstance(value, bool):  # YAML's yes/no/on/off are not numbers
+            raise ValueError
         if hint is bool:
             if isinstance(value, bool):
                 return value
@@ -129,6 +160,21 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
         raise ValueError(f"{where}: expected {name}, got {value!r}") from None
 
 
+UNSET = ("none", "null", "unset", "")  # an optional setting's words for no value
+
+
+def _parts(text: str, item: typing.Any) -> list[str]:
+    """The items of one text: comma-separated, and for numbers space-separated too (a path may hold spaces)."""
+    return text.split(",") if item is str else text.replace(",", " ").split()
+
+
+def _is_bool(hint: typing.Any) -> bool:
+    """Whether a field of type `hint` is a boolean (`bool` or `bool | None`)."""
+    return hint is bool or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType) and bool in typing.get_args(hint)
+    )
+
+
 def _is_list(hint: typing.Any) -> bool:
     """Whether a field of type `hint` holds a list (`list[int]` or `list[int] | None`)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -140,16 +186,29 @@ def load_yaml(path: str, types_: dict) -> dict:
     """The settings of a --config YAML file, converted to the fields' types; unknown keys are errors."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--config {path}: file not found")
+        raise ValueError(
+            f"--config {path}: " + ("a directory, not a file" if p.is_dir() else "file not found")
+        )
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ValueError(f"--config {path}: not valid YAML ({where}{what})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"--config {path}: the top level must be a mapping of key: value")
     values = {}
     for key, value in raw.items():
         if key not in types_:
+            if isinstance(value, dict) and value and all(k in types_ for k in value):
+                first = next(iter(value))
+                raise ValueError(
+                    f"{path}: '{key}' holds settings ({', '.join(map(str, value))}): settings are flat, "
+                    f"write '{first}: {value[first]}' at the top level"
+                )
             raise _unknown_key_error(key, list(types_), f"{path}")
         values[key] = _convert(value, types_[key], f"{path}: key '{key}'")
     return values
@@ -165,6 +224,8 @@ def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
         key, _, inline = arg[2:].partition("=")
         if key != "config" and key not in types_:
             raise _unknown_key_error(key, ["config", *types_], "command line")
+        if key in values or (key == "config" and config_file is not None):
+            raise ValueError(f"--{key} is given twice: give it once (a list's values all after one --{key})")
         i += 1
         raw: list[str] = [inline] if inline else []
         while not inline and i < len(argv) and not argv[i].startswith("--"):
@@ -178,8 +239,10 @@ def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
         hint = types_[key]
         listed = _is_list(hint)
         if not raw:
-            if hint is not bool:
-                raise ValueError(f"--{key}: missing value")
+            if not _is_bool(hint):
+                raise ValueError(
+                    f"--{key}: missing value" + (f" (--{key} '' for none)" if hint is str else "")
+                )
             values[key] = True
             continue
         value = raw if listed or len(raw) > 1 else raw[0]

@@ -61,6 +61,14 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--num_proc", "0"], "--num_proc 0: must be a positive integer"),
         (["--chat_template_kwargs", '{"tokenize": true}'], "--chat_template_kwargs: tokenize cannot be set"),
         (["stray"], "unexpected argument 'stray'"),
+        (["--lr", "1e-3"], "unknown key 'lr' \\(did you mean 'learning_rate'\\?\\)"),
+        (["--batch_size", "8"], "unknown key 'batch_size' \\(did you mean 'tokens_per_batch'\\?\\)"),
+        (
+            ["--no_memory_check"],
+            "unknown key 'no_memory_check' \\(to turn 'memory_check' off, give it false\\)",
+        ),
+        (["--data", "a.jsonl", "--data", "b.jsonl"], "--data is given twice: give it once"),
+        (["--eval_data"], "--eval_data: missing value \\(--eval_data '' for none\\)"),
         (["--loss", "jsd"], "--loss jsd: choose ce, kl or tv"),
         (["--loss", "tv"], "--loss tv trains against the target's top-k .* pass --target_topk K"),
         (["--target_topk", "8"], "--target_topk 8 makes the target ranks run every layer .* --loss kl"),
@@ -169,3 +177,51 @@ def test_dspark_takes_the_references_top_64_unless_given(tmp_path):
     )
     assert "| 0; with --drafter dspark: 64; with --drafter lilicorr: 64 |" in markdown_reference()
     assert parse_config(["--drafter", "lilicorr"])[0].target_topk == 64
+
+
+def test_yaml_values_are_what_they_look_like(tmp_path):
+    """YAML's null is a text setting's "none" (never the text 'None'), an optional one's unset; its yes/no
+    are not numbers, a list is not a path; numbers' lists may be space-separated, as --help says."""
+    path = tmp_path / "run.yaml"
+    path.write_text("eval_data: null\ninit_from: ~\ngradient_checkpointing: unset\ntarget_layer_ids: 1 3\n")
+    config, _ = parse_config(["--config", str(path)])
+    assert config.eval_data == "" and config.init_from == "" and config.gradient_checkpointing is None
+    assert config.target_layer_ids == [1, 3]
+    assert parse_config(["--gradient_checkpointing"])[0].gradient_checkpointing is True  # a bare flag
+    for text, message in [
+        ("max_steps: yes\n", "key 'max_steps': expected int, got True"),
+        ("learning_rate: on\n", "key 'learning_rate': expected float, got True"),
+        ("output_dir: [a, b]\n", "key 'output_dir': expected str, got \\['a', 'b'\\]"),
+        ("data: {train: a.jsonl}\n", "key 'data': expected list, got \\{'train': 'a.jsonl'\\}"),
+    ]:
+        path.write_text("target_model: t\n" + text)
+        with pytest.raises(ValueError, match=message):
+            parse_config(["--config", str(path)])
+
+
+def test_a_config_file_that_cannot_be_read_says_where(tmp_path):
+    path = tmp_path / "run.yaml"
+    for content, message in [
+        (
+            b"model:\n  block_size: 8\n",
+            "'model' holds settings \\(block_size\\): settings are flat, write 'block_size: 8'",
+        ),
+        (b"1: foo\n", "unknown key '1'"),
+        (b"# caf\xe9\nseed: 1\n", "not UTF-8 text"),
+        (b"seed: 1\nfoo: [1\nbar: 2\n", "not valid YAML \\(line 3, column 4: "),
+    ]:
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=f"{path}.*{message}"):
+            parse_config(["--config", str(path)])
+    with pytest.raises(ValueError, match="--config is given twice"):
+        parse_config(["--config", str(path), "--config", str(path)])
+    with pytest.raises(ValueError, match=f"--config {tmp_path}: a directory, not a file"):
+        parse_config(["--config", str(tmp_path)])
+
+
+def test_help_with_flags_that_do_not_parse_says_so():
+    from dflash_ddp.cli_help import usage
+
+    text = usage(["--config", "configs/qwen3-8b.yaml", "--lr", "1"])
+    assert "NOTE: the flags given with --help do not parse (command line: unknown key 'lr'" in text
+    assert "NOTE" not in usage(["--max_steps", "3"])
