@@ -98,7 +98,11 @@ def test_plan_predicts_every_context_length_and_the_longest_that_fits(
     for length in ("8K", "16K", "32K", "64K", "128K"):
         assert "fits a 141 GiB GPU" in lines[f"context_{length}"], lines
     assert "past the target's max_position_embeddings 512" in lines["context_8K"]
-    assert "131072 tokens fit" in lines["longest_context"]
+    # the longest that fits, named as past the target's positions (512 here: none of the lengths is within)
+    assert (
+        "131072 would fit the memory, past the target's max_position_embeddings 512"
+        in lines["longest_context"]
+    )
     sizes = [float(lines[f"context_{n}"].split("message ")[1].split(" MiB")[0]) for n in ("8K", "16K", "32K")]
     assert sizes[1] == pytest.approx(2 * sizes[0], rel=0.05) and sizes[2] == pytest.approx(
         4 * sizes[0], rel=0.05
@@ -111,7 +115,7 @@ def test_plan_predicts_every_context_length_and_the_longest_that_fits(
         "does NOT fit a 2.05 GiB GPU" in lines["context_32K"]
         and "fits a 2.05 GiB GPU" in lines["context_16K"]
     )
-    assert "16384 tokens fit" in lines["longest_context"]
+    assert "16384 would fit the memory" in lines["longest_context"]
 
 
 def test_short_run_learns_and_writes_contract_checkpoints(tiny_target, chat_data, tmp_path, capsys):
@@ -267,3 +271,12 @@ def test_a_final_evaluation_that_stops_says_what_is_kept_and_how_to_evaluate_it(
     assert error.startswith("the final evaluation stopped: ")
     assert "Training finished and its checkpoints are kept" in error
     assert f"python -m dflash_ddp.evaluate --target_model {tiny_target} --drafter " in error
+
+
+def test_a_max_seq_len_past_the_targets_positions_is_pointed_out(tiny_target, chat_data, tmp_path, capsys):
+    args = base_args(tiny_target, chat_data, tmp_path / "run") + ["--plan", "--tokens_per_batch", "1024"]
+    assert main(args + ["--max_seq_len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --max_seq_len 1024 is past the target's max_position_embeddings 512 (" in out
+    assert main(args + ["--max_seq_len", "512"]) == 0
+    assert "note: --max_seq_len" not in capsys.readouterr().out

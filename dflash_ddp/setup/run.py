@@ -132,8 +132,19 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         check_source_target(cfg, warm, info.path, source.commit)
     planned = planned_device(cfg)
     memory = plan_memory(cfg, info, drafter_config, topology, planned, plan_gpu_bytes(cfg))
-    note = kernels_note(info, target_layers_run(cfg, info, taps), planned.type)
-    return RunSetup(source, info, tokenizer, drafter_config, memory, warm, [note] if note else [])
+    notes = [kernels_note(info, target_layers_run(cfg, info, taps), planned.type), positions_note(cfg, info)]
+    return RunSetup(source, info, tokenizer, drafter_config, memory, warm, [n for n in notes if n])
+
+
+def positions_note(cfg: TrainConfig, info: TargetInfo) -> str:
+    """A warning when --max_seq_len runs past the positions the target's config declares ("" otherwise)."""
+    if cfg.max_seq_len <= info.max_position_embeddings:
+        return ""
+    return (
+        f"note: --max_seq_len {cfg.max_seq_len} is past the target's max_position_embeddings "
+        f"{info.max_position_embeddings} ({info.path}/config.json): positions beyond it are ones the target "
+        "was not trained at (unless its rope scaling extends them); lower --max_seq_len to stay within"
+    )
 
 
 def plan_gpu_bytes(cfg: TrainConfig) -> int | None:
@@ -341,11 +352,17 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
                 else ""
             )
         )
-    longest = longest_fitting(contexts)
-    plan["longest_context"] = (
-        f"{longest} tokens fit (--max_seq_len {longest}, --tokens_per_batch at least that)"
-        if longest
-        else f"none of {CONTEXT_LENGTHS[0]}..{CONTEXT_LENGTHS[-1]} tokens fits"
-    )
+    positions = info.max_position_embeddings
+    within = [p for p in contexts if p.length <= positions]
+    longest, overall = longest_fitting(within), longest_fitting(contexts)
+    if longest:
+        text = f"{longest} tokens fit (--max_seq_len {longest}, --tokens_per_batch at least that)"
+    elif within:
+        text = f"none of {within[0].length}..{within[-1].length} tokens fits"
+    else:
+        text = f"no length planned ({CONTEXT_LENGTHS[0]}..{CONTEXT_LENGTHS[-1]}) is within the target's positions"
+    if overall and overall != longest:
+        text += f"; {overall} would fit the memory, past the target's max_position_embeddings {positions}"
+    plan["longest_context"] = text
     for key, value in plan.items():
         print(f"{key:>26}: {value}")
