@@ -224,7 +224,9 @@ def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
         key, _, inline = arg[2:].partition("=")
         if key != "config" and key not in types_:
             raise _unknown_key_error(key, ["config", *types_], "command line")
-        if key in values or (key == "config" and config_file is not None):
+        # a repeated flag wins over the first (as argparse's do), but a list's or --config's would drop the
+        # first silently where extending it is just as likely meant
+        if (key in values and _is_list(types_[key])) or (key == "config" and config_file is not None):
             raise ValueError(f"--{key} is given twice: give it once (a list's values all after one --{key})")
         i += 1
         raw: list[str] = [inline] if inline else []

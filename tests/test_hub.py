@@ -345,7 +345,9 @@ def test_a_mistyped_local_data_path_says_no_such_path_exists_as_well(tmp_path, m
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as e:
         resolve_data("mydata/train")
-    assert str(e.value).startswith("--data mydata/train: no such local file or directory, and as a hub dataset: ")
+    assert str(e.value).startswith(
+        "--data mydata/train: no such local file or directory, and as a hub dataset: "
+    )
     assert "not in the hub cache" in str(e.value)
     assert hub_dataset_name("exports/train.JSONL") is None  # a data file's suffix in any case: a local path
 

@@ -274,7 +274,7 @@ def test_a_final_evaluation_that_stops_says_what_is_kept_and_how_to_evaluate_it(
 
 
 def test_a_max_seq_len_past_the_targets_positions_is_pointed_out(tiny_target, chat_data, tmp_path, capsys):
-    args = base_args(tiny_target, chat_data, tmp_path / "run") + ["--plan", "--tokens_per_batch", "1024"]
+    args = base_args(tiny_target, chat_data, tmp_path / "run") + ["--plan"]
     assert main(args + ["--max_seq_len", "1024"]) == 0
     out = capsys.readouterr().out
     assert "note: --max_seq_len 1024 is past the target's max_position_embeddings 512 (" in out
