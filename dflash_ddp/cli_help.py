@@ -8,6 +8,7 @@ is given (the default run), a --config file's and the other flags' when they com
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import typing
 
 from dflash_ddp.config import EMBEDDED_NAME, EMBEDDED_PRESET, TrainConfig, family_defaults
@@ -23,6 +24,9 @@ def settings_by_group() -> dict[str, list[tuple[str, Setting]]]:
         spec = f.metadata["setting"]
         groups.setdefault(spec.group, []).append((f.name, spec))
     return groups
+
+
+HELP_WIDTH = 110  # --help's descriptions wrap at this width
 
 
 def shown(value: typing.Any) -> str:
@@ -92,7 +96,10 @@ def usage(argv: list[str] | None = None) -> str:
                 value += "".join(
                     f" (with --drafter {k}: {shown(v)})" for k, v in spec.family_defaults.items()
                 )
-            lines.append(f"  --{name:<29} {spec.help}")
+            # the description wrapped under its flag; the values line whole (a test reads it as one)
+            lines += textwrap.wrap(
+                spec.help, HELP_WIDTH, initial_indent=f"  --{name:<29} ", subsequent_indent=" " * 34
+            )
             lines.append(f"  {'':<31} {allowed_values(spec, types_[name])}; value: {value}")
     lines += [
         "",

@@ -152,9 +152,12 @@ def _convert(value: typing.Any, hint: typing.Any, where: str) -> typing.Any:
             if str(value).lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if hint is int and isinstance(value, float) and not value.is_integer():
+        number = value
+        if hint is int and isinstance(value, str) and not value.strip().lstrip("+-").isdigit():
+            number = float(value)  # 1e3, 2_000.0: a whole number written as a float
+        if hint is int and isinstance(number, float) and not number.is_integer():
             raise ValueError
-        return hint(value)
+        return hint(number)
     except (ValueError, TypeError):
         name = "a JSON object" if hint is dict else getattr(hint, "__name__", str(hint))
         raise ValueError(f"{where}: expected {name}, got {value!r}") from None
@@ -221,7 +224,7 @@ def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
         arg = argv[i]
         if not arg.startswith("--"):
             raise ValueError(f"unexpected argument '{arg}': settings are given as --key value")
-        key, _, inline = arg[2:].partition("=")
+        key, equals, inline = arg[2:].partition("=")
         if key != "config" and key not in types_:
             raise _unknown_key_error(key, ["config", *types_], "command line")
         # a repeated flag wins over the first (as argparse's do), but a list's or --config's would drop the
@@ -229,8 +232,8 @@ def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
         if (key in values and _is_list(types_[key])) or (key == "config" and config_file is not None):
             raise ValueError(f"--{key} is given twice: give it once (a list's values all after one --{key})")
         i += 1
-        raw: list[str] = [inline] if inline else []
-        while not inline and i < len(argv) and not argv[i].startswith("--"):
+        raw: list[str] = [inline] if equals else []  # `--key=` gives the empty value
+        while not equals and i < len(argv) and not argv[i].startswith("--"):
             raw.append(argv[i])
             i += 1
         if key == "config":

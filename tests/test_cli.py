@@ -21,9 +21,15 @@ def test_help_describes_every_flag_in_a_group_with_its_values_and_the_runs_defau
         assert f"\n{group}\n" in text
     lines = text.splitlines()
 
-    def entry(flag: str) -> str:  # the description line and the values line of a flag
+    def entry(flag: str) -> str:  # the description's lines and the values line of a flag
         i = next(i for i, line in enumerate(lines) if line.startswith(f"  --{flag} "))
-        return lines[i] + "\n" + lines[i + 1]
+        j = next(j for j in range(i, len(lines)) if "value:" in lines[j])
+        return "\n".join(lines[i : j + 1])
+
+    assert (
+        max(len(line) for line in lines if not line.lstrip().startswith(("value", "true", "an ", "a ")))
+        <= 200
+    )
 
     # no --target_model: the embedded default run's values, and what a run with a target would use
     assert "value: 150 (otherwise -1)" in entry("max_steps")

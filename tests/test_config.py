@@ -188,6 +188,8 @@ def test_yaml_values_are_what_they_look_like(tmp_path):
     assert config.eval_data == "" and config.init_from == "" and config.gradient_checkpointing is None
     assert config.target_layer_ids == [1, 3]
     assert parse_config(["--gradient_checkpointing"])[0].gradient_checkpointing is True  # a bare flag
+    assert parse_config(["--max_steps", "1e3"])[0].max_steps == 1000  # a whole number, written as a float
+    assert parse_config(["--eval_data="])[0].eval_data == ""  # `--key=`: the empty value
     for text, message in [
         ("max_steps: yes\n", "key 'max_steps': expected int, got True"),
         ("learning_rate: on\n", "key 'learning_rate': expected float, got True"),
