@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
+from dflash_ddp.checkpoint.layout import resolve_checkpoint
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.zlab import to_zlab_config, zlab_keys
@@ -389,3 +390,32 @@ def test_the_card_shows_the_final_evaluation_of_its_own_step_only(tmp_path):
         (run / "eval.json").write_text(json.dumps({**recorded, "tau": 2.5}))
         report, _ = run_evaluation(checkpoint, state)
         assert (report and report["tau"]) == shown
+
+
+def test_an_export_never_overwrites_a_checkpoint_a_run_or_a_model(tmp_path, tiny_target, chat_data, capsys):
+    """Arguments swapped, or the run's own folder named: the export is refused before it writes anything,
+    the directory's files untouched; an empty folder or an earlier export is written (again)."""
+    run, _, _ = fake_checkpoint(tmp_path, tiny_target, chat_data)
+    ckpt = resolve_checkpoint(run)
+    model = tmp_path / "target_copy"
+    shutil.copytree(tiny_target, model)
+    for out, message in [
+        (ckpt, "holds the checkpoint being exported"),
+        (run, "holds the checkpoint being exported"),
+        (ckpt.parent, "holds the checkpoint being exported"),
+        (model, "not empty and not an earlier export"),
+    ]:
+        before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        assert main([str(run), str(out)]) == 2
+        assert message in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    other_run = tmp_path / "other_run"
+    shutil.copytree(run, other_run)
+    assert main([str(run), str(other_run)]) == 2
+    assert "a training checkpoint or run" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([str(run), str(tmp_path / "empty")]) == 0
+    assert main([str(run), str(tmp_path / "empty"), "--dtype", "float32"]) == 0  # an earlier export: again
+    (tmp_path / "a_file").write_text("x")
+    assert main([str(run), str(tmp_path / "a_file")]) == 2
+    assert "a file; name a new directory" in capsys.readouterr().err

@@ -199,6 +199,39 @@ def training_stamp(
     return stamp, mask_token, notes, source
 
 
+# what an export writes: a directory holding these alone (and an export's config) is one to write again
+EXPORT_FILES = ("config.json", "model.safetensors", "README.md")
+
+
+def check_export_dir(out: Path, source: Path) -> None:
+    """Refuse an output directory whose files an export would overwrite or mix with: the source itself or a
+    directory holding it, a training run or checkpoint, a model or any folder that is not an earlier export.
+    An empty or new directory, or an earlier export (written again), is fine."""
+    out, source = out.resolve(), source.resolve()
+    if out.is_file():
+        raise ValueError(f"{out}: a file; name a new directory to export into")
+    if out == source or out in source.parents:
+        raise ValueError(f"{out}: holds the checkpoint being exported, {source}; name a new directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if (
+        (out / "manifest.json").exists()
+        or (out / "trainer_state.json").exists()
+        or (out / "checkpoints").exists()
+    ):
+        raise ValueError(
+            f"{out}: a training checkpoint or run; exporting there would overwrite it: name a new directory"
+        )
+    others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES)
+    earlier = (out / "config.json").is_file() and "dflash_config" in read_json(out, "config.json")
+    if others or not earlier:
+        shown = ", ".join(others[:5]) or "a config.json that is not a drafter's"
+        raise ValueError(
+            f"{out}: not empty and not an earlier export ({shown}); exporting there would overwrite or mix with "
+            "its files: name an empty or new directory"
+        )
+
+
 def export_checkpoint(
     checkpoint_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16", target_model: str | None = None
 ) -> tuple[Path, list[str]]:
@@ -210,6 +243,7 @@ def export_checkpoint(
     if dtype not in SERVING_DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(SERVING_DTYPES)}")
     ckpt = resolve_checkpoint(Path(checkpoint_dir))
+    check_export_dir(Path(out_dir), ckpt)
     model = load_drafter(ckpt)
     if (ckpt / "trainer_state.json").is_file():
         stamp, mask_token, notes, source = training_stamp(ckpt, target_model, model.config.mask_token_id)
@@ -249,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         source, notes = export_checkpoint(args.checkpoint_dir, args.out_dir, args.dtype, args.target_model)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, or a directory that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in notes:
