@@ -395,3 +395,42 @@ def test_a_source_changed_after_the_set_up_checked_it_is_refused_when_copied(sou
     flip_last_byte(copy / "model.safetensors")
     with pytest.raises(RestoreError, match=f"{copy / 'model.safetensors'} changed since the run's set-up"):
         build_trainer(cfg, setup, torch.device("cpu"), total_steps=6)
+
+
+def test_a_resumed_run_keeps_the_start_it_recorded(source, tmp_path, embedded_cache, capsys):
+    """A run started from A resumes from its checkpoint: --init_from B then would be ignored, so it is
+    refused; --init_from A (or none) resumes, and every later checkpoint still records A."""
+    run, cache = tmp_path / "run", ["--cache_dir", embedded_cache]
+    base = [*SHORT, "--save_steps", "2", "--output_dir", str(run), *cache]
+    assert train_main([*base, "--init_from", str(source), "--max_steps", "2"]) == 0
+    other = export(run, tmp_path / "other")  # B: the run's own step 2, other weights than A
+    longer = ["--resume_override", "max_steps"]
+    capsys.readouterr()
+    assert train_main([*base, "--init_from", str(other), "--max_steps", "4", *longer]) == 2
+    err = capsys.readouterr().err
+    assert f"this run started from {source}; --init_from {other} sets the start of a new run" in err
+    assert train_main([*base, "--init_from", str(source), "--max_steps", "4", *longer]) == 0
+    assert "this run's start already; it resumes from its checkpoint's weights" in capsys.readouterr().out
+    assert train_main([*base, "--max_steps", "6", *longer]) == 0
+    digest = hashlib.sha256((source / "model.safetensors").read_bytes()).hexdigest()
+    for step in (2, 4, 6):
+        state = json.loads((run / "checkpoints" / f"step-0000000{step}" / "trainer_state.json").read_text())
+        assert state["init_from"]["sha256"] == digest, step
+    fresh = tmp_path / "fresh"
+    assert (
+        train_main([*SHORT, "--max_steps", "2", "--save_steps", "2", "--output_dir", str(fresh), *cache]) == 0
+    )
+    capsys.readouterr()
+    flags = [
+        *SHORT,
+        "--output_dir",
+        str(fresh),
+        *cache,
+        "--init_from",
+        str(source),
+        "--max_steps",
+        "4",
+        *longer,
+    ]
+    assert train_main(flags) == 2
+    assert "this run started from a fresh drafter (no --init_from)" in capsys.readouterr().err

@@ -46,6 +46,7 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
         )
     accepted = check_same_run(saved, run.identity, run.cfg.resume_override, path)
     notes += [f"resume override accepted: {change}" for change in accepted]
+    notes += keep_the_start(saved.get("init_from"), run, path)
     if saved["global_step"] > run.schedule.total_steps:
         raise ValueError(
             f"{path} is at step {saved['global_step']}, past this run's {run.schedule.total_steps} steps"
@@ -160,6 +161,25 @@ SETTINGS_ADDED_LATER = {
     "selector_loss_alpha": 1.0,
     "muon_orthogonalisation": "newton_schulz_5",
 }
+
+
+def keep_the_start(saved: dict | None, run: Run, where: Path) -> list[str]:
+    """A resumed run goes on from its checkpoint's weights, so the drafter it started from stays what its
+    checkpoints record. --init_from naming another source (or one for a run that started fresh) would be
+    ignored, so it is refused; naming the same one is said to change nothing."""
+    current = run.identity.get("init_from")
+    run.identity = run.identity | {"init_from": saved}
+    if current is None:
+        return []
+    if saved is None or current.get("sha256") != saved.get("sha256"):
+        began = f"from {saved['source']}" if saved else "from a fresh drafter (no --init_from)"
+        raise ValueError(
+            f"{where}: this run started {began}; --init_from {current['source']} sets the start of a new run: "
+            "drop it to resume this one, or pass another --output_dir"
+        )
+    return [
+        f"--init_from {current['source']}: this run's start already; it resumes from its checkpoint's weights"
+    ]
 
 
 def _trains_as(config: dict, key: str):
