@@ -157,6 +157,10 @@ def check_paths(cfg) -> None:
         raise ValueError(
             f"--eval_data {cfg.eval_data}: no such file (nor a hub dataset name org/name[:split])"
         )
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise ValueError(
+            f"--resume {cfg.resume}: no such checkpoint or run directory (auto: the output directory's newest)"
+        )
     for flag, path in (("--output_dir", cfg.output_dir), ("--cache_dir", cfg.cache_dir)):
         existing = next((p for p in (Path(path), *Path(path).parents) if p.exists()), None) if path else None
         if existing is not None and not existing.is_dir():

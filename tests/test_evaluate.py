@@ -28,7 +28,7 @@ from dflash_ddp.evaluation.decoding import (
     transformers_generate,
     untrained_drafter,
 )
-from dflash_ddp.evaluation.evaluate import check_compatibility, evaluate
+from dflash_ddp.evaluation.evaluate import check_compatibility, evaluate, load_checked_drafter, load_prompts
 from dflash_ddp.evaluation.ties import logit_gap, tie_tolerance
 from dflash_ddp.serving.export import load_drafter, save_drafter
 from dflash_ddp.target_model.features import capture_layer_outputs, decoder_layers
@@ -462,6 +462,57 @@ def test_bad_inputs_exit_2_with_clear_messages(target_dir, data_file, tmp_path, 
     assert "has no confidence head (DSpark drafters" in capsys.readouterr().err
     assert main([*argv, "--confidence_threshold", "1.5"]) == 2
     assert "--confidence_threshold 1.5 must be in [0, 1]" in capsys.readouterr().err
+    assert main([*argv, "--max_new_tokens", "1"]) == 2  # nothing would be measured
+    assert "--max_new_tokens 1: at least 2" in capsys.readouterr().err
+    assert main([*argv, "--json", str(tmp_path)]) == 2  # said before the evaluation, not after it
+    assert f"--json {tmp_path}: a directory" in capsys.readouterr().err
+
+
+def test_a_drafter_is_checked_against_the_tokenizer_it_was_trained_with(target_dir, tmp_path, capsys):
+    """A drafter whose stamp names another tokenizer is refused (its token ids mean other text); a run
+    directory stands for its latest checkpoint."""
+    from dflash_ddp.files import fingerprint_files
+
+    tokenizer = fingerprint_files(sorted(target_dir.glob("tokenizer*")))
+    stamped = tmp_path / "stamped"
+    save_drafter(DFlashDraftModel(drafter_config()), stamped, stamp={"tokenizer_fingerprint": "0" * 16})
+    with pytest.raises(
+        ValueError, match="was trained with another tokenizer than .*evaluate it with the target"
+    ):
+        load_checked_drafter(stamped, target_dir)
+    run = tmp_path / "run"
+    save_drafter(DFlashDraftModel(drafter_config()), run / "checkpoints" / "step-00000002")
+    (run / "checkpoints" / "step-00000002" / "trainer_state.json").write_text(
+        json.dumps({"fingerprints": {"tokenizer": tokenizer, "target": "another"}})
+    )
+    (run / "checkpoints" / "latest").write_text("step-00000002\n")
+    assert isinstance(load_checked_drafter(run, target_dir), DFlashDraftModel)
+    assert "was trained for another target than" in capsys.readouterr().err
+
+
+def test_a_conversation_that_ends_with_a_question_is_all_prompt(target_dir, tmp_path):
+    """Rows ending with a user turn (or holding no answer) are prompts whole; a row ending with an answer is
+    its prompt up to that answer."""
+    from dflash_ddp.data.chat_template import load_target_tokenizer
+
+    user, answer = {"role": "user", "content": "Explain zip."}, {"role": "assistant", "content": "It pairs."}
+    follow_up = {"role": "user", "content": "And map?"}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"messages": m}) + "\n" for m in ([user, answer, follow_up], [user], [user, answer])
+        )
+    )
+    tokenizer = load_target_tokenizer(target_dir)
+    ids = [p for _, p in load_prompts(tokenizer, path, 3)]
+
+    def render(messages):
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(out["input_ids"])
+
+    assert ids == [render([user, answer, follow_up]), render([user]), render([user])]
 
 
 def test_check_compatibility_mask_token(target_dir):

@@ -206,6 +206,9 @@ def test_the_export_is_stamped_with_how_the_drafter_was_trained(tmp_path, tiny_t
         "regeneration": {str(data): regeneration},
     }
     assert config["dflash_config"]["mask_token"] == "<|mask|>"  # id 3 of the fixture's tokenizer
+    # the card's command measures it with prompts rendered as the training data was
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "--data HELDOUT.jsonl --chat_template_kwargs '{\"enable_thinking\": false}'`" in card
     # a re-export (here to fp32) keeps the stamp and the mask token
     assert main([str(tmp_path / "out"), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
     again = json.loads((tmp_path / "fp32" / "config.json").read_text())

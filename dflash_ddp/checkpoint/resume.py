@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_ddp.checkpoint.layout import resolve_checkpoint
 from dflash_ddp.checkpoint.manifest import existing_checkpoints, verify_checkpoint
 from dflash_ddp.checkpoint.reader import read_tensor_file
 
@@ -24,7 +25,7 @@ class RestoreError(ValueError):
 def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
     """The checkpoint to resume from, or None for a fresh start. `report` prints a warning line."""
     if resume not in ("auto", "never"):
-        path = Path(resume)
+        path = resolve_checkpoint(Path(resume))  # a run or its checkpoints/: the checkpoint `latest` names
         problems = verify_checkpoint(path) if path.is_dir() else [f"{path}: not a directory"]
         if problems:
             raise ValueError(f"--resume {resume}: not a valid checkpoint: " + "; ".join(problems))

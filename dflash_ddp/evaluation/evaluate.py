@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_ddp.checkpoint.layout import resolve_checkpoint
 from dflash_ddp.data.chat_template import json_object, load_target_tokenizer, row_template_kwargs
 from dflash_ddp.data.sources import read_conversations
 from dflash_ddp.drafter.config import DFlashDraftConfig
@@ -59,7 +60,7 @@ from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.evaluation.ties import ULPS, cache_divergence, logit_gap
 from dflash_ddp.hub import resolve_data
 from dflash_ddp.parallel.topology import resolve_device
-from dflash_ddp.serving.export import load_drafter
+from dflash_ddp.serving.export import check_trained_for, load_drafter
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 
@@ -88,12 +89,13 @@ def load_prompts(
     tokenizer, data_path: str | Path, num_prompts: int, template_kwargs: dict | None = None
 ) -> list[tuple[str, list[int]]]:
     """The first `num_prompts` rows of a conversation file as (where, prompt ids): each conversation up to its
-    last assistant turn, rendered with the tokenizer's chat template and the generation prompt (a row's own
+    last assistant turn (whole when it ends with another turn), rendered with the tokenizer's chat template and the generation prompt (a row's own
     template arguments over `template_kwargs`)."""
     prompts = []
     paths = resolve_data(str(data_path))[0]
-    for where, messages, row_kwargs in read_conversations(paths, limit=num_prompts):
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    for where, messages, row_kwargs in read_conversations(paths, require_assistant=False, limit=num_prompts):
+        # up to the last answer; a conversation that ends with a question (or holds none) is all prompt
+        last = len(messages) - 1 if messages[-1]["role"] == "assistant" else len(messages)
         if last == 0:
             raise ValueError(f"{where}: nothing precedes the assistant turn, so there is no prompt")
         rendered = tokenizer.apply_chat_template(
@@ -135,7 +137,7 @@ def prepare_evaluation(
     torch_device = resolve_device(device)
     info = whole_target(target_dir)
     if not isinstance(drafter, DFlashDraftModel):
-        drafter = load_drafter(drafter)
+        drafter = load_checked_drafter(Path(drafter), info.path)
     check_compatibility(drafter.config, info)
     tokenizer = load_target_tokenizer(info.path, chat_template)
     prompts = load_prompts(tokenizer, data_path, num_prompts, template_kwargs)
@@ -149,6 +151,15 @@ def prepare_evaluation(
         prompts=prompts,
         eos=eos_token_ids(tokenizer, target),
     )
+
+
+def load_checked_drafter(path: Path, target: Path) -> DFlashDraftModel:
+    """The drafter at `path` (an export, a checkpoint, or a run: its latest), refused when it was trained with
+    another tokenizer than `target`'s (a note, on stderr, when for another target)."""
+    path = resolve_checkpoint(path)
+    for note in check_trained_for(path, target):
+        print(note, file=sys.stderr)
+    return load_drafter(path)
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -397,8 +408,8 @@ def engine_main(args) -> int:
         info = whole_target(args.target_model)
         tokenizer = load_target_tokenizer(info.path, args.chat_template)
         prompts = load_prompts(tokenizer, args.data, args.num_prompts, args.chat_template_kwargs)
-        drafter = Path(args.drafter).resolve()
-        config = load_drafter(drafter).config
+        drafter = resolve_checkpoint(Path(args.drafter).resolve())
+        config = load_checked_drafter(drafter, info.path).config
         method = (
             "dspark" if config.family == "dspark" else "dflash"
         )  # DFlash2: vLLM's dflash, by architecture
@@ -465,13 +476,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_ddp.evaluate", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--target_model", required=True, help="Hugging Face model directory of the target")
+    parser.add_argument("--target_model", required=True, help="the target's directory or hub name")
     parser.add_argument(
-        "--drafter", required=True, help="exported drafter directory (config.json + model.safetensors)"
+        "--drafter", required=True, help="an export, a checkpoint, or a run directory (its latest checkpoint)"
     )
-    parser.add_argument("--data", required=True, help="jsonl/json file of conversations ('messages')")
-    parser.add_argument("--num_prompts", type=_positive_int, default=50)
-    parser.add_argument("--max_new_tokens", type=_positive_int, default=128)
+    parser.add_argument("--data", required=True, help="conversations (jsonl, json, parquet or a hub dataset)")
+    parser.add_argument(
+        "--num_prompts", type=_positive_int, default=50, help="the first rows' prompts (default 50)"
+    )
+    parser.add_argument(
+        "--max_new_tokens", type=_positive_int, default=128, help="tokens decoded per prompt (default 128)"
+    )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--chat_template", default="", help="jinja file replacing the tokenizer's template")
     parser.add_argument(
@@ -521,6 +536,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.max_new_tokens < 2:  # the first new token is the target's alone: no draft is verified before it
+        print(
+            "error: --max_new_tokens 1: at least 2 (a verify step follows the first token)", file=sys.stderr
+        )
+        return 2
+    if args.json and Path(args.json).is_dir():  # found now, not after the whole evaluation
+        print(f"error: --json {args.json}: a directory; name the report's file", file=sys.stderr)
+        return 2
     if args.engine == "vllm":
         return engine_main(args)
     try:
@@ -536,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if len(setup.prompts) < args.num_prompts:
+        print(
+            f"note: {args.data} has {len(setup.prompts)} prompts (--num_prompts {args.num_prompts})",
+            file=sys.stderr,
+        )
     if args.confidence_threshold and getattr(setup.drafter, "confidence_head", None) is None:
         print(
             f"error: --confidence_threshold {args.confidence_threshold}: the drafter {args.drafter} has no confidence "

@@ -68,6 +68,12 @@ def convention_lines(dflash: dict) -> list[str]:
     return lines
 
 
+def rendered_as_trained(stamp: dict) -> str:
+    """The evaluate flags that render prompts as the training data was rendered (its template arguments)."""
+    kwargs = stamp.get("chat_template_kwargs")
+    return f" --chat_template_kwargs '{json.dumps(kwargs)}'" if kwargs else ""
+
+
 def init_from_lines(record: dict | None) -> list[str]:
     """Where the drafter started (--init_from): the source, its digest, what was new or dropped."""
     if not record:
@@ -357,7 +363,9 @@ def model_card(
         lines += [
             (source + "; m" if source else "M")
             + "easure it with `python -m dflash_ddp.evaluate --target_model "
-            + f"{target_ref} --drafter {export_dir.resolve()} --data HELDOUT.jsonl`.",
+            + f"{target_ref} --drafter {export_dir.resolve()} --data HELDOUT.jsonl"
+            + rendered_as_trained(config.get("dflash_ddp") or {})
+            + "`.",
             "",
         ]
     export = str(export_dir.resolve())
