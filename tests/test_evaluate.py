@@ -468,7 +468,7 @@ def test_bad_inputs_exit_2_with_clear_messages(target_dir, data_file, tmp_path, 
     assert f"--json {tmp_path}: a directory" in capsys.readouterr().err
 
 
-def test_a_drafter_is_checked_against_the_tokenizer_it_was_trained_with(target_dir, tmp_path, capsys):
+def test_a_drafter_is_checked_against_the_tokenizer_it_was_trained_with(target_dir, tmp_path):
     """A drafter whose stamp names another tokenizer is refused (its token ids mean other text); a run
     directory stands for its latest checkpoint."""
     from dflash_ddp.files import fingerprint_files
@@ -483,11 +483,10 @@ def test_a_drafter_is_checked_against_the_tokenizer_it_was_trained_with(target_d
     run = tmp_path / "run"
     save_drafter(DFlashDraftModel(drafter_config()), run / "checkpoints" / "step-00000002")
     (run / "checkpoints" / "step-00000002" / "trainer_state.json").write_text(
-        json.dumps({"fingerprints": {"tokenizer": tokenizer, "target": "another"}})
+        json.dumps({"fingerprints": {"tokenizer": tokenizer}})
     )
     (run / "checkpoints" / "latest").write_text("step-00000002\n")
     assert isinstance(load_checked_drafter(run, target_dir), DFlashDraftModel)
-    assert "was trained for another target than" in capsys.readouterr().err
 
 
 def test_a_conversation_that_ends_with_a_question_is_all_prompt(target_dir, tmp_path):

@@ -155,10 +155,9 @@ def prepare_evaluation(
 
 def load_checked_drafter(path: Path, target: Path) -> DFlashDraftModel:
     """The drafter at `path` (an export, a checkpoint, or a run: its latest), refused when it was trained with
-    another tokenizer than `target`'s (a note, on stderr, when for another target)."""
+    another tokenizer than `target`'s."""
     path = resolve_checkpoint(path)
-    for note in check_trained_for(path, target):
-        print(note, file=sys.stderr)
+    check_trained_for(path, target)
     return load_drafter(path)
 
 

@@ -31,7 +31,6 @@ from dflash_ddp.files import fingerprint_files
 from dflash_ddp.hub import ModelSource, hub_model_name, locate_model
 from dflash_ddp.regeneration.parts import settings_path
 from dflash_ddp.serving.card import model_card
-from dflash_ddp.target_model.info import target_fingerprint
 from dflash_ddp.target_model.text_stack import read_text_stack
 
 # Serving engines run the drafter in the target's dtype (vLLM) or resolve `dtype auto` from the drafter's
@@ -82,25 +81,20 @@ def save_drafter(
         os.chmod(out / name, 0o644)
 
 
-def check_trained_for(directory: Path, target: Path) -> list[str]:
+def check_trained_for(directory: Path, target: Path) -> None:
     """A drafter (a checkpoint or an export) against the target it is to run with: ValueError when its record
     (trainer_state.json's fingerprints, or an export's stamp) names another tokenizer, whose token ids mean
-    other text; a note when another target (a fine-tuned variant may be meant). Nothing for a drafter with no
-    record (another project's export)."""
+    other text. Nothing for a drafter with no record (another project's export). The target's own fingerprint
+    is not compared: a run records the one of the shards it read, not the whole model's."""
     if (directory / "trainer_state.json").is_file():
-        fingerprints = read_json(directory, "trainer_state.json").get("fingerprints", {})
-        tokenizer, trained_target = fingerprints.get("tokenizer"), fingerprints.get("target")
+        tokenizer = read_json(directory, "trainer_state.json").get("fingerprints", {}).get("tokenizer")
     else:
-        stamp = read_json(directory, "config.json").get("dflash_ddp") or {}
-        tokenizer, trained_target = stamp.get("tokenizer_fingerprint"), stamp.get("target_fingerprint")
+        tokenizer = (read_json(directory, "config.json").get("dflash_ddp") or {}).get("tokenizer_fingerprint")
     if tokenizer and tokenizer != fingerprint_files(sorted(target.glob("tokenizer*"))):
         raise ValueError(
             f"{directory} was trained with another tokenizer than {target}'s (fingerprint {tokenizer}): its "
             "token ids would mean other text; evaluate it with the target it was trained for"
         )
-    if trained_target and trained_target != target_fingerprint(target):
-        return [f"note: {directory} was trained for another target than {target} (same tokenizer)"]
-    return []
 
 
 def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
