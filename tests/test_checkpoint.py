@@ -342,6 +342,7 @@ def test_inspect_and_verify_cli(finished_run, capsys):
     capsys.readouterr()
     assert checkpoint_main(["verify", str(_newest(finished_run))]) == 1
     assert "FAILED" in capsys.readouterr().out
+    assert checkpoint_main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: ")
 
 
 def test_resuming_an_earlier_checkpoint_sets_later_ones_aside(finished_run, tiny_target, chat_data, capsys):

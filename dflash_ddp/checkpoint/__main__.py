@@ -37,10 +37,12 @@ def inspect(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_ddp.checkpoint inspect|verify DIR`: verify exits 1 when the manifest fails."""
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m dflash_ddp.checkpoint inspect|verify CHECKPOINT_OR_OUTPUT_DIR"
+    if argv in (["--help"], ["-h"]):
+        print(f"{usage}\n\n{__doc__.strip()}\nverify exits 1 when a file does not match the manifest.")
+        return 0
     if len(argv) != 2 or argv[0] not in ("inspect", "verify"):
-        print(
-            "usage: python -m dflash_ddp.checkpoint inspect|verify CHECKPOINT_OR_OUTPUT_DIR", file=sys.stderr
-        )
+        print(usage, file=sys.stderr)
         return 2
     path = resolve_checkpoint(Path(argv[1]))
     if not path.is_dir():
