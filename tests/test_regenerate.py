@@ -168,6 +168,60 @@ def test_tool_calls_are_kept_and_the_answers_around_them_regenerated():
     assert rg.plan_row(0, "t.jsonl:1", messages).targets == [3, 7]
 
 
+def test_a_rows_system_field_is_its_system_prompt_and_stays_a_field(tiny_target, tmp_path):
+    """LLaMA-Factory's ShareGPT rows give the system prompt beside the turns: it is the prompt's first turn,
+    and the row is written back with it as a field and only its answers replaced (no turn shifted)."""
+    rows = [
+        {
+            "id": "a",
+            "system": "Be terse.",
+            "conversations": [
+                {"from": "human", "value": "Q1"},
+                {"from": "gpt", "value": "OLD1"},
+                {"from": "human", "value": "Q2"},
+                {"from": "gpt", "value": "OLD2"},
+            ],
+        },
+        {"id": "b", "system": "Be terse.", "conversations": [{"from": "human", "value": "Q"}]},
+        {
+            "id": "c",
+            "system": "Be terse.",
+            "messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "OLD"}],
+        },
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = run(tiny_target, data, tmp_path / "out.jsonl")
+    assert [r["system"] for r in written] == ["Be terse."] * 3
+    first, second, third = written
+    assert [t["from"] for t in first["conversations"]] == ["human", "gpt", "human", "gpt"]
+    assert [first["conversations"][i]["value"] for i in (0, 2)] == ["Q1", "Q2"]
+    assert "OLD1" not in json.dumps(first) and "OLD2" not in json.dumps(first)
+    assert [t["from"] for t in second["conversations"]] == ["human", "gpt"]
+    assert [t["role"] for t in third["messages"]] == ["user", "assistant"] and "OLD" not in json.dumps(third)
+    # the system prompt is in what the target answered
+    row = rg.plan_row(0, "w", [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Q"}])
+    assert row.targets == [2]
+
+
+def test_a_tool_call_the_template_drops_is_a_bad_row_before_it_is_answered(tiny_target):
+    """An answer after a tool call the template does not render would follow a call the target never saw."""
+    info = inspect_target(tiny_target)
+    tokenizer = load_target_tokenizer(info.path)
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "w"}}],
+    }
+    messages = [{"role": "user", "content": "weather?"}, call, {"role": "tool", "content": "sunny"}]
+    row = rg.plan_row(0, "t.jsonl:1", messages)
+    chat = rg.ChatTurns(tokenizer, {}, {0})
+    with pytest.raises(
+        BadRow, match="t.jsonl:1: turn 1 calls a tool, which the chat template does not render"
+    ):
+        chat.prompt_ids(row, row.messages)
+
+
 def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(
@@ -192,7 +246,7 @@ def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
         prompt()
 
 
-def test_multi_turn_and_prompt_only_rows(tiny_target, tmp_path):
+def test_multi_turn_and_prompt_only_rows(tiny_target, tmp_path, capsys):
     def user(text):
         return {"role": "user", "content": text}
 
@@ -233,9 +287,16 @@ def test_multi_turn_and_prompt_only_rows(tiny_target, tmp_path):
         assert all(m["content"] not in ("", "OLD") for m in messages_of(row) if m["role"] == "assistant")
     assert not out.with_name("out.jsonl.parts").exists() and not out.with_name("out.jsonl.lock").exists()
 
-    # a finished OUT is left alone, even when asked with other settings: there is nothing to compare to
+    # a finished OUT is left alone: asked again, it says so; asked with other settings (which OUT does not
+    # follow), it names them (OUT.settings.json holds them)
     before = out.read_bytes()
-    assert rg.main(flags(tiny_target, data, out, batch_size=3, max_new_tokens=9)) == 0
+    assert rg.main(flags(tiny_target, data, out, batch_size=3)) == 0
+    assert rg.main(flags(tiny_target, data, out, batch_size=3, max_new_tokens=9)) == 2
+    assert (
+        "is a finished run with other settings (then -> now): max_new_tokens: 8 -> 9"
+        in capsys.readouterr().err
+    )
+    assert rg.main(flags(tiny_target, data, out, batch_size=3, keep_truncated=False)) == 2
     assert out.read_bytes() == before
 
 

@@ -179,25 +179,7 @@ class ChatTokenizer:
         return ids, mask
 
     def _check_tool_calls_rendered(self, messages: list[dict], where: str, kwargs: dict) -> None:
-        """BadRow when the conversation renders the same without its assistants' tool calls: a template that
-        drops them would leave a tool-calling turn an empty answer in the loss."""
-        calling = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")]
-        if not calling:
-            return
-        without = [
-            {k: v for k, v in m.items() if k != "tool_calls"} if i in calling else m
-            for i, m in enumerate(messages)
-        ]
-        try:
-            dropped = self.render(without, kwargs=kwargs) == self.render(messages, kwargs=kwargs)
-        except (TemplateError, ValueError, TypeError):  # it needs the calls to render the turn: it reads them
-            return
-        if dropped:
-            raise BadRow(
-                f"{where}: turn {calling[0]} calls a tool, which the chat template does not render (the loss "
-                "would train an empty answer there): pass a template that renders tool_calls "
-                "(--chat_template FILE)"
-            )
+        check_tool_calls_rendered(lambda m: self.render(m, kwargs=kwargs), messages, where)
 
     def _marked(self, messages: list[dict], kwargs: dict) -> tuple[list[int], list[int]]:
         out = self.tokenizer.apply_chat_template(
@@ -251,6 +233,29 @@ class ChatTokenizer:
                 "(--chat_template FILE)"
             )
         return start, len(upto.rstrip())
+
+
+def check_tool_calls_rendered(render, messages: list[dict], where: str) -> None:
+    """BadRow when `render` (a conversation -> its text) gives the same text without the assistants' tool
+    calls: a template that drops them would leave a tool-calling turn an empty answer in the loss, and a
+    regenerated answer would follow a call it never saw."""
+    calling = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")]
+    if not calling:
+        return
+    without = [
+        {k: v for k, v in m.items() if k != "tool_calls"} if i in calling else m
+        for i, m in enumerate(messages)
+    ]
+    try:
+        dropped = render(without) == render(messages)
+    except (TemplateError, ValueError, TypeError):  # it needs the calls to render the turn: it reads them
+        return
+    if dropped:
+        raise BadRow(
+            f"{where}: turn {calling[0]} calls a tool, which the chat template does not render (the loss "
+            "would train an empty answer there): pass a template that renders tool_calls (--chat_template "
+            "FILE), or --skip_bad_rows to skip and count such rows"
+        )
 
 
 def common_prefix(a: str, b: str) -> int:

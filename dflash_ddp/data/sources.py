@@ -122,13 +122,23 @@ def _turns(row: dict, where: str) -> tuple[list, str, str]:
     if not isinstance(turns, list) or not turns:
         raise BadRow(f"{where}: '{key}' is empty or not a list")
     system = row.get("system")  # LLaMA-Factory's ShareGPT rows give the system prompt beside the turns
-    if system is not None:
-        if not isinstance(system, str):
-            raise BadRow(f"{where}: 'system' must be a string (the system prompt)")
-        roles = [str(t.get(role_key)).lower() for t in turns if isinstance(t, dict)]
-        if system.strip() and "system" not in roles:
-            turns = [{role_key: "system", text_key: system}, *turns]
+    if system is not None and not isinstance(system, str):
+        raise BadRow(f"{where}: 'system' must be a string (the system prompt)")
+    if system_turn_added(row):
+        turns = [{role_key: "system", text_key: system}, *turns]
     return turns, role_key, text_key
+
+
+def system_turn_added(row: dict) -> bool:
+    """Whether the row's `system` field (LLaMA-Factory's ShareGPT rows) is read as its first turn: a text,
+    beside turns that hold no system turn (regeneration writes the row back without it)."""
+    system = row.get("system")
+    formats = [(key, role) for key, role, _ in FORMATS if row.get(key) is not None]
+    if not isinstance(system, str) or not system.strip() or not formats:
+        return False
+    key, role_key = formats[0]
+    turns = row[key] if isinstance(row[key], list) else []
+    return not any(isinstance(t, dict) and str(t.get(role_key)).lower() == "system" for t in turns)
 
 
 # (the row's key, its turns' role key, their text key)

@@ -44,8 +44,9 @@ Determinism and resume contract (transformers' path; the engine path: per row, s
 - OUT.lock (an flock, removed at the end) makes the start-up checks and the merge of the ranks run one at a
   time. Run one job per OUT at a time (each rank holds an flock on its own part file, so a second job of
   the same size stops with an error).
-- OUT existing without OUT.parts is a finished run: running again says so and exits 0 without comparing
-  settings (there is nothing left to compare against); delete OUT or pick another --out to regenerate.
+- OUT existing without OUT.parts is a finished run: running again with the settings OUT.settings.json
+  records says so and exits 0; with other generation settings, data files or --keep_truncated it is an
+  error naming them (delete OUT and OUT.settings.json, or pick another --out, to regenerate).
 
 Sampling settings come from the flags only (greedy unless --temperature > 0): the target's
 generation_config contributes its EOS ids, never its recommended temperature or penalties, so that
@@ -58,6 +59,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import json
 import shlex
 import sys
 import time
@@ -81,7 +83,15 @@ from dflash_ddp.files import file_sha256
 from dflash_ddp.hub import ModelSource, hub_dataset_name
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.topology import env_world, resolve_device
-from dflash_ddp.regeneration.parts import PartWriter, Summary, index_parts, locked, merge, start_parts
+from dflash_ddp.regeneration.parts import (
+    PartWriter,
+    Summary,
+    index_parts,
+    locked,
+    merge,
+    settings_path,
+    start_parts,
+)
 from dflash_ddp.regeneration.served import ServedSettings, served_records, served_row_work
 from dflash_ddp.regeneration.turns import Answer, ChatTurns, Row, plan_row, regenerate_batch, seed_of
 from dflash_ddp.target_model.info import inspect_target
@@ -283,6 +293,38 @@ def pick_device(name: str, local_rank: int) -> tuple[torch.device, torch.dtype]:
     return device, torch.float32
 
 
+def check_finished(out: Path, cfg: RegenerateConfig) -> None:
+    """A finished OUT asked for again: ValueError when OUT.settings.json records other settings than these
+    (those known without reading data or weights: local data files by path), which OUT does not follow."""
+    path = settings_path(out)
+    if not path.is_file():  # written before the settings were kept beside OUT
+        return
+    old = json.loads(path.read_text())
+    was = {name: old[name] for name in FINISHED_SETTINGS if name in old}
+    now = {name: getattr(cfg, name) for name in was}
+    if "data" in old and all(hub_dataset_name(spec) is None for spec in cfg.data):
+        was["data"] = sorted(d["path"] for d in old["data"])
+        now["data"] = sorted(str(f.resolve()) for f in data_file_contents(cfg.data))
+    changed = [f"{k}: {was[k]!r} -> {now[k]!r}" for k in was if was[k] != now[k]]
+    if changed:
+        raise ValueError(
+            f"{out} is a finished run with other settings (then -> now): {'; '.join(changed)}. Pass another "
+            f"--out, or delete {out} and {path.name} to regenerate"
+        )
+
+
+# settings a finished run is compared on before anything is read (data files by path)
+FINISHED_SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "chat_template_kwargs",
+    "keep_truncated",
+)
+
+
 def say_finished(out: Path, parts: Path, rank: int) -> None:
     """Rank 0 says that OUT is a finished run (the other ranks stay quiet: one line per job)."""
     if rank == 0:
@@ -382,6 +424,7 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
     out = Path(cfg.out)
     parts, lock = out.with_name(out.name + ".parts"), out.with_name(out.name + ".lock")
     if out.exists() and not parts.is_dir():  # a finished run: say so before reading data or weights
+        check_finished(out, cfg)
         say_finished(out, parts, rank)
         return None
     cfg = dataclasses.replace(cfg, data=resolve_data_files(cfg.data))  # hub datasets: their split's files
@@ -425,6 +468,9 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
                 if rank != 0:
                     hf_logging.disable_progress_bar()  # one "Loading weights" bar per job, not one per rank
                 model = load_causal_lm(info, device, dtype)
+                run.start = run.last_report = (
+                    time.perf_counter()
+                )  # the rate is the generation's, not the load's
                 run_batches(cfg, rows, run, TargetGenerator(model, tokenizer, cfg), world)
         finally:
             run.writer.close()
@@ -448,6 +494,11 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
         f"--max_new_tokens ({cfg.max_new_tokens}) {cut}; {summary.turns} generated turns, "
         f"{summary.new_tokens} tokens in all; this process: {rate}"
     )
+    if summary.rows and summary.written < summary.rows / 2:
+        print(
+            f"note: {out} holds {summary.written} of {summary.rows} rows: see above why the others were left out "
+            "(answers cut off: a larger --max_new_tokens, or --keep_truncated with a new --out)"
+        )
     return summary
 
 
@@ -463,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error{where}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what is done is on disk
+        print(
+            f"interrupted{where}: the rows finished so far are kept in OUT.parts; the same command continues",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 from jinja2 import TemplateError
 
-from dflash_ddp.data.chat_template import row_template_kwargs
-from dflash_ddp.data.sources import ROLE_ALIASES, BadRow
+from dflash_ddp.data.chat_template import check_tool_calls_rendered, row_template_kwargs
+from dflash_ddp.data.sources import ROLE_ALIASES, BadRow, system_turn_added
 
 
 @dataclass
@@ -47,7 +47,8 @@ def plan_row(
         targets.append(len(messages))
     if not targets:
         raise BadRow(
-            f"{where}: nothing to generate (no assistant turn, and the last turn is not a user turn)"
+            f"{where}: nothing to generate (no assistant turn to regenerate: those that call tools are kept as "
+            "written; and the last turn is not a user or tool turn); pass --skip_bad_rows to skip and count such rows"
         )
     if targets[0] == 0:
         raise BadRow(f"{where}: turn 0 is an assistant turn, so there is no prompt to answer")
@@ -93,12 +94,13 @@ def output_row(row: Row, messages: list[dict]) -> dict:
         (t[role_key] for t in turns if ROLE_ALIASES.get(str(t[role_key]).lower()) == "assistant"),
         "assistant" if key == "messages" else "gpt",
     )
+    added = int(system_turn_added(row.fields))  # the row's `system` field, read as its first turn
     for position in row.targets:
         turn = {role_key: speaker, text_key: messages[position]["content"]}
-        if position == len(turns):
+        if position - added == len(turns):
             turns.append(turn)
         else:
-            turns[position] = turn
+            turns[position - added] = turn
     return {**row.fields, key: turns}
 
 
@@ -121,6 +123,9 @@ class ChatTurns:
         """Prompt ids ending in the generation prompt, with the row's template arguments over the run's;
         BadRow naming the row when the template refuses it."""
         kwargs = row_template_kwargs(self.template_kwargs, row.template_kwargs, row.where)
+        check_tool_calls_rendered(
+            lambda m: self.tokenizer.apply_chat_template(m, tokenize=False, **kwargs), messages, row.where
+        )
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
