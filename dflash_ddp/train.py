@@ -36,6 +36,7 @@ from dflash_ddp.observe.trackers import Trackers, close_trackers, resolve_report
 from dflash_ddp.parallel.channel import ChannelError, PeerLost
 from dflash_ddp.parallel.exits import fail, lost_peer, refuse
 from dflash_ddp.parallel.run_lock import OutputDirLock
+from dflash_ddp.parallel.signals import interrupt_on_stop
 from dflash_ddp.parallel.topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from dflash_ddp.roles.colocated import run_colocated
 from dflash_ddp.roles.drafter import run_drafter
@@ -67,6 +68,9 @@ def finished(run: Run) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 on success (or a clean stop), 2 on bad input or a refused resume, 1 when a peer or the disk fails."""
     argv = sys.argv[1:] if argv is None else argv
+    # a line at a time, as the progress on stderr is: under nohup or `> log` the start-up lines would come last
+    if hasattr(sys.stdout, "reconfigure"):  # a real stream (a test may stand another in)
+        sys.stdout.reconfigure(line_buffering=True)
     rank, world, local_rank = env_world()
     if "--help" in argv or "-h" in argv:
         if local_rank == 0:  # once per node under torchrun
@@ -145,6 +149,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
             )
             if cfg.eval_data and not evaluated_at(Path(cfg.output_dir), run.start_step):
                 # the job that trained it stopped before evaluating
+                interrupt_on_stop()
                 _, error = final_evaluation_or_error(cfg, ctx.device)
                 if error:
                     print(f"error: {error}", file=sys.stderr)
@@ -198,6 +203,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         )
         if watcher:
             finish_watcher(watcher, stopped, Path(cfg.output_dir))
+        interrupt_on_stop()  # no step to finish now: Ctrl-C ends the evaluation at once
         report, error = (
             final_evaluation_or_error(cfg, ctx.device) if cfg.eval_data and not stopped else (None, "")
         )

@@ -298,6 +298,16 @@ def test_a_failed_save_leaves_earlier_checkpoints_and_latest_intact(finished_run
     root = finished_run / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000006"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003", "step-00000006"]
+    # the first save of a run that fails says no checkpoint was saved, not that earlier ones are intact
+    empty = finished_run.parent / "fresh_run"
+    with pytest.raises(
+        SaveError, match="saving checkpoint step-00000001 failed .*no checkpoint had been saved yet"
+    ):
+        save_checkpoint(empty, 1, model_parts(drafter, optimizer, scheduler), drafter.config, {}, {0: {}}, 5)
+    monkeypatch.undo()
+    # saved, every file is readable by the team (safetensors writes its own 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in _newest(finished_run).iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == 0o644, modes
     assert all(verify_checkpoint(p) == [] for p in root.glob("step-*"))
 
 

@@ -280,3 +280,29 @@ def test_a_max_seq_len_past_the_targets_positions_is_pointed_out(tiny_target, ch
     assert "note: --max_seq_len 1024 is past the target's max_position_embeddings 512 (" in out
     assert main(args + ["--max_seq_len", "512"]) == 0
     assert "note: --max_seq_len" not in capsys.readouterr().out
+
+
+def test_ctrl_c_during_the_final_evaluation_ends_it_at_once_and_says_how_to_finish_it(tmp_path, monkeypatch):
+    """After training there is no step to finish: a signal interrupts the evaluation at once (it had been
+    caught and ignored, and the evaluation ran on for minutes), and the line says the same command evaluates."""
+    import os
+    import signal
+
+    from dflash_ddp.evaluation import in_job
+    from dflash_ddp.parallel.signals import interrupt_on_stop
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def evaluation_interrupted(cfg, device):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not interrupt")
+
+    monkeypatch.setattr(in_job, "run_final_evaluation", evaluation_interrupted)
+    try:
+        interrupt_on_stop()
+        report, error = in_job.final_evaluation_or_error(object(), torch.device("cpu"))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert report is None and "the final evaluation was interrupted" in error
+    assert "the same command evaluates the last one" in error

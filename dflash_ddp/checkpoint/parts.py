@@ -9,6 +9,7 @@ drafter's shape in the serving layout), all written by writer.py.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ def write_part(directory: Path, file: str, format: str, state: Any) -> None:
     path = Path(directory) / file
     if format == "safetensors":  # fp32 whatever the training dtype
         save_file({k: v.float().contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+        os.chmod(path, 0o644)  # safetensors writes 0600: readable by the team as every other file here
     elif format == "torch":
         torch.save(state, path)
     elif format == "json":

@@ -184,9 +184,14 @@ def write_checkpoint(
         write_latest(root, final.name)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        kept = (
+            "earlier checkpoints and 'latest' are intact"
+            if any(root.glob("step-*"))
+            else "no checkpoint had been saved yet"
+        )
         raise SaveError(
-            f"saving checkpoint {final.name} failed ({describe_error(e)}); earlier checkpoints and 'latest' "
-            "are intact; free space (or fix permissions) under --output_dir and resume"
+            f"saving checkpoint {final.name} failed ({describe_error(e)}); {kept}; free space (or fix "
+            "permissions) under --output_dir and resume"
         ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -77,6 +77,11 @@ def final_evaluation_or_error(cfg: EvaluationSettings, device: torch.device) -> 
     failed read: the trained checkpoints stay, and the command that evaluates them later)."""
     try:
         return run_final_evaluation(cfg, device), ""
+    except KeyboardInterrupt:
+        return None, (
+            "the final evaluation was interrupted; training finished and its checkpoints are kept: the same "
+            "command evaluates the last one"
+        )
     except (ValueError, OSError) as e:
         checkpoint = resolve_checkpoint(Path(cfg.output_dir))
         return None, (
@@ -91,6 +96,9 @@ def run_final_evaluation(cfg: EvaluationSettings, device: torch.device) -> dict:
 
     checkpoint = resolve_checkpoint(Path(cfg.output_dir))
     step = int(read_json(checkpoint, "trainer_state.json")["global_step"])
+    print(
+        f"evaluating {checkpoint} on {cfg.eval_prompts} prompts of {cfg.eval_data} (real speculative decoding)"
+    )
     report = evaluate(
         target_dir=cfg.target_model,
         drafter=checkpoint,

@@ -59,3 +59,14 @@ class StopFlag:
     def requested(self) -> str:
         """Who asked the job to stop, or "" (one store round trip; the leader asks once per step)."""
         return self.store.get(self.REQUEST_KEY).decode() if self.store.check([self.REQUEST_KEY]) else ""
+
+
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def interrupt_on_stop() -> None:
+    """From now on SIGINT and SIGTERM interrupt at once (KeyboardInterrupt): for the work after training (the
+    final evaluation), which has no step to finish and nothing to save."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupt)
