@@ -185,7 +185,9 @@ def test_a_damaged_cache_is_replaced_and_an_unusable_cache_dir_is_a_clear_error(
     assert load_or_tokenize(chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache, log=print)[2]
     blocked = tmp_path / "a_file"
     blocked.write_text("not a directory")
-    with pytest.raises(ValueError, match=f"--cache_dir {blocked}/cache: cannot use the tokenized-data cache"):
+    with pytest.raises(
+        ValueError, match=f"the tokenized-data cache {blocked}/cache cannot be written .*--cache_dir DIR"
+    ):
         load_or_tokenize(chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, blocked / "cache")
 
 

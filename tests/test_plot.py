@@ -79,3 +79,19 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     (run / "eval.jsonl").write_text(json.dumps({"step": 5}) + "\n")
     assert main([str(run)]) == 1
     assert "eval.jsonl:1: no 'tau'" in capsys.readouterr().err
+
+
+def test_the_final_tau_stands_at_the_step_it_measured_and_the_loss_is_named_as_trained(tmp_path):
+    """A run resumed past its evaluated end keeps that end's eval.json: its tau belongs at its own step,
+    not at the last logged one; the loss plot names the run's own weighting and loss."""
+    from dflash_ddp.observe.plot import loss_name, real_tau, real_tau_by_context
+
+    run = write_run(tmp_path / "run")
+    (run / "eval.json").write_text(
+        json.dumps({"step": 4, "dflash": {"tau": 1.15}, "tau_by_context": {"0-2K": 1.2}})
+    )
+    assert real_tau(run, last_step=10)[1] == (4, 1.15)
+    assert real_tau_by_context(run, last_step=10) == [(4, {"0-2K": 1.2})]
+    assert loss_name(run) == "the run's weighted objective"  # no config.json
+    (run / "config.json").write_text(json.dumps({"position_weighting": "dpace", "loss": "ce"}))
+    assert loss_name(run) == "dpace-weighted ce"

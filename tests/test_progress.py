@@ -24,6 +24,12 @@ def test_warnings_fire_above_their_limits():
     assert pipeline_warnings(0.0, {"0": 0.9, "1": 0.05}) == {}
     blocked = pipeline_warnings(0.0, {"0": 0.9, "1": 0.3})
     assert set(blocked) == {"targets_blocked"} and "rank: 0: 90%, 1: 30%" in blocked["targets_blocked"]
+    assert "could train the drafter instead" in blocked["targets_blocked"]
+    # one target rank has no rank to move: it waits for the drafter
+    assert "its one target rank waits for it" in pipeline_warnings(0.0, {"0": 0.9})["targets_blocked"]
+    # an active warning ends only clearly below its limit, not when the share hovers at it
+    assert set(pipeline_warnings(0.05, {}, frozenset({"drafter_waits"}))) == {"drafter_waits"}
+    assert pipeline_warnings(0.0, {}, frozenset({"drafter_waits"})) == {}
 
 
 def record(step: int, wait: float, send_wait_s: dict | None) -> dict:
@@ -43,7 +49,7 @@ def clock(monkeypatch):
 
 
 def test_monitor_warns_once_per_condition_change_and_records_it(tmp_path, capsys, clock):
-    monitor = TrainingMonitor(tmp_path, total_steps=50)
+    monitor = TrainingMonitor(tmp_path, total_steps=60)
     windows = [  # (drafter wait, the two targets' cumulative send-wait seconds)
         (0.5, {"0": 1.0, "1": 1.0}),  # start-up window: not judged
         (0.3, {"0": 2.0, "1": 2.0}),  # drafter waits 30%
@@ -69,6 +75,17 @@ def test_monitor_warns_once_per_condition_change_and_records_it(tmp_path, capsys
         [],
     ]
     assert lines[3]["target_send_wait_fraction"] == pytest.approx({"0": 0.7, "1": 0.6})
+
+
+def test_the_last_window_resolves_nothing(tmp_path, capsys, clock):
+    """The job winding down empties the queues: its last window is not news of a balanced split."""
+    monitor = TrainingMonitor(tmp_path, total_steps=30)
+    for step, wait in ((10, 0.5), (20, 0.3), (30, 0.0)):
+        clock[0] += 10.0
+        monitor.log(record(step, wait, {"0": step / 10, "1": step / 10}))
+    monitor.close()
+    err = capsys.readouterr().err
+    assert "warning at step 20: the drafter waited 30%" in err and "again" not in err
 
 
 def test_colocated_runs_get_no_split_warnings(tmp_path, capsys, clock):

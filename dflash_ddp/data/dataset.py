@@ -282,7 +282,10 @@ def load_or_tokenize(
         cache_dir.mkdir(parents=True, exist_ok=True)
         lock = (cache_dir / f"tokenized-{key}.lock").open("a")
     except OSError as e:
-        raise ValueError(f"--cache_dir {cache_dir}: cannot use the tokenized-data cache ({e})") from None
+        raise ValueError(
+            f"the tokenized-data cache {cache_dir} cannot be written ({e}): pass a writable --output_dir, or "
+            "--cache_dir DIR (it defaults to OUTPUT_DIR/cache)"
+        ) from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _try_read_cache(path, log)

@@ -65,7 +65,9 @@ def real_tau(run_dir: Path, last_step: int) -> tuple[list[tuple[int, float]], tu
     path = run_dir / "eval.json"
     if path.is_file():
         try:
-            final = (last_step, json.loads(path.read_text())["dflash"]["tau"])
+            report = json.loads(path.read_text())
+            final = (report.get("step", last_step), report["dflash"]["tau"])  # its own step (a resumed run
+            # that trained on without evaluating keeps an earlier end's)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(
                 f"{path}: no dflash.tau ({e!r}); delete it or run the evaluation again"
@@ -81,10 +83,19 @@ def real_tau_by_context(run_dir: Path, last_step: int) -> list[tuple[int, dict[s
         records, _ = read_jsonl(run_dir / "eval.jsonl", ("step", "tau"))
         found = [(r["step"], r["tau_by_context"]) for r in records if r.get("tau_by_context")]
     if (run_dir / "eval.json").is_file():
-        final = json.loads((run_dir / "eval.json").read_text()).get("tau_by_context")
-        if final:
-            found.append((last_step, final))
+        report = json.loads((run_dir / "eval.json").read_text())
+        if report.get("tau_by_context"):
+            found.append((report.get("step", last_step), report["tau_by_context"]))
     return found
+
+
+def loss_name(run_dir: Path) -> str:
+    """The run's objective in words, from its config.json ("the run's weighted objective" without one)."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "the run's weighted objective"
+    return f"{config.get('position_weighting', 'decay')}-weighted {config.get('loss', 'ce')}"
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list]:
@@ -106,7 +117,7 @@ def draw(name: str, records: list[dict], run_dir: Path, figure) -> bool:
     """Draw plot `name` on `figure`; False when the records hold nothing for it."""
     if name == "loss":
         steps, loss = series(records, "loss")
-        _axes(figure, "training loss (decay-weighted cross-entropy)", "loss").plot(steps, loss)
+        _axes(figure, f"training loss ({loss_name(run_dir)})", "loss").plot(steps, loss)
         return bool(steps)
     if name == "accuracy":
         steps, per_position = series(records, "accuracy_per_position")

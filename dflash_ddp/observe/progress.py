@@ -39,6 +39,11 @@ DRAFTER_WAIT_LIMIT = 0.10  # of a logging window; above it the targets do not ke
 TARGET_BLOCKED_LIMIT = 0.50  # of a logging window, averaged over the target ranks
 
 
+# an active warning ends only this far below its limit: a share hovering at the limit would otherwise warn
+# and resolve at every other logging step
+HYSTERESIS = 0.10
+
+
 RESOLVED = {
     "drafter_waits": f"the drafter waits no more than {100 * DRAFTER_WAIT_LIMIT:.0f}% again",
     "targets_blocked": f"the target ranks are blocked on sends no more than {100 * TARGET_BLOCKED_LIMIT:.0f}% again",
@@ -57,13 +62,20 @@ def send_wait_fractions(
     }
 
 
-def pipeline_warnings(drafter_wait: float, target_blocked: dict[str, float]) -> dict[str, str]:
+def pipeline_warnings(
+    drafter_wait: float, target_blocked: dict[str, float], active: frozenset[str] = frozenset()
+) -> dict[str, str]:
     """The split's imbalance in one logging window, as {condition: message}; empty when balanced.
 
     `drafter_wait` is the drafter ranks' mean share of the window spent waiting for features,
-    `target_blocked` each target rank's share spent blocked on sends (their mean is compared)."""
+    `target_blocked` each target rank's share spent blocked on sends (their mean is compared); a condition
+    already `active` holds until its share falls HYSTERESIS below its limit."""
     warnings = {}
-    if drafter_wait > DRAFTER_WAIT_LIMIT:
+
+    def over(name: str, share: float, limit: float) -> bool:
+        return share > limit - (HYSTERESIS if name in active else 0.0)
+
+    if over("drafter_waits", drafter_wait, DRAFTER_WAIT_LIMIT):
         warnings["drafter_waits"] = (
             f"the drafter waited {100 * drafter_wait:.0f}% of the last logging window for target features "
             f"(over {100 * DRAFTER_WAIT_LIMIT:.0f}%): add target ranks (more processes, or fewer --drafter_ranks); "
@@ -71,15 +83,19 @@ def pipeline_warnings(drafter_wait: float, target_blocked: dict[str, float]) -> 
         )
     if target_blocked:
         blocked = sum(target_blocked.values()) / len(target_blocked)
-        if blocked > TARGET_BLOCKED_LIMIT:
+        if over("targets_blocked", blocked, TARGET_BLOCKED_LIMIT):
             each = ", ".join(
                 f"{rank}: {100 * f:.0f}%"
                 for rank, f in sorted(target_blocked.items(), key=lambda kv: int(kv[0]))
             )
             warnings["targets_blocked"] = (
                 f"the target ranks were blocked on sends {100 * blocked:.0f}% of the last logging window "
-                f"(over {100 * TARGET_BLOCKED_LIMIT:.0f}%; rank: {each}): the drafter is the bottleneck, so a "
-                "target rank could train the drafter instead (--drafter_ranks) or be freed"
+                f"(over {100 * TARGET_BLOCKED_LIMIT:.0f}%; rank: {each}): the drafter is the bottleneck, so "
+                + (
+                    "a target rank could train the drafter instead (--drafter_ranks) or be freed"
+                    if len(target_blocked) > 1
+                    else "its one target rank waits for it (more drafter ranks need more processes)"
+                )
             )
     return warnings
 
@@ -174,12 +190,13 @@ class TrainingMonitor:
         self._send_wait_s, self._window_start = dict(send_wait_s), now
         if first:  # the first window holds the start (models loading, the first batches): not judged
             return {"target_send_wait_fraction": fractions, "warnings": []}
-        warnings = pipeline_warnings(record.get("wait_fraction", 0.0), fractions)
+        warnings = pipeline_warnings(record.get("wait_fraction", 0.0), fractions, frozenset(self._warnings))
         for name, message in warnings.items():
             if name not in self._warnings:
                 self.print(f"warning at step {record['step']}: {message}")
-        for name in self._warnings.keys() - warnings.keys():
-            self.print(f"step {record['step']}: {RESOLVED[name]}")
+        if record["step"] < self.total_steps:  # the last window is the job winding down: nothing resolved
+            for name in self._warnings.keys() - warnings.keys():
+                self.print(f"step {record['step']}: {RESOLVED[name]}")
         self._warnings = warnings
         rounded = {rank: round(f, 4) for rank, f in fractions.items()}
         return {"target_send_wait_fraction": rounded, "warnings": sorted(warnings)}
