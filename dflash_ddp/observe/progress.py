@@ -145,9 +145,11 @@ class TrainingMonitor:
             ) from None
         if self.trackers is not None:
             self.trackers.log(record)
+        # colocated, the "wait" is the target's own forward in the same process, not a starved drafter
+        waited = "drafter waited" if record.get("target_send_wait_s") else "target forward"
         summary = (
             f"loss {record['loss']:.3f}  acc {record['accuracy']:.3f}  tau~{record['tau_estimate']:.2f}  "
-            f"{record.get('tokens_per_s', 0):,.0f} tok/s  drafter waited {100 * record.get('wait_fraction', 0):.0f}%"
+            f"{record.get('tokens_per_s', 0):,.0f} tok/s  {waited} {100 * record.get('wait_fraction', 0):.0f}%"
         )
         if record.get("target_inflight"):  # split jobs: the channel's view of the targets
             depth = " ".join(f"{r}:{d}" for r, d in record["target_inflight"].items())
