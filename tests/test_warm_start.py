@@ -416,21 +416,8 @@ def test_a_resumed_run_keeps_the_start_it_recorded(source, tmp_path, embedded_ca
     for step in (2, 4, 6):
         state = json.loads((run / "checkpoints" / f"step-0000000{step}" / "trainer_state.json").read_text())
         assert state["init_from"]["sha256"] == digest, step
-    fresh = tmp_path / "fresh"
-    assert (
-        train_main([*SHORT, "--max_steps", "2", "--save_steps", "2", "--output_dir", str(fresh), *cache]) == 0
-    )
+    fresh = [*SHORT, "--save_steps", "2", "--output_dir", str(tmp_path / "fresh"), *cache]
+    assert train_main([*fresh, "--max_steps", "2"]) == 0
     capsys.readouterr()
-    flags = [
-        *SHORT,
-        "--output_dir",
-        str(fresh),
-        *cache,
-        "--init_from",
-        str(source),
-        "--max_steps",
-        "4",
-        *longer,
-    ]
-    assert train_main(flags) == 2
+    assert train_main([*fresh, "--init_from", str(source), "--max_steps", "4", *longer]) == 2
     assert "this run started from a fresh drafter (no --init_from)" in capsys.readouterr().err

@@ -195,7 +195,7 @@ class OpCount:
             f"layers x {self.sequences} sequences): {step.launching:,} launching ops per step "
             f"({step.dispatched:,} dispatched), per layer {self.per_layer:,}, per sequence "
             f"{self.per_sequence:,}, optimizer {self.optimizer:,} ({self.seconds:.1f} s to count)",
-            f"op count outside the regions CUDA compiles (launched one by one there): {step.outside_regions:,} "
+            f"op count outside the regions CUDA compiles (launched one by one): {step.outside_regions:,} "
             f"per step, per layer {self.per_layer_outside:,}, per sequence {self.per_sequence_outside:,}",
             f"op count, top: {top}",
         ]

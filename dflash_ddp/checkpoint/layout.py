@@ -103,8 +103,8 @@ def step_dirs(root: Path) -> list[Path]:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or an output directory / its checkpoints/ folder (then `latest`, or the
-    newest checkpoint when `latest` names nothing usable; the warning goes to stderr); the `latest` file itself
-    stands for its folder."""
+    newest checkpoint when `latest` names nothing usable; the warning goes to stderr); the `latest` file
+    itself stands for its folder."""
     if path.name == "latest" and path.is_file():
         path = path.parent
     for root in (path / "checkpoints", path):

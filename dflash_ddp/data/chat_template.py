@@ -175,11 +175,8 @@ class ChatTokenizer:
             raise BadRow(f"{where}: the chat template refuses this conversation: {e}") from None
         if not any(mask):
             raise BadRow(f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens")
-        self._check_tool_calls_rendered(messages, where, kwargs)
-        return ids, mask
-
-    def _check_tool_calls_rendered(self, messages: list[dict], where: str, kwargs: dict) -> None:
         check_tool_calls_rendered(lambda m: self.render(m, kwargs=kwargs), messages, where)
+        return ids, mask
 
     def _marked(self, messages: list[dict], kwargs: dict) -> tuple[list[int], list[int]]:
         out = self.tokenizer.apply_chat_template(
@@ -215,17 +212,16 @@ class ChatTokenizer:
                 "conversation goes on (it moves or rewrites earlier text), so its span cannot be derived: "
                 "add {% generation %} markers to the template (--chat_template FILE)"
             )
-        upto = self.render(messages[: i + 1], kwargs=kwargs)
         if self.end_of_turn:
-            if text.startswith(upto):  # the turn as written: the last end-of-turn ends it, even where the
-                end = upto.rfind(self.end_of_turn, start)  # answer's own text holds that token's text
-            else:  # rewritten once the conversation goes on (Qwen3's thinking): the first after its start
-                end = text.find(self.end_of_turn, start)  # and after those its content quotes
-                for _ in range(str(messages[i].get("content", "")).count(self.end_of_turn)):
-                    end = text.find(self.end_of_turn, end + 1) if end >= 0 else end
+            # the first end-of-turn after the turn's start and after those its own text quotes (the template
+            # writes the content verbatim: the probe checked)
+            end = text.find(self.end_of_turn, start)
+            for _ in range(str(messages[i].get("content", "")).count(self.end_of_turn)):
+                end = text.find(self.end_of_turn, end + 1) if end >= 0 else end
             if end < 0:
                 raise BadRow(f"{where}: turn {i}: no '{self.end_of_turn}' after the assistant's text")
             return start, end + len(self.end_of_turn)
+        upto = self.render(messages[: i + 1], kwargs=kwargs)
         if not text.startswith(upto):
             raise BadRow(
                 f"{where}: turn {i}: the chat template renders this turn differently inside the whole "

@@ -111,13 +111,13 @@ def _turns(row: dict, where: str) -> tuple[list, str, str]:
     """The row's turns and their role and text keys: OpenAI's 'messages' (role/content) or ShareGPT's
     'conversations' (from/value). A null counts as absent: parquet data joined from both formats holds
     both columns, each row filling one."""
-    formats = [(key, role, text) for key, role, text in FORMATS if row.get(key) is not None]
-    if not formats:
+    found = _format(row)
+    if found is None:
         present = [key for key, _, _ in FORMATS if key in row]
         if present:
             raise BadRow(f"{where}: '{present[0]}' is null")
         raise BadRow(f"{where}: the row has neither 'messages' nor 'conversations'")
-    key, role_key, text_key = formats[0]  # 'messages' where a row has both
+    key, role_key, text_key = found
     turns = row[key]
     if not isinstance(turns, list) or not turns:
         raise BadRow(f"{where}: '{key}' is empty or not a list")
@@ -132,17 +132,21 @@ def _turns(row: dict, where: str) -> tuple[list, str, str]:
 def system_turn_added(row: dict) -> bool:
     """Whether the row's `system` field (LLaMA-Factory's ShareGPT rows) is read as its first turn: a text,
     beside turns that hold no system turn (regeneration writes the row back without it)."""
-    system = row.get("system")
-    formats = [(key, role) for key, role, _ in FORMATS if row.get(key) is not None]
-    if not isinstance(system, str) or not system.strip() or not formats:
+    system, found = row.get("system"), _format(row)
+    if not isinstance(system, str) or not system.strip() or found is None:
         return False
-    key, role_key = formats[0]
+    key, role_key, _ = found
     turns = row[key] if isinstance(row[key], list) else []
     return not any(isinstance(t, dict) and str(t.get(role_key)).lower() == "system" for t in turns)
 
 
 # (the row's key, its turns' role key, their text key)
 FORMATS = (("messages", "role", "content"), ("conversations", "from", "value"))
+
+
+def _format(row: dict) -> tuple[str, str, str] | None:
+    """The row's format (FORMATS): the first whose key holds something; 'messages' where a row has both."""
+    return next((f for f in FORMATS if row.get(f[0]) is not None), None)
 
 
 def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -> list[dict]:

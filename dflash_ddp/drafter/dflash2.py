@@ -182,7 +182,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self._compiled_after_attention = torch.compile(self._after_attention, backend=backend, fullgraph=True)
 
     def _before_attention(self, hidden, context, cos, sin):
-        """Roped q, k, v of the convolved, normed block (`DFlashAttention._qkv`) and the convolution's deltas."""
+        """Roped q, k, v of the convolved, normed block (`DFlashAttention._qkv`), the convolution's deltas."""
         normed, deltas = self.attention_conv.prepare(self.input_layernorm(hidden))
         return (*self.self_attn._qkv(normed, context, cos, sin, _NORMED_ALREADY), deltas)
 

@@ -89,8 +89,8 @@ def load_prompts(
     tokenizer, data_path: str | Path, num_prompts: int, template_kwargs: dict | None = None
 ) -> list[tuple[str, list[int]]]:
     """The first `num_prompts` rows of a conversation file as (where, prompt ids): each conversation up to its
-    last assistant turn (whole when it ends with another turn), rendered with the tokenizer's chat template and the generation prompt (a row's own
-    template arguments over `template_kwargs`)."""
+    last assistant turn (whole when it ends with another turn), rendered with the tokenizer's chat template
+    and the generation prompt (a row's own template arguments over `template_kwargs`)."""
     prompts = []
     paths = resolve_data(str(data_path))[0]
     for where, messages, row_kwargs in read_conversations(paths, require_assistant=False, limit=num_prompts):

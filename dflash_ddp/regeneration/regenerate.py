@@ -293,6 +293,18 @@ def pick_device(name: str, local_rank: int) -> tuple[torch.device, torch.dtype]:
     return device, torch.float32
 
 
+# settings a finished run is compared on before anything is read (data files by path)
+FINISHED_SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "chat_template_kwargs",
+    "keep_truncated",
+)
+
+
 def check_finished(out: Path, cfg: RegenerateConfig) -> None:
     """A finished OUT asked for again: ValueError when OUT.settings.json records other settings than these
     (those known without reading data or weights: local data files by path), which OUT does not follow."""
@@ -311,18 +323,6 @@ def check_finished(out: Path, cfg: RegenerateConfig) -> None:
             f"{out} is a finished run with other settings (then -> now): {'; '.join(changed)}. Pass another "
             f"--out, or delete {out} and {path.name} to regenerate"
         )
-
-
-# settings a finished run is compared on before anything is read (data files by path)
-FINISHED_SETTINGS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "chat_template_kwargs",
-    "keep_truncated",
-)
 
 
 def say_finished(out: Path, parts: Path, rank: int) -> None:
