@@ -1,9 +1,11 @@
 """The live display's split warnings: the drafter waiting for features, the targets blocked on sends."""
 
+import io
 import json
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from dflash_ddp.observe import progress
 from dflash_ddp.observe.progress import TrainingMonitor, pipeline_warnings, send_wait_fractions
@@ -99,3 +101,24 @@ def test_colocated_runs_get_no_split_warnings(tmp_path, capsys, clock):
     assert "target forward 90%" in err and "drafter waited" not in err  # not shown as a starved drafter
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("warnings" not in r for r in lines)
+
+
+@pytest.mark.parametrize("columns", [100, 120])
+def test_live_display_keeps_the_bar_and_every_figure_of_a_split_job(tmp_path, monkeypatch, columns):
+    """On a terminal narrower than a 7-target job's figures, the bar, the times and every figure stay in view
+    (the figures wrap below the bar instead of being cut)."""
+    screen = io.StringIO()
+    terminal = Console(file=screen, force_terminal=True, width=columns, color_system=None)
+    monkeypatch.setattr(progress, "Console", lambda **_: terminal)
+    monkeypatch.setattr(progress.sys, "stderr", SimpleNamespace(isatty=lambda: True))
+    monitor = TrainingMonitor(tmp_path, total_steps=10_000)
+    seven = {str(rank): 1.0 for rank in range(7)}
+    monitor.log(record(20, 0.12, seven) | {"tokens_per_s": 12345.0, "hidden_state_bytes_per_s": 2**30})
+    monitor._progress.refresh()
+    monitor.close()
+    assert "step 20/10000" in screen.getvalue()
+    shown = screen.getvalue().rsplit("step 20/10000", 1)[1]  # the last frame drawn
+    text = " ".join(shown.split())
+    assert "…" not in shown and "-:--:--" in shown
+    for figure in ("loss 1.000", "tau~1.50", "12,345 tok/s", "drafter waited 12%", "1,024 MiB/s", "6:1"):
+        assert figure in text, (figure, shown)

@@ -1,9 +1,9 @@
 """What the user sees and what is recorded: a rich live display on the drafter leader, metrics.jsonl always.
 
-On a terminal the display is a live progress bar with step, loss, accuracy, estimated tau, tokens/s,
-how long the drafter waited for data and, in split jobs, hidden-state MiB/s and each target's queue
-depth; in a log file (CI, Slurm) the same figures come as one line per
-logging step.
+On a terminal the display is a live progress bar (step, elapsed, remaining) with the figures on the lines
+below it, wrapped to the terminal's width: loss, accuracy, estimated tau, tokens/s, how long the drafter
+waited for data and, in split jobs, hidden-state MiB/s and each target's queue depth; in a log file (CI,
+Slurm) the same figures come as one line per logging step.
 
 In split jobs two warnings say when the split is off balance: the drafter waiting for features more
 than 10% of a logging window (add target ranks), or the target ranks blocked on full send queues more
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from dflash_ddp.checkpoint.evaluations import read_evaluations
 from dflash_ddp.files import SaveError
@@ -100,6 +101,28 @@ def pipeline_warnings(
     return warnings
 
 
+class TrainingProgress(Progress):
+    """rich's progress bar with each task's `summary` field on the lines below its bar: a split job's figures
+    run past 200 columns, and in one row with the bar rich cut them and the bar itself to fit."""
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        for task in self.tasks:
+            if task.fields.get("summary"):
+                yield Text(task.fields["summary"])
+
+
+def progress_bar(console: Console) -> TrainingProgress:
+    """The live display of a run: step, bar, elapsed and remaining time; the figures below."""
+    return TrainingProgress(
+        TextColumn("[bold]step {task.completed}/{task.total}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
 class TrainingMonitor:
     """Appends one JSON object per logged step to metrics.jsonl, sends it to the experiment trackers (if
     any: --report_to) and shows progress."""
@@ -119,14 +142,7 @@ class TrainingMonitor:
         self._evaluated = 0  # records of eval.jsonl already shown
         self.print(TAU_LEGEND)
         if self.live:
-            self._progress = Progress(
-                TextColumn("[bold]step {task.completed}/{task.total}"),
-                BarColumn(),
-                TextColumn("{task.fields[summary]}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
+            self._progress = progress_bar(self.console)
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, summary="")
             self._progress.start()
 
