@@ -352,6 +352,23 @@ def test_sampling_is_seeded_per_batch(tiny_target, chat_data, tmp_path, monkeypa
     assert read_rows(out) == sampled
 
 
+def test_progress_lines_say_how_many_rows_are_left_and_when_the_job_ends(
+    tiny_target, chat_data, tmp_path, monkeypatch, capsys
+):
+    """Rank 0 of a world of 2 takes batches 0 and 2 of 4 (its share of the job): each progress line says how
+    many of its rows are left and about how long they take, which is the job's time left."""
+    data = first_rows(chat_data, tmp_path / "rows.jsonl", 8)
+    monkeypatch.setattr(rg, "PROGRESS_EVERY_S", -1.0)  # a line after every batch
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert rg.main(flags(tiny_target, data, tmp_path / "out.jsonl", batch_size=2)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rank 0: batch")]
+    assert [line.split(", ")[0] for line in lines] == ["rank 0: batch 1/4", "rank 0: batch 3/4"]
+    assert "2 of its 4 rows left" in lines[0] and "0 of its 4 rows left" in lines[1]
+    assert all("left, under a minute left" in line or " min left" in line for line in lines), lines
+    assert rg.time_left(30, 10, 60.0) == "about 3 min left" and rg.time_left(5, 0, 1.0) == "time left unknown"
+
+
 def test_other_settings_than_the_parts_dir_is_an_error(tiny_target, chat_data, tmp_path, monkeypatch, capsys):
     data = first_rows(chat_data, tmp_path / "rows.jsonl", 4)
     out = tmp_path / "out.jsonl"

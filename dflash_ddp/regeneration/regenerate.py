@@ -337,6 +337,7 @@ class RegenerationRun:
     def __init__(self, writer: PartWriter, done: set[int], rank: int):
         self.writer, self.done, self.rank = writer, done, rank
         self.rows = self.tokens = 0
+        self.todo = 0  # rows this process has to generate in this run (`run_batches`, `run_served`)
         self.start = self.last_report = time.perf_counter()
 
     def write(self, records: list[dict], where: str) -> None:
@@ -350,7 +351,11 @@ class RegenerationRun:
         if self.rank == 0 and now - self.last_report > PROGRESS_EVERY_S:
             self.last_report = now
             seconds = now - self.start
-            print(f"rank 0: {where}, {self.rows / seconds:.2f} rows/s, {self.tokens / seconds:.0f} tokens/s")
+            left = max(self.todo - self.rows, 0)
+            print(
+                f"rank 0: {where}, {self.rows / seconds:.2f} rows/s, {self.tokens / seconds:.0f} tokens/s, "
+                f"{left} of its {self.todo} rows left, {time_left(left, self.rows, seconds)}"
+            )
 
     def rate(self) -> str:
         """This process's rows, tokens and speed, for the closing line."""
@@ -361,11 +366,25 @@ class RegenerationRun:
         )
 
 
+def time_left(left: int, done: int, seconds: float) -> str:
+    """The time `left` rows take at the rate of the `done` rows of `seconds` (every rank runs at about the
+    same rate on its equal share, so rank 0's estimate is the job's)."""
+    if not done:
+        return "time left unknown"
+    minutes = left * seconds / done / 60
+    return f"about {minutes:.0f} min left" if minutes >= 1 else "under a minute left"
+
+
 def run_batches(
     cfg: RegenerateConfig, rows: list[Row], run: RegenerationRun, generate: TargetGenerator, world: int
 ):
     """Transformers' path: global batches k = rank, rank + world, ..., each seeded from (seed, k)."""
     num_batches = -(-len(rows) // cfg.batch_size)
+    run.todo = sum(
+        row.index not in run.done
+        for k in range(run.rank, num_batches, world)
+        for row in rows[k * cfg.batch_size : (k + 1) * cfg.batch_size]
+    )
     for k in range(run.rank, num_batches, world):
         batch = rows[k * cfg.batch_size : (k + 1) * cfg.batch_size]
         if all(row.index in run.done for row in batch):
@@ -383,6 +402,7 @@ def run_served(
     sampling = SamplingRequest(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed, tuple(sorted(chat.eos)))
     work = served_row_work(chat, ServedSettings(cfg.max_new_tokens, sampling, cfg.skip_bad_rows))
     todo = [row for row in rows if row.index not in run.done]
+    run.todo = len(todo)
     for records in served_records(todo, clients, cfg.requests_in_flight, work):
         run.write(records, f"{len(run.done) + run.rows + len(records)}/{len(rows)} rows")
 
