@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(usage(argv))
         return 0
     where = "" if world == 1 else f" (rank {rank})"
+    lock = None  # the output directory's, held by the drafter leader
     try:
         cfg, embedded = parse_config(argv)
         topology = Topology(world, rank, cfg.drafter_ranks, cfg.target_tp_size)
@@ -87,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         group_calibration = cfg.calibrate and topology.tp_size > 1
         if cfg.plan and not leader and not group_calibration:
             return 0
+        if leader and not cfg.plan:
+            # the lock before anything in the directory is read or changed (two jobs would both resume the
+            # same checkpoint, and race on rotation, `latest` and metrics.jsonl), and before the target loads
+            # and the data is tokenized: a second job on the directory is refused in seconds, not after them
+            lock = OutputDirLock(cfg.output_dir)
+            for note in lock.acquire():
+                print(note)
         setup = prepare(cfg, topology)
         if setup.warm_start and leader:
             print("\n".join(setup.warm_start.lines()))
@@ -108,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend, cfg.target_tp_size
         )
     except ValueError as e:
+        if lock:
+            lock.release()
         return refuse(f"error{where}: {e}", first=local_rank == 0, split=world > 1)
-    lock = OutputDirLock(cfg.output_dir) if leader else None
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
     try:
         return train(ctx, run, stats, lock, where)
     finally:
@@ -125,9 +138,7 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         error = None
         if leader:
             try:
-                # the lock before anything in the directory is read or changed: two jobs would both resume
-                # the same checkpoint, and race on rotation, `latest` and metrics.jsonl
-                for note in lock.acquire() + remove_leftovers(cfg.output_dir) + decide_start(run, topology):
+                for note in remove_leftovers(cfg.output_dir) + decide_start(run, topology):
                     print(note)
                 if not finished(run):
                     run.trackers = start_trackers(cfg, run.start_step)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ddp import soak
+from dflash_ddp import train as train_module
 from dflash_ddp.checkpoint.manifest import verify_checkpoint
 from dflash_ddp.parallel.run_lock import OutputDirLock
 from dflash_ddp.train import main
@@ -139,6 +140,43 @@ def test_a_failing_drafter_rank_exits_with_its_own_message_and_is_the_root_cause
     lock.release()
 
 
+def test_a_lock_taken_anew_leaves_no_directory_and_a_removed_lock_file_is_never_held(tmp_path):
+    """A job refused at start (its lock released before it wrote anything) leaves no output directory; one
+    that found the directory keeps it and its lock file. A job that opened the lock file just before a
+    refused job removed it takes the new file instead of holding a removed one."""
+    out = tmp_path / "new" / "run"
+    lock = OutputDirLock(out)
+    assert lock.acquire() == []
+    second = OutputDirLock(out)
+    with pytest.raises(ValueError, match="is in use by another job"):
+        second.acquire()
+    lock.release()
+    assert not out.exists() and (tmp_path / "new").is_dir()
+    out.mkdir()
+    lock.acquire()
+    lock.release()
+    assert [p.name for p in out.iterdir()] == [".dflash_ddp.lock"]
+
+    held = OutputDirLock(tmp_path / "raced")
+    held.acquire()
+    opened_before = (tmp_path / "raced" / ".dflash_ddp.lock").open("a+")
+    held.release()  # removes the file `opened_before` still refers to
+    real_open, opens = Path.open, []
+
+    def open_the_removed_file_first(path, *args, **kwargs):
+        opens.append(path)
+        return opened_before if len(opens) == 1 else real_open(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Path, "open", open_the_removed_file_first)
+        late = OutputDirLock(tmp_path / "raced")
+        late.acquire()
+    assert len(opens) == 2 and (tmp_path / "raced" / ".dflash_ddp.lock").is_file()
+    with pytest.raises(ValueError, match="is in use by another job"):
+        OutputDirLock(tmp_path / "raced").acquire()
+    late.release()
+
+
 @pytest.mark.processes
 def test_sigterm_to_a_target_rank_only_stops_the_whole_job_with_a_checkpoint(
     tiny_target, chat_data, tmp_path
@@ -242,9 +280,10 @@ def test_a_failing_metrics_append_is_a_save_error(tmp_path):
 
 @pytest.mark.processes
 def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_over(
-    tiny_target, chat_data, tmp_path, capsys
+    tiny_target, chat_data, tmp_path, capsys, monkeypatch
 ):
-    """The first job runs in a process of its own (SIGKILLed below); the second and third in this one."""
+    """The first job runs in a process of its own (SIGKILLed below); the second and third in this one. The
+    second is refused before it loads the target or tokenizes (minutes on a real target and data set)."""
     out = tmp_path / "run"
     train = [sys.executable, "-m", "dflash_ddp.train"]
     first = subprocess.Popen(
@@ -258,7 +297,9 @@ def test_a_second_job_on_the_same_output_dir_is_refused_and_a_dead_holder_taken_
             assert time.time() < deadline and first.poll() is None
             time.sleep(0.05)
         capsys.readouterr()
-        assert main(flags(tiny_target, chat_data, out)) == 2
+        with monkeypatch.context() as m:
+            m.setattr(train_module, "prepare", lambda *_: pytest.fail("the target loaded before the lock"))
+            assert main(flags(tiny_target, chat_data, out)) == 2
         refused = capsys.readouterr().err
         assert f"--output_dir {out} is in use by another job (host " in refused
         assert f"pid {first.pid}, started " in refused

@@ -3,7 +3,9 @@
 The lock is a `flock` on OUTPUT_DIR/.dflash_ddp.lock (NFS clients map it to a POSIX lock, which the
 server arbitrates between nodes). The kernel releases it when the holder dies, however it dies, so a
 lock is never stale: its file only still names the dead holder, which the next job reports and takes
-over. The file names the holder (host, pid, start time) so that a refused job can say who has it.
+over. The file names the holder (host, pid, start time) so that a refused job can say who has it. The leader
+takes it first thing, before the target loads and the data is tokenized, so a second job is refused in
+seconds; a job refused at start removes the directory it created for the lock.
 """
 
 from __future__ import annotations
@@ -25,25 +27,31 @@ class OutputDirLock:
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir) / LOCK_FILE
         self._file = None
+        self._made_dir = False  # whether this job created the directory (see `release`)
 
     def acquire(self) -> list[str]:
         """Take the lock or raise ValueError naming its holder. Returns lines to print."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            f = self.path.open("a+")
-        except OSError as e:
-            raise ValueError(
-                f"--output_dir {self.path.parent}: cannot create it or its lock file ({e})"
-            ) from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _describe(_read(f))
-            f.close()
-            raise ValueError(
-                f"--output_dir {self.path.parent} is in use by another job ({holder}): wait for it to end, "
-                "stop it, or pass another --output_dir"
-            ) from None
+        self._made_dir = not self.path.parent.exists()
+        while True:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                f = self.path.open("a+")
+            except OSError as e:
+                raise ValueError(
+                    f"--output_dir {self.path.parent}: cannot create it or its lock file ({e})"
+                ) from None
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _describe(_read(f))
+                f.close()
+                raise ValueError(
+                    f"--output_dir {self.path.parent} is in use by another job ({holder}): wait for it to end, "
+                    "stop it, or pass another --output_dir"
+                ) from None
+            if _is_file_at(f, self.path):
+                break
+            f.close()  # a job refused at start removed the file it held after this one opened it: take anew
         previous = _read(f)
         f.seek(0)
         f.truncate()
@@ -63,14 +71,30 @@ class OutputDirLock:
         return []
 
     def release(self) -> None:
-        """Clear the holder's name and unlock (a crash skips this; the kernel unlocks anyway)."""
+        """Clear the holder's name and unlock (a crash skips this; the kernel unlocks anyway). A directory
+        this job created and left holding nothing but the lock (a job refused at start) is removed, still
+        locked, so that a bad flag leaves nothing behind."""
         if self._file is None:
             return
         with contextlib.suppress(OSError):
-            self._file.seek(0)
-            self._file.truncate()
+            if self._made_dir and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+                self.path.unlink()
+                self.path.parent.rmdir()
+            else:
+                self._file.seek(0)
+                self._file.truncate()
         self._file.close()  # closing the last descriptor releases the flock
         self._file = None
+
+
+def _is_file_at(f, path: Path) -> bool:
+    """Whether the open file `f` is the one at `path` (not one removed from there since it was opened)."""
+    try:
+        now = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(f.fileno())
+    return (opened.st_dev, opened.st_ino) == (now.st_dev, now.st_ino)
 
 
 def _read(f) -> dict:
