@@ -9,6 +9,7 @@ HF_HUB_OFFLINE=1 the cache alone is read. Every failure is one ValueError line s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -148,12 +149,12 @@ def download(
     except GatedRepoError:
         raise ValueError(
             f"{what}: a gated {kind} repository: accept its terms on huggingface.co, then log in "
-            "(`huggingface-cli login`) or set HF_TOKEN"
+            "(`hf auth login`) or set HF_TOKEN"
         ) from None
     except RepositoryNotFoundError:
         raise ValueError(
-            f"{what}: no such {kind} repository on the hub, or a private one and no token was sent "
-            "(log in with `huggingface-cli login` or set HF_TOKEN)"
+            f"{what}: {_not_local(repo_id)}no such {kind} repository on the hub, or a private one and no token "
+            "was sent (log in with `hf auth login` or set HF_TOKEN)"
         ) from None
     except RevisionNotFoundError:
         raise ValueError(
@@ -161,15 +162,33 @@ def download(
         ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         reason = "HF_HUB_OFFLINE=1 is set" if offline() else "the hub cannot be reached"
+        command = "hf download" + (" --repo-type dataset" if kind == "dataset" else "")
+        command += f" {repo_id}" + (f" --revision {revision}" if revision else "")
         raise ValueError(
-            f"{what}: not in the hub cache {cache_dir()} and {reason}; download it where the hub is reachable "
-            "(unset HF_HUB_OFFLINE) or point HF_HUB_CACHE / HF_HOME at a cache that holds it"
+            f"{what}: {_not_local(repo_id)}not in the hub cache {cache_dir()} and {reason}; download it where the "
+            f"hub is reachable (`{command}`) or point HF_HUB_CACHE / HF_HOME at a cache that holds it"
         ) from None
     except HfHubHTTPError as e:
         raise ValueError(f"{what}: the hub answered {' '.join(str(e).split())[:300]}") from None
     except OSError as e:
         raise ValueError(f"{what}: cannot write the hub cache {cache_dir()}: {e}") from None
     return Path(folder)
+
+
+def _not_local(name: str) -> str:
+    """The start of a hub error for a name that may be a mistyped local path: its first folder exists here."""
+    first = Path(name).parts[0]
+    return (
+        f"no local folder {name} ({first}/ exists: a typo?), and as a hub name: "
+        if Path(first).is_dir()
+        else ""
+    )
+
+
+def download_command(name: str, files: list[str]) -> str:
+    """The command that downloads `files` of the hub name `name` (`org/name[@revision]`) into the cache."""
+    repo_id, _, revision = name.partition("@")
+    return f"hf download {repo_id} {' '.join(files)}" + (f" --revision {revision}" if revision else "")
 
 
 def locate_model(name: str, commit: str | None = None) -> ModelSource:
@@ -204,7 +223,14 @@ def weight_files(path: Path, num_layers: int | None, text: TextWeights | None = 
     text model's weights count (a wrapper's vision tower and other parts are left out)."""
     weight_map = _weight_map(path)
     if weight_map is None:
-        return sorted(p.name for p in path.glob("*.safetensors")) or ["model.safetensors"]
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        if found and "model.safetensors" not in found:  # transformers would look for model.safetensors alone
+            raise ValueError(
+                f"--target_model {path}: {len(found)} safetensors file(s) ({', '.join(found[:3])}"
+                f"{' ...' if len(found) > 3 else ''}) and no {WEIGHTS_INDEX}, by which transformers finds "
+                "sharded weights; copy the index file saved with them"
+            )
+        return ["model.safetensors"]
     needed = set()
     for weight, file in weight_map.items():
         if text is not None and not text.holds(weight):
@@ -266,6 +292,7 @@ def fetch_weights(
         missing = [f for f in files if not (source.path / f).is_file()]
         check_disk_space(source, missing)
         download(source.repo_id, source.commit, files)
+    check_present(source, files, local_only)
     for name in files:
         check_safetensors(source.path / name, source.name)
     note = skipped_note(source, text) if source.repo_id is not None and not local_only else None
@@ -322,12 +349,32 @@ def check_disk_space(source: ModelSource, files: list[str]) -> None:
         )
 
 
+def check_present(source: ModelSource, files: list[str], local_only: bool = False) -> None:
+    """One line naming every weight file a run needs that is not on disk, and where it would come from."""
+    missing = [f for f in files if not (source.path / f).is_file()]
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    head = f"--target_model {source.name}: {len(missing)} of the {len(files)} weight file(s) this run reads"
+    if source.repo_id is None:
+        raise ValueError(f"{head} are not in {source.path} ({shown}); copy or download the model again")
+    if offline() or local_only:
+        raise ValueError(
+            f"{head} are not in the hub cache ({shown}) and "
+            + ("HF_HUB_OFFLINE=1 is set" if offline() else "the rank that downloads did not fetch them")
+            + f"; download them where the hub is reachable (`{download_command(source.name, missing)}`)"
+        )
+    raise ValueError(  # downloaded without an error, so the repository has no such file
+        f"{head} are not in the repository at {source.revision} ({shown}): a repository of pickled .bin weights "
+        "only? those are not loaded (they can run code); use a safetensors release of the model"
+    )
+
+
 def check_safetensors(path: Path, name: str) -> None:
     """One line naming a weight file that is missing, cut short or damaged (as an interrupted download
     leaves it) and how to fetch it again, instead of a loader's traceback."""
     again = (
-        f"delete it and run again to download it (or `huggingface-cli download {name.partition('@')[0]} "
-        f"{path.name}`)"
+        f"delete it and run again to download it (or `{download_command(name, [path.name])}`)"
         if hub_model_name(name)
         else "copy or download the model again"
     )
@@ -392,18 +439,29 @@ def resolve_data(spec: str, flag: str = "--data", commit: str | None = None) -> 
     return [str(folder / f) for f in files], folder.name
 
 
+def lacks_indexed_files(path: Path) -> bool:
+    """Whether some weight file the index of the directory `path` names is not in it."""
+    weight_map = _weight_map(path)
+    return weight_map is not None and any(not (path / f).is_file() for f in set(weight_map.values()))
+
+
 def truncated_view(
     source: ModelSource, num_layers: int | None, root: Path, text: TextWeights | None = None
 ) -> Path:
     """A hub snapshot as transformers should load it for `num_layers` layers (of the text model alone with
     `text`): a directory under `root` of links to its config, tokenizer and the weight files those layers
     need, with an index of only their weights, so that no other shard is opened (or needs to be on disk). A
-    local directory is used as is."""
-    if source.repo_id is None or not (source.path / WEIGHTS_INDEX).is_file():
+    local directory is used as is unless its index names files it lacks (a snapshot partly downloaded)."""
+    index_file = source.path / WEIGHTS_INDEX
+    if not index_file.is_file() or (source.repo_id is None and not lacks_indexed_files(source.path)):
         return source.path
     files = weight_files(source.path, num_layers, text)
     layers = ("all" if num_layers is None else f"{num_layers}layers") + ("-text" if text else "")
-    view = root / f"{source.repo_id.replace('/', '--')}-{source.commit[:12]}-{layers}"
+    if source.repo_id is None:  # named by the folder and its index: a folder refilled gets a new view
+        key = hashlib.sha256(f"{source.path.resolve()}\n{index_file.read_text()}".encode()).hexdigest()
+        view = root / f"local-{source.path.name}-{key[:12]}-{layers}"
+    else:
+        view = root / f"{source.repo_id.replace('/', '--')}-{source.commit[:12]}-{layers}"
     if (view / WEIGHTS_INDEX).is_file():
         return view
     index = json.loads((source.path / WEIGHTS_INDEX).read_text())

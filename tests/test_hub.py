@@ -36,8 +36,9 @@ from dflash_ddp.hub import (
 from dflash_ddp.parallel.downloads import fetch_target_weights
 from dflash_ddp.regenerate import main as regenerate_main
 from dflash_ddp.setup.run import target_weights
+from dflash_ddp.target_model import loading
 from dflash_ddp.target_model.info import inspect_target
-from dflash_ddp.target_model.loading import load_causal_lm, whole_target
+from dflash_ddp.target_model.loading import load_causal_lm, load_text_model, whole_target
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer, conversation
@@ -391,7 +392,101 @@ def test_each_hub_refusal_is_one_line_saying_what_to_do(monkeypatch, error, expe
     assert str(e.value).startswith("--target_model org/x@v9: " + expected)
     assert "\n" not in str(e.value)
     if not isinstance(error, RevisionNotFoundError):
-        assert "huggingface-cli login" in str(e.value) and "HF_TOKEN" in str(e.value)
+        assert "`hf auth login`" in str(e.value) and "HF_TOKEN" in str(e.value)
+
+
+def test_a_mistyped_local_target_path_says_no_such_folder_exists(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "snapshot_download", hub_unreachable)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ValueError) as e:
+        locate_model("models/lama@v2")
+    message = str(e.value)
+    assert message.startswith(
+        "--target_model models/lama@v2: no local folder models/lama (models/ exists: a typo?)"
+    )
+    assert "the hub cannot be reached" in message and "`hf download models/lama --revision v2`" in message
+    assert "HF_HUB_OFFLINE" not in message  # not set: no advice to unset it
+
+
+def hub_unreachable(*args, **kwargs):
+    raise hub.LocalEntryNotFoundError("the hub cannot be reached")
+
+
+def test_weight_files_missing_from_the_cache_are_all_named_with_the_command_that_fetches_them(
+    hub_cache, monkeypatch
+):
+    folder = hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A
+    needed = weight_files(folder, 2)
+    for shard in needed[:2]:
+        (folder / shard).unlink()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    source = ModelSource("org/tiny@v2", folder, "org/tiny", "v2", COMMIT_A)
+    with pytest.raises(ValueError) as e:
+        hub.fetch_weights(source, 2)
+    message = str(e.value)
+    assert f"2 of the {len(needed)} weight file(s) this run reads are not in the hub cache" in message
+    assert f"`hf download org/tiny {needed[0]} {needed[1]} --revision v2`" in message, message
+    assert "HF_HUB_OFFLINE=1 is set" in message and "delete" not in message
+
+
+def test_a_hub_repository_of_bin_weights_only_is_named_as_such(tmp_path, monkeypatch):
+    """The download succeeds (it fetches the safetensors files there are: none), so the repository has none."""
+    folder = snapshot(tmp_path / "hub", "org/binonly", COMMIT_A)
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "snapshot_download", lambda *a, **k: str(folder))
+    monkeypatch.setattr(hub, "remote_sizes", lambda *a: 0)
+    with pytest.raises(
+        ValueError,
+        match=r"not in the repository at main \(model\.safetensors\): a repository "
+        r"of pickled \.bin weights only\?",
+    ):
+        hub.fetch_weights(ModelSource("org/binonly", folder, "org/binonly", "main", COMMIT_A), None)
+
+
+def test_sharded_weights_without_their_index_are_refused(tiny_target, tmp_path):
+    folder = tmp_path / "noindex"
+    AutoModelForCausalLM.from_pretrained(tiny_target).save_pretrained(folder, max_shard_size="150KB")
+    (folder / hub.WEIGHTS_INDEX).unlink()
+    with pytest.raises(ValueError, match=r"safetensors file\(s\) .* and no model\.safetensors\.index\.json"):
+        weight_files(folder, 2)
+
+
+def test_a_local_snapshot_missing_later_shards_loads_through_a_view(hub_cache, tmp_path):
+    """A local folder that is a partly downloaded snapshot: transformers would open every file its index names;
+    the run reads it through a view of the files its layers need."""
+    local = tmp_path / "partial"
+    shutil.copytree(hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A, local)
+    for shard in shards_of_late_layers(local, 2):
+        shard.unlink()
+    source = ModelSource(str(local), local)
+    view = fetch_target_weights(source, 2, tmp_path / "views", together=False)
+    assert view != local and set(_index(view).values()) == set(weight_files(local, 2))
+    info = inspect_target(view)
+    assert load_text_model(view, info.text_stack(), 2, torch.float32) is not None
+    complete = tmp_path / "complete"
+    shutil.copytree(hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A, complete)
+    assert (
+        fetch_target_weights(ModelSource(str(complete), complete), 2, tmp_path / "views", together=False)
+        == complete
+    )
+
+
+def test_views_for_decoding_go_to_the_users_cache_when_the_hub_cache_is_read_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "shared" / "hub"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "mine"))
+    (tmp_path / "shared" / "hub").mkdir(parents=True)
+    assert loading.views_root() == tmp_path / "shared" / loading.VIEWS
+    writable = os.access
+    monkeypatch.setattr(
+        loading.os,
+        "access",
+        lambda p, mode: not str(p).startswith(str(tmp_path / "shared")) and writable(p, mode),
+    )
+    assert loading.views_root() == tmp_path / "mine" / "dflash_ddp" / "views"
 
 
 def test_a_disk_too_small_for_the_shards_is_refused_before_the_download(hub_cache, monkeypatch):

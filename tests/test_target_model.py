@@ -1,5 +1,6 @@
 """The target side: which hidden states are tapped, what is loaded, and bad target directories."""
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -514,3 +515,72 @@ def test_a_text_model_class_its_package_does_not_export_is_found_in_its_familys_
     with pytest.raises(ValueError, match="Could not find VoxtralRealtimeTextModel"):
         transformers.AutoModel._model_mapping[type(config)]
     assert text_model_class(config).__name__ == "VoxtralRealtimeTextModel"
+
+
+def test_weights_that_their_config_does_not_describe_are_refused_with_both_shapes(tiny_target, tmp_path):
+    """A config.json edited or copied from another size of the model: one line naming the weights and both
+    shapes (transformers raised 'look at the above report', a report its logging level had hidden)."""
+    from dflash_ddp.target_model.loading import load_text_model
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    config = json.loads((target / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (target / "config.json").write_text(json.dumps(config))
+    info = inspect_target(target)
+    with pytest.raises(ValueError, match="do not have the shapes") as refused:
+        load_text_model(target, info.text_stack(), 2, torch.float32)
+    message = str(refused.value)
+    assert "layers.0.mlp.down_proj.weight: (64, 128) saved, (64, 256) by the config" in message, message
+    assert f"{target}/config.json" in message and "\n" not in message
+
+
+def test_a_checkpoint_of_custom_code_is_refused_without_running_or_asking(tiny_target, tmp_path, monkeypatch):
+    """A config or tokenizer that names code of its own (auto_map) for a class transformers lacks: one line,
+    at once (transformers asked on a terminal whether to run it, then the run failed anyway)."""
+    from dflash_ddp.data.chat_template import load_target_tokenizer
+    from dflash_ddp.target_model.text_stack import read_text_stack
+
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
+    ran = tmp_path / "ran"
+    target = tmp_path / "custom"
+    shutil.copytree(tiny_target, target)
+    config = json.loads((target / "config.json").read_text())
+    config |= {"model_type": "mytiny", "auto_map": {"AutoConfig": "configuration_mytiny.MyTinyConfig"}}
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "configuration_mytiny.py").write_text(
+        f"open({str(ran)!r}, 'w').close()\nfrom transformers import Qwen3Config\n"
+        "class MyTinyConfig(Qwen3Config):\n    model_type = 'mytiny'\n"
+    )
+    with pytest.raises(ValueError, match=r"its config.json names code of its own \(auto_map\)"):
+        read_text_stack(target)
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    tokenizer_config |= {
+        "tokenizer_class": "XTokenizer",
+        "auto_map": {"AutoTokenizer": [None, "tok_x.XTokenizer"]},
+    }
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (target / "tok_x.py").write_text(
+        f"open({str(ran)!r}, 'w').close()\nfrom transformers import PreTrainedTokenizerFast\n"
+        "class XTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    with pytest.raises(ValueError, match=r"its tokenizer is code of its own \(auto_map\), which is not run"):
+        load_target_tokenizer(target)
+    assert not ran.exists()
+    bare = tmp_path / "no_tokenizer"
+    bare.mkdir()
+    shutil.copy(tiny_target / "config.json", bare / "config.json")
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        load_target_tokenizer(bare)
+
+
+def test_a_drafter_given_as_the_target_is_named_as_one(tmp_path):
+    drafter = tmp_path / "export"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(
+        json.dumps({"architectures": ["DFlashDraftModel"], "model_type": "qwen3"})
+    )
+    with pytest.raises(
+        ValueError, match=r"this is a drafter \(DFlashDraftModel\), not a target: .* --init_from"
+    ):
+        inspect_target(drafter)

@@ -52,13 +52,12 @@ from dflash_ddp.target_model.features import TargetFeatureExtractor, decoder_lay
 from dflash_ddp.target_model.forward_code import causal_lm_class
 from dflash_ddp.target_model.head import SharedTargetHead
 from dflash_ddp.target_model.info import inspect_target, target_info_from_config, truncated_parameter_count
-from dflash_ddp.target_model.loading import load_causal_lm
+from dflash_ddp.target_model.loading import load_causal_lm, load_text_model
 from dflash_ddp.target_model.memory import TargetLoad, target_memory
 from dflash_ddp.target_model.quantization import WeightStorage, truncated_weight_bytes, weight_storage
 from dflash_ddp.target_model.tensor_parallel import check_tensor_parallel
 from dflash_ddp.target_model.text_stack import (
     generating_part,
-    load_text_model,
     text_model_of,
     truncated_text_config,
 )
@@ -931,6 +930,19 @@ def test_a_target_without_a_text_head_is_refused_in_one_line(chat_data, tmp_path
     assert train_main(train_flags(target, chat_data, tmp_path / "run")) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "BertModel (bert) has no causal-LM text head" in line
+
+
+def test_a_masked_lm_encoder_is_refused_in_one_line(tmp_path):
+    """BertForMaskedLM has an LM head, but it fills in masked tokens reading both ways: it was accepted, its
+    head called a vision tower by the plan, and the run stopped on a missing pooler."""
+    target = tmp_path / "bert"
+    tok = build_tokenizer(target)
+    config = BertConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64
+    )
+    transformers.BertForMaskedLM(config).save_pretrained(target)
+    with pytest.raises(ValueError, match="BertForMaskedLM is a masked-language-model encoder"):
+        inspect_target(target)
 
 
 def test_an_encoder_decoder_target_is_refused_in_one_line(chat_data, tmp_path, capsys):

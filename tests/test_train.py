@@ -306,3 +306,26 @@ def test_ctrl_c_during_the_final_evaluation_ends_it_at_once_and_says_how_to_fini
             signal.signal(sig, handler)
     assert report is None and "the final evaluation was interrupted" in error
     assert "the same command evaluates the last one" in error
+
+
+def test_token_ids_past_the_targets_embeddings_are_refused_naming_the_sample():
+    """A tokenizer with more tokens than the target's vocab_size: refused after tokenizing, before the
+    target's forward would fail on the id (on a GPU, a device-side assert)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dflash_ddp.data.dataset import TokenizedDataset
+    from dflash_ddp.setup.run import check_token_ids
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 12, 6])
+    data = TokenizedDataset(ids, torch.ones_like(ids), torch.tensor([0, 3, 7]))
+    setup = SimpleNamespace(info=SimpleNamespace(vocab_size=13, path=Path("target")), tokenizer=[0] * 20)
+    check_token_ids(data, setup)  # every id has an embedding
+    setup.info.vocab_size = 12
+    with pytest.raises(
+        ValueError,
+        match=r"sample 1 holds token id 12, and the target has embeddings for ids below 12 "
+        r"\(target/config.json vocab_size\) while its tokenizer has 20 tokens",
+    ):
+        check_token_ids(data, setup)

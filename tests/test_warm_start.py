@@ -382,7 +382,7 @@ def test_a_damaged_source_is_one_line_naming_the_file_and_what_to_do(
         "export": f"export it again (python -m dflash_ddp.export CHECKPOINT {directory}) or copy it again",
         "checkpoint": f"pick another checkpoint for --init_from (an earlier one in {directory.parent})",
         "run directory": f"pick another checkpoint for --init_from (an earlier one in {directory.parent})",
-        "hub": f"download it again into the hub cache {tmp_path / 'hub'}: `huggingface-cli download org/drafter",
+        "hub": f"download it again into the hub cache {tmp_path / 'hub'}: `hf download org/drafter",
     }[kind]
     assert remedy in line, line
 

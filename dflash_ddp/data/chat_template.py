@@ -75,9 +75,21 @@ def load_target_tokenizer(target_dir: str | Path, template_file: str = ""):
     directory when it cannot be loaded or ends up without a chat template."""
     from transformers import AutoTokenizer  # here: config.py imports this module and stays light
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    if Path(target_dir).is_dir() and not any(
+        any(Path(target_dir).glob(pattern)) for pattern in ("tokenizer*", "vocab*", "*.tiktoken", "*.model")
+    ):  # transformers would build an empty tokenizer of the model type, or ask for sentencepiece
+        raise ValueError(
+            f"--target_model {target_dir}: no tokenizer files (tokenizer.json, tokenizer_config.json, ...) in the "
+            "directory; copy them from the model's release"
+        )
+    try:  # never run a checkpoint's own code, nor ask on a terminal whether to
+        tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise ValueError(
+                f"--target_model {target_dir}: its tokenizer is code of its own (auto_map), which is not run; "
+                "use a release of the model whose tokenizer transformers loads by itself (a tokenizer.json)"
+            ) from None
         raise ValueError(f"--target_model {target_dir}: cannot load its tokenizer ({e})") from None
     load_chat_template(tokenizer, template_file)
     return tokenizer

@@ -70,7 +70,7 @@ def _what_to_do(name: str, path: Path, commit: str | None) -> str:
     if commit is not None:
         repo_id = hub_model_name(name)[0]
         return (
-            f"download it again into the hub cache {cache_dir()}: `huggingface-cli download {repo_id} "
+            f"download it again into the hub cache {cache_dir()}: `hf download {repo_id} "
             f"config.json {WEIGHTS} --revision {commit} --force-download`"
         )
     if (path / "trainer_state.json").is_file() or (path / MANIFEST).is_file():

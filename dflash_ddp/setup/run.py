@@ -192,7 +192,24 @@ def load_data(
         cfg.num_proc,
         log=lambda m: print(m + where),
     )
+    check_token_ids(data, setup)
     return data, stats
+
+
+def check_token_ids(data: TokenizedDataset, setup: RunSetup) -> None:
+    """Refuse data whose token ids the target has no embedding for (a tokenizer with more tokens than the
+    model's vocab_size): the target's forward would fail on it, on a GPU with a device-side assert."""
+    rows, vocab = setup.info.vocab_size, len(setup.tokenizer)
+    if not len(data) or int(data.input_ids.max()) < rows:
+        return
+    position = int((data.input_ids >= rows).nonzero()[0])
+    sample = int(torch.searchsorted(data.offsets, position, right=True)) - 1
+    raise ValueError(
+        f"--data: tokenized sample {sample} holds token id {int(data.input_ids[position])}, and the target has "
+        f"embeddings for ids below {rows} ({setup.info.path}/config.json vocab_size) while its tokenizer has "
+        f"{vocab} tokens: use the tokenizer saved with these weights (one that adds tokens needs the model's "
+        "embeddings resized and saved with it)"
+    )
 
 
 def build_schedule(cfg: TrainConfig, data: TokenizedDataset, topology: Topology) -> BatchSchedule:

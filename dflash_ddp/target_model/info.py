@@ -5,6 +5,7 @@ the fingerprint a checkpoint records, the default tapped layers, and parameter c
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -173,6 +174,7 @@ def inspect_target(path: str | Path) -> TargetInfo:
         )
     if not (path / "config.json").is_file():
         raise ValueError(f"--target_model {path}: no config.json in the directory")
+    _refuse_a_drafter(path)
     if not list(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
         raise ValueError(
             f"--target_model {path}: no *.safetensors weights (pickled .bin weights are not loaded; "
@@ -180,6 +182,22 @@ def inspect_target(path: str | Path) -> TargetInfo:
         )
     stack = read_text_stack(path)
     return target_info_from_config(stack.config, path, stack)
+
+
+def _refuse_a_drafter(path: Path) -> None:
+    """One line for a drafter (a checkpoint or export of this project, or z-lab's) given as the target."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers' reading says what is wrong with it
+    if not isinstance(config, dict):
+        return
+    name = str((config.get("architectures") or ["a dflash_config"])[0])
+    if "dflash_config" in config or name.endswith("DraftModel"):
+        raise ValueError(
+            f"--target_model {path}: this is a drafter ({name}), not a target: pass the model it drafts for "
+            "(a drafter to start from goes to --init_from)"
+        )
 
 
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}

@@ -3,15 +3,28 @@ evaluation and regeneration) and the end-of-sequence ids it stops on."""
 
 from __future__ import annotations
 
+import copy
+import os
+import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
+from transformers import AutoConfig
+from transformers.utils import logging as hf_logging
 
 from dflash_ddp.hub import TextWeights, cache_dir, fetch_weights, locate_model, truncated_view
+from dflash_ddp.target_model.forward_code import causal_lm_class
 from dflash_ddp.target_model.info import TargetInfo, inspect_target
 from dflash_ddp.target_model.quantization import check_kernels, weight_storage
-from dflash_ddp.target_model.text_stack import load_text_model
+from dflash_ddp.target_model.text_stack import (
+    TextStack,
+    dequantized_as_it_loads,
+    required_text_model_class,
+    truncated_text_config,
+)
+from dflash_ddp.target_model.wrapper_loading import checkpoint_conversions
 
 
 def load_target_model(
@@ -28,10 +41,117 @@ def load_target_model(
     )
 
 
+def load_text_model(
+    path: Path,
+    stack: TextStack,
+    layers: int,
+    dtype: torch.dtype,
+    with_head: bool = False,
+    dequantize: bool = False,
+    **kwargs,
+) -> nn.Module:
+    """The text model's first `layers` decoder layers (`with_head`: as a causal LM, with its final norm and
+    LM head), read from the checkpoint in `path` and nothing else of it; `kwargs` go to `from_pretrained` (a
+    tensor-parallel `distributed_config`). A weight the text model expects and the checkpoint lacks is an
+    error: transformers would fill it with random numbers. Where transformers has no causal LM of the text
+    config alone (GLM-5), the whole model `with_head` is the checkpoint's own class. `dequantize`: a
+    quantized release's weights are dequantized as they load (where the device does not keep them)."""
+    if with_head and not stack.text_lm:
+        return load_checkpoint_class(path, stack, dtype, dequantize, **kwargs)
+    model_class = causal_lm_class(stack.config) if with_head else None
+    model_class = model_class or required_text_model_class(stack.config)
+    with checkpoint_conversions(model_class, stack, with_head):
+        model, loading = model_class.from_pretrained(
+            path,
+            config=truncated_text_config(stack, layers, with_head, dequantize),
+            dtype=dtype,
+            local_files_only=True,
+            key_mapping=_key_mapping(stack, with_head),
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # refused below, with the shapes (transformers' report is silenced)
+            **kwargs,
+        )
+    check_shapes(path, loading)
+    missing = sorted(loading.get("missing_keys", ()))
+    if missing:
+        raise ValueError(
+            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of its text model's first "
+            f"{layers} layers ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); read from "
+            f"'{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by transformers?"
+        )
+    return model
+
+
+def _key_mapping(stack: TextStack, with_head: bool) -> dict[str, str] | None:
+    """transformers' `key_mapping` for a load of the text model: none from a wrapper's files where its
+    transforms are registered (`wrapper_loading.checkpoint_conversions`), the prefix change where they are not known."""
+    if stack.wrapped:
+        return None if stack.wrapper_conversions else stack.key_mapping
+    return stack.key_mapping if with_head else stack.base_key_mapping
+
+
+def load_checkpoint_class(
+    path: Path, stack: TextStack, dtype: torch.dtype, dequantize: bool, **kwargs
+) -> nn.Module:
+    """The checkpoint as its own class (a vision-language wrapper whose text model has no causal LM), whole;
+    where the class is more than what writes the text, that sub-model's class alone, which transformers reads
+    from its part of the files (Omni's thinker, beside a talker that speaks: Qwen2.5-Omni's class would also
+    read the talker's voices from a pickle, which this project never loads)."""
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if dequantize:
+        dequantized_as_it_loads(config)
+    cls = getattr(transformers, stack.architecture)
+    if stack.generator:
+        with torch.device("meta"):
+            part = cls._from_config(copy.deepcopy(config)).get_submodule(stack.generator)
+        cls, config = type(part), part.config
+    model, loading = cls.from_pretrained(
+        path,
+        config=config,
+        dtype=dtype,
+        local_files_only=True,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,  # refused below, with the shapes (transformers' report is silenced)
+        **kwargs,
+    )
+    check_shapes(path, loading)
+    missing = sorted(loading.get("missing_keys", ()))
+    if missing:
+        raise ValueError(
+            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {cls.__name__} "
+            f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); is it complete and saved by transformers?"
+        )
+    return model
+
+
+def check_shapes(path: Path, loading: dict) -> None:
+    """Refuse a checkpoint whose weights have other shapes than its config.json gives them (a config edited
+    or copied from another size of the model), naming the first few with both shapes."""
+    mismatched = sorted(loading.get("mismatched_keys", ()), key=lambda m: m[0])
+    if not mismatched:
+        return
+    shown = "; ".join(
+        f"{key}: {tuple(saved)} saved, {tuple(expected)} by the config"
+        for key, saved, expected in mismatched[:3]
+    )
+    raise ValueError(
+        f"--target_model {path}: {len(mismatched)} weight(s) do not have the shapes {path}/config.json gives "
+        f"them ({shown}{' ...' if len(mismatched) > 3 else ''}): the config does not describe these weights; "
+        "use the config.json saved with them"
+    )
+
+
 def load_causal_lm(info: TargetInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The whole text model with its LM head, for generation and speculative verification (a vision-language
-    checkpoint's text model alone, as a causal LM), on `device` (`load_target_model`)."""
-    model = load_target_model(info, info.num_layers, dtype, device, with_head=True)
+    checkpoint's text model alone, as a causal LM), on `device` (`load_target_model`). transformers' load
+    report is silenced: the weights it would list as unexpected are a wrapper's vision tower, never read, and
+    missing or mismatched weights are refused by `load_text_model` in one line."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = load_target_model(info, info.num_layers, dtype, device, with_head=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -58,8 +178,17 @@ VIEWS = "dflash_ddp-views"  # beside the hub cache: views of a snapshot that ind
 
 
 def views_root() -> Path:
-    """Where views of hub snapshots for decoding live (hub.truncated_view), beside the hub cache."""
-    return cache_dir().parent / VIEWS
+    """Where views of hub snapshots for decoding live (hub.truncated_view): beside the hub cache, or where
+    that cannot be written (a cluster's shared, read-only cache) in this user's cache, else the temporary
+    folder. A view is links and an index: small, and made again wherever it is missing."""
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_ddp"
+    for root in (cache_dir().parent / VIEWS, user_cache / "views", Path(tempfile.gettempdir()) / VIEWS):
+        existing = next(p for p in (root, *root.parents) if p.exists())
+        if os.access(existing, os.W_OK | os.X_OK):
+            return root
+    raise ValueError(
+        f"no writable folder for the target's views: {cache_dir().parent} and {user_cache} are read-only"
+    )
 
 
 def decoding_weights(info: TargetInfo) -> TextWeights | None:

@@ -36,7 +36,6 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 
 from dflash_ddp.hub import LAYER_OF_WEIGHT, TextWeights, check_safetensors
 from dflash_ddp.target_model.forward_code import causal_lm_class, text_model_class
-from dflash_ddp.target_model.wrapper_loading import checkpoint_conversions
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ def _name_prefixes(name: str) -> list[str]:
     return [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
 
 
-def _text_model_class(text: PretrainedConfig) -> type[PreTrainedModel]:
+def required_text_model_class(text: PretrainedConfig) -> type[PreTrainedModel]:
     """The class that builds the text model of `text` alone (see forward_code.text_model_class)."""
     found = text_model_class(text)
     if found is None:
@@ -230,12 +229,19 @@ def decoder_layer_count(text: PretrainedConfig) -> int:
 
 def _refuse_unsupported_layers(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> None:
     """One line, before anything is built, for decoder layers that read more than the text before them (an
-    encoder-decoder's cross-attention): the drafter is given a layer's output and nothing else."""
+    encoder-decoder's cross-attention): the drafter is given a layer's output and nothing else; and for
+    masked-LM encoders, which do not generate."""
     if getattr(config, "is_encoder_decoder", False):  # Florence-2, Pix2Struct, T5Gemma 2, Nougat ...
         raise ValueError(
             f"--target_model {path}: {(config.architectures or [config.model_type])[0]} is an encoder-decoder "
             "model: its decoder's layers also attend to an encoder's output, which a drafter reading the "
             "decoder's hidden states is never given; DFlash drafts for decoder-only targets"
+        )
+    masked = [a for a in config.architectures or () if a.endswith("ForMaskedLM")]
+    if masked:  # BERT, RoBERTa, ModernBERT ...: their heads fill in masked tokens, reading both ways
+        raise ValueError(
+            f"--target_model {path}: {masked[0]} is a masked-language-model encoder: it fills in masked tokens "
+            "reading both ways and does not generate text left to right; DFlash drafts for decoder-only targets"
         )
 
 
@@ -319,10 +325,26 @@ def _saved_numbers(locations: dict[str, Path], modules: set[str]) -> int:
     return total
 
 
+def custom_code_refusal(path: Path, file: str) -> str:
+    """The refusal of a checkpoint whose `file` names code of its own (`auto_map`) for a class transformers
+    does not have."""
+    return (
+        f"--target_model {path}: its {file} names code of its own (auto_map) for a class transformers "
+        f"{transformers.__version__} does not have; targets are loaded by transformers' own classes and no code "
+        "from a checkpoint is run: use a release of the model in a format transformers supports (or a newer "
+        "transformers that has the class)"
+    )
+
+
 def read_text_stack(path: str | Path) -> TextStack:
     """The text model of the checkpoint in `path` (config only; the model is built on the meta device)."""
     path = Path(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:  # never run a checkpoint's own code, nor ask on a terminal whether to
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(custom_code_refusal(path, "config.json")) from None
     text = config.get_text_config(decoder=True)
     quantized = getattr(config, "quantization_config", None)
     if text is not config and quantized and not getattr(text, "quantization_config", None):
@@ -368,7 +390,7 @@ def read_text_stack(path: str | Path) -> TextStack:
     own_class = causal_lm_class(text)
     with torch.device("meta"):
         # GLM-5's text config has no causal LM of its own: generation runs the checkpoint's class
-        own = (own_class or _text_model_class(text))._from_config(copy.deepcopy(text))
+        own = (own_class or required_text_model_class(text))._from_config(copy.deepcopy(text))
     own_head = own.get_output_embeddings() if own_class else None
     counted = {id(p) for p in text_model.parameters()} | {id(head.weight)}
     return TextStack(
@@ -423,7 +445,7 @@ def _base_key_mapping(text: PretrainedConfig, saved: list[str]) -> dict[str, str
     V4: its attention's `.norm.` -> `.kv_norm.` also hits `model.norm.weight`): the prefix stripped first. None
     where every weight loads as it is. Checked on the weights outside layers 1.. (the layers repeat layer 0)."""
     with torch.device("meta"):
-        base = _text_model_class(text)._from_config(copy.deepcopy(text))
+        base = required_text_model_class(text)._from_config(copy.deepcopy(text))
     transforms = get_model_conversion_mapping(base)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -447,7 +469,7 @@ def _truncatable(text: PretrainedConfig) -> bool:
 
     def shapes(layers: int) -> dict[str, tuple]:
         with torch.device("meta"):
-            model = _text_model_class(text)._from_config(_cut(text, layers))
+            model = required_text_model_class(text)._from_config(_cut(text, layers))
         return {n: tuple(p.shape) for n, p in model.named_parameters() if not LAYER_OF_WEIGHT.search(n)}
 
     return decoder_layer_count(text) < 2 or shapes(1) == shapes(decoder_layer_count(text))
@@ -466,11 +488,11 @@ def truncated_text_config(
     if isinstance(spec, dict) and (names := spec.get("modules_to_not_convert")):
         spec["modules_to_not_convert"] = _unconverted_modules(stack, names, with_head)
     if dequantize:
-        _dequantized_as_it_loads(config)
+        dequantized_as_it_loads(config)
     return config
 
 
-def _dequantized_as_it_loads(config: PretrainedConfig) -> None:
+def dequantized_as_it_loads(config: PretrainedConfig) -> None:
     """Ask transformers to dequantize a quantized release's weights as it loads them (where this device does
     not keep them: it judges by the machine's GPU, not by the device a run asks for)."""
     spec = getattr(config, "quantization_config", None)
@@ -499,33 +521,6 @@ def _unconverted_modules(stack: TextStack, names: list[str], with_head: bool) ->
     return [*names, *renamed]
 
 
-def _load_checkpoint_class(
-    path: Path, stack: TextStack, dtype: torch.dtype, dequantize: bool, **kwargs
-) -> nn.Module:
-    """The checkpoint as its own class (a vision-language wrapper whose text model has no causal LM), whole;
-    where the class is more than what writes the text, that sub-model's class alone, which transformers reads
-    from its part of the files (Omni's thinker, beside a talker that speaks: Qwen2.5-Omni's class would also
-    read the talker's voices from a pickle, which this project never loads)."""
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if dequantize:
-        _dequantized_as_it_loads(config)
-    cls = getattr(transformers, stack.architecture)
-    if stack.generator:
-        with torch.device("meta"):
-            part = cls._from_config(copy.deepcopy(config)).get_submodule(stack.generator)
-        cls, config = type(part), part.config
-    model, loading = cls.from_pretrained(
-        path, config=config, dtype=dtype, local_files_only=True, output_loading_info=True, **kwargs
-    )
-    missing = sorted(loading.get("missing_keys", ()))
-    if missing:
-        raise ValueError(
-            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {cls.__name__} "
-            f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); is it complete and saved by transformers?"
-        )
-    return model
-
-
 # settings a family gives as a list of one per decoder layer, beside `layer_types` (Gemma 3n's MLP widths and
 # activation sparsity)
 PER_LAYER_SETTINGS = ("intermediate_size", "activation_sparsity_pattern")
@@ -546,50 +541,3 @@ def _cut(text: PretrainedConfig, layers: int) -> PretrainedConfig:
     if shared:
         config.num_kv_shared_layers = max(0, layers - (whole - shared))
     return config
-
-
-def load_text_model(
-    path: Path,
-    stack: TextStack,
-    layers: int,
-    dtype: torch.dtype,
-    with_head: bool = False,
-    dequantize: bool = False,
-    **kwargs,
-) -> nn.Module:
-    """The text model's first `layers` decoder layers (`with_head`: as a causal LM, with its final norm and
-    LM head), read from the checkpoint in `path` and nothing else of it; `kwargs` go to `from_pretrained` (a
-    tensor-parallel `distributed_config`). A weight the text model expects and the checkpoint lacks is an
-    error: transformers would fill it with random numbers. Where transformers has no causal LM of the text
-    config alone (GLM-5), the whole model `with_head` is the checkpoint's own class. `dequantize`: a
-    quantized release's weights are dequantized as they load (where the device does not keep them)."""
-    if with_head and not stack.text_lm:
-        return _load_checkpoint_class(path, stack, dtype, dequantize, **kwargs)
-    model_class = causal_lm_class(stack.config) if with_head else None
-    model_class = model_class or _text_model_class(stack.config)
-    with checkpoint_conversions(model_class, stack, with_head):
-        model, loading = model_class.from_pretrained(
-            path,
-            config=truncated_text_config(stack, layers, with_head, dequantize),
-            dtype=dtype,
-            local_files_only=True,
-            key_mapping=_key_mapping(stack, with_head),
-            output_loading_info=True,
-            **kwargs,
-        )
-    missing = sorted(loading.get("missing_keys", ()))
-    if missing:
-        raise ValueError(
-            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of its text model's first "
-            f"{layers} layers ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); read from "
-            f"'{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by transformers?"
-        )
-    return model
-
-
-def _key_mapping(stack: TextStack, with_head: bool) -> dict[str, str] | None:
-    """transformers' `key_mapping` for a load of the text model: none from a wrapper's files where its
-    transforms are registered (`wrapper_loading.checkpoint_conversions`), the prefix change where they are not known."""
-    if stack.wrapped:
-        return None if stack.wrapper_conversions else stack.key_mapping
-    return stack.key_mapping if with_head else stack.base_key_mapping
