@@ -103,3 +103,27 @@ def test_layers_that_recompute_run_outside_the_compiled_regions(counts):
     assert recomputing.per_layer_outside > 5 * kept.per_layer_outside
     assert recomputing.per_layer_outside <= recomputing.per_layer
     assert kept.step.outside_regions < kept.step.launching
+
+
+def test_bench_gpu_counts_the_execution_its_flags_chose(tmp_path, monkeypatch):
+    """`bench --gpu --recompute qkv_mlp` counts the recomputing step it timed, not the default one."""
+    from types import SimpleNamespace
+
+    from dflash_ddp.bench import op_count
+
+    asked = []
+
+    class Count:
+        def as_dict(self):
+            return {}
+
+        def lines(self):
+            return []
+
+    monkeypatch.setattr(op_count, "run_on_device", lambda args: {})
+    monkeypatch.setattr(op_count, "count_step_ops", lambda overrides=None: asked.append(overrides) or Count())
+    for recompute, chunk in (("auto", 0), ("qkv_mlp", 0), ("none", 512)):
+        op_count.run_gpu_shapes(
+            SimpleNamespace(out=str(tmp_path), recompute=recompute, loss_chunk_size=chunk)
+        )
+    assert asked == [{}, {"recompute": "qkv_mlp"}, {"recompute": "none", "loss_chunk_size": 512}]

@@ -97,6 +97,23 @@ def test_report_names_the_recommended_split_and_the_idle_rank():
     assert "--nproc-per-node 7 ... --drafter_ranks 1" in text
     assert "idle: rank 7 of 8" in text
     assert re.search(r"7 \+ 1: 6\.00 sequences/s.*<- this launch", text)
+    assert "global batch" not in text  # the recommended split keeps this launch's one drafter rank
+    # a recommendation with more drafter ranks says that the step grows with them, and how to keep it
+    fast_target = Measurement(
+        Rates(target=6.0, drafter=1.0), batches=3, sequences=30, target_s=5.0, drafter_s=30.0
+    )
+    lines = report(
+        fast_target, 8, torch.device("cpu"), drafter_ranks=1, allreduce_bytes=2**20, accumulation=6
+    )
+    [note] = [line for line in lines if "global batch" in line]
+    drafters = int(RECOMMENDED.findall("\n".join(lines))[0][1])
+    assert drafters > 1 and f"6 now, {6 * drafters} with {drafters} drafter ranks" in note
+    keep = (
+        f"--gradient_accumulation_steps {6 // drafters}"
+        if 6 % drafters == 0
+        else f"--tokens_per_batch x 6/{6 * drafters}"
+    )
+    assert note.endswith(keep), note
     # one process: the colocated prediction, and the split for an 8-process launch of this machine
     lines = report(measurement, 1, torch.device("cpu"), drafter_ranks=1, allreduce_bytes=2**20)
     assert any(line.startswith("  this launch, colocated") for line in lines)

@@ -193,3 +193,12 @@ def test_a_dspark_run_trains_resumes_exactly_exports_and_decodes_losslessly(
     cut = json.loads(report_path.read_text())
     assert cut["lossless"] and cut["dflash"]["tau"] == 1.0 and cut["dflash"]["drafts_skipped"] > 0
     assert "drafts not verified (below --confidence_threshold)" in capsys.readouterr().out
+
+
+def test_the_plan_names_dsparks_markov_tables_and_counts_them_as_lasting_state():
+    from dflash_ddp.drafter.memory import DrafterLoad, drafter_memory
+
+    load = DrafterLoad(10**6, 8 * 10**6, 1024, 4096, 1024, 1024, "sparse", 4, received_batches=1)
+    plan = drafter_memory(dspark_config(), load)
+    assert "Markov tables" in plan.parts and "selector codebooks" not in plan.parts
+    assert "Markov tables" in plan.lasting and "activations" not in plan.lasting

@@ -95,3 +95,19 @@ def test_the_final_tau_stands_at_the_step_it_measured_and_the_loss_is_named_as_t
     assert loss_name(run) == "the run's weighted objective"  # no config.json
     (run / "config.json").write_text(json.dumps({"position_weighting": "dpace", "loss": "ce"}))
     assert loss_name(run) == "dpace-weighted ce"
+
+
+@pytest.mark.parametrize("targets", [2, 0])
+def test_the_pipeline_plot_calls_a_colocated_wait_the_targets_forward(tmp_path, targets):
+    """Colocated, the drafter's 'wait' is its own process running the target, as the live line says."""
+    from matplotlib.figure import Figure
+
+    from dflash_ddp.observe.plot import draw
+
+    records = [metrics_line(step, targets) for step in range(1, 11)]
+    if not targets:  # a colocated run's records carry no target figures
+        records = [{k: v for k, v in r.items() if not k.startswith("target_")} for r in records]
+    figure = Figure()
+    assert draw("pipeline", records, tmp_path, figure)
+    colocated = "target forward (colocated: the drafter waits its turn)"
+    assert figure.axes[0].get_title() == ("drafter waiting for batches" if targets else colocated)

@@ -154,7 +154,10 @@ def main() -> None:
         parser.error(f"--only {','.join(unknown)}: choose among {', '.join(SECTIONS)}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     for name in chosen:
-        SECTIONS[name](args)
+        try:
+            SECTIONS[name](args)
+        except ValueError as e:  # bad input (a flag, a device): one line, the sections before it printed
+            raise SystemExit(f"error (bench {name}): {e}") from None
 
 
 if __name__ == "__main__":

@@ -223,6 +223,11 @@ def build_trainer(cfg: TrainConfig, c: DFlashDraftConfig, execution: Execution, 
     return DrafterTrainer(drafter, shared, settings, optimizer_settings(cfg, 1000))
 
 
+def _held_features_peak(plan, held: int, planned: int) -> float:
+    """The drafter rank's predicted peak with `held` batches of received features instead of `planned`."""
+    return plan.total - plan.parts["received features"] * (1 - held / planned)
+
+
 def measure_drafter(trainer: DrafterTrainer, batches: list[Batch], steps: int, base: int):
     """Warm-up steps, then `steps` timed optimizer steps cycling through `batches`, whose random features
     stay resident; returns the figures and the (batch, features, epoch) micro-batches."""
@@ -375,6 +380,9 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(
             f"--loss_chunk_size {args.loss_chunk_size}: rows of a loss piece, or 0 for the plan's"
         )
+    for flag in ("target_steps", "drafter_steps"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} {getattr(args, flag)}: at least 1 timed step")
     if args.scale != "tiny" and device.type != "cuda":
         raise SystemExit(f"--scale {args.scale} needs a GPU (about 60 GB); pass --scale tiny on a CPU")
     out = Path(args.out)
@@ -447,7 +455,10 @@ def run(args: argparse.Namespace) -> dict:
         steps=args.drafter_steps,
         mfu=peak and flops["model"] / drafter["step_s"] / peak,
         hfu=peak and flops["executed"] / drafter["step_s"] / peak,
-        predicted_peak_gib=memory.drafter.total / GIB,
+        # like for like: the plan's drafter rank of a 7 + 1 launch holds 1 + max_inflight batches of received
+        # features, this measurement the features of its `batches` alone
+        predicted_peak_gib=_held_features_peak(memory.drafter, len(batches), 1 + cfg.max_inflight) / GIB,
+        predicted_launch_peak_gib=memory.drafter.total / GIB,
         predicted_parts_gib={k: round(v / GIB, 3) for k, v in memory.drafter.parts.items()},
     )
     figures["drafter"] = drafter
@@ -458,8 +469,10 @@ def run(args: argparse.Namespace) -> dict:
         f"{drafter['attention']}, chunks of {cfg.drafter_chunk_tokens}): {drafter['step_s']:.3f} s per step, "
         f"{drafter['draft_positions_per_s']:,.0f} draft positions/s, model {flops['model']:.3g} FLOP per step, "
         f"{_tflops(flops['model'], drafter['step_s'])}{_mfu(drafter['mfu'])} (executed {flops['executed']:.3g}"
-        f"{_mfu(drafter['hfu'], 'HFU')}); peak {drafter['peak_gib']:.2f} GiB "
-        f"(predicted {drafter['predicted_peak_gib']:.2f}: {memory.drafter.describe()}); {drafter['execution']}"
+        f"{_mfu(drafter['hfu'], 'HFU')}); peak {drafter['peak_gib']:.2f} GiB (predicted "
+        f"{drafter['predicted_peak_gib']:.2f} with the features of {len(batches)} batches held, as here; "
+        f"{drafter['predicted_launch_peak_gib']:.2f} in a 7 + 1 launch: {memory.drafter.describe()}); "
+        f"{drafter['execution']}"
     )
     parts = drafter["parts"]
     shares = ", ".join(

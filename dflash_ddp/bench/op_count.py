@@ -327,7 +327,9 @@ def run_gpu_shapes(args) -> dict:
     counted on the CPU at the fixed tiny shape; last, so that nothing measured on the device is lost if the
     count fails. Both are printed and written to OUT/gpu_shapes.json."""
     figures = run_on_device(args)
-    count = count_step_ops()
+    # the execution the device's figures were measured with, where the flags chose one
+    chosen = {"recompute": args.recompute, "loss_chunk_size": args.loss_chunk_size}
+    count = count_step_ops({k: v for k, v in chosen.items() if v not in ("auto", 0)})
     figures["op_count"] = count.as_dict()
     (Path(args.out) / "gpu_shapes.json").write_text(json.dumps(figures, indent=1) + "\n")
     for line in count.lines():

@@ -113,6 +113,8 @@ class DFlashDraftConfig(PretrainedConfig):
         (memory.backward_per_position)."""
         return 0
 
+    lookup_table_label = "lookup tables"  # the memory plan's name for a family's tables
+
     def lookup_table_params(self) -> int:
         """Parameters of the family's lookup tables (kept on AdamW), shown apart in the memory plan."""
         return 0

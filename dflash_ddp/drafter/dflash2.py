@@ -79,6 +79,8 @@ class DFlash2DraftConfig(DFlashDraftConfig):
         """None: the normed inputs are the convolutions', counted in `extra_saved_per_position`."""
         return 0
 
+    lookup_table_label = "selector codebooks"  # the plan's name for them
+
     def lookup_table_params(self) -> int:
         """The selector's two codebooks, [V, rank] each."""
         return 2 * self.vocab_size * self.selector_rank

@@ -81,6 +81,8 @@ class DSparkDraftConfig(DFlashDraftConfig):
         """The Markov features and the confidence head's input, per position (small beside a layer's)."""
         return 2 * self.markov_rank + self.hidden_size
 
+    lookup_table_label = "Markov tables"  # the plan's name for them
+
     def lookup_table_params(self) -> int:
         """The Markov head's two [V, rank] tables."""
         return 2 * self.vocab_size * self.markov_rank

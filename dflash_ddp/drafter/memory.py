@@ -129,14 +129,18 @@ def drafter_memory(c: DFlashDraftConfig, load: DrafterLoad) -> MemoryPlan:
     # lookup tables (DFlash2's codebooks, DSpark's Markov tables): fp32 weights and gradients and AdamW's two
     # moments, shown apart
     tables = c.lookup_table_params() * 16
+    state = {
+        "weights+grads+optimizer": load.num_params * 8 + load.optimizer_state - tables,
+        **({c.lookup_table_label: tables} if tables else {}),
+        "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
+    }
     return MemoryPlan(
         {
-            "weights+grads+optimizer": load.num_params * 8 + load.optimizer_state - tables,
-            **({"selector codebooks": tables} if tables else {}),
-            "target embedding+LM head": 2 * c.vocab_size * c.hidden_size * dtype_bytes,
+            **state,
             "received features": load.received_batches * tokens_per_batch * width * dtype_bytes,
             "activations": activations,
             "backward or loss": max(backward, last_rest * dtype_bytes + loss_ws),
             "attention workspace": attention_ws,
-        }
+        },
+        lasting=tuple(state),
     )

@@ -165,10 +165,12 @@ def draw(name: str, records: list[dict], run_dir: Path, figure) -> bool:
         return False
     top, bottom = figure.subplots(2, 1, sharex=True)
     top.plot(steps, [100 * w for w in wait])
-    top.set_title("drafter waiting for batches")
-    top.set_ylabel("% of the logging window")
     queue_steps, queues = series(records, "target_inflight")
     ranks = sorted({rank for q in queues for rank in q}, key=int)
+    # colocated, the drafter's "wait" is the target's own forward in its process, as the live line says
+    colocated = "target forward (colocated: the drafter waits its turn)"
+    top.set_title("drafter waiting for batches" if ranks else colocated)
+    top.set_ylabel("% of the logging window")
     for rank in ranks:  # none in a colocated run: its target runs in the drafter's process
         kept = [(s, q[rank]) for s, q in zip(queue_steps, queues, strict=True) if rank in q]
         bottom.step(*zip(*kept, strict=True), where="post", label=f"target rank {rank}")

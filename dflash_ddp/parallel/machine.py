@@ -18,9 +18,11 @@ CUDA_RESERVE = 2 * GIB  # CUDA context, allocator caching and fragmentation, out
 
 @dataclass
 class MemoryPlan:
-    """Bytes by component for one rank; `total` is the predicted peak."""
+    """Bytes by component for one rank; `total` is the predicted peak. `lasting`: the parts held the whole
+    run (weights and optimizer state), against the transient ones of a step."""
 
     parts: dict[str, int]
+    lasting: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -87,11 +89,7 @@ def check_fit(
     made for another machine)."""
     # colocated: the target's forward ends before the drafter's step begins, so only the target's weights
     # and the larger of the two transient parts add up
-    state = (
-        drafter.parts["weights+grads+optimizer"]
-        + drafter.parts.get("selector codebooks", 0)
-        + drafter.parts["target embedding+LM head"]
-    )
+    state = sum(drafter.parts[name] for name in drafter.lasting)
     colocated = target.parts["weights"] + max(drafter.total, target.total - target.parts["weights"] + state)
     sizes = {"target": target.total, "drafter": drafter.total, "colocated": colocated}
     if gpu_bytes is not None:

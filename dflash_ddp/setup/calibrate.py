@@ -269,6 +269,24 @@ def _split(split: SplitPrediction) -> str:
     return f"{split.target_ranks}{grouped} + {split.drafter_ranks}"
 
 
+def global_batch_note(drafter_ranks: int, recommended: int, accumulation: int) -> list[str]:
+    """What another number of drafter ranks does to the step (nothing when it is the same): each drafter rank
+    trains `accumulation` batches of --tokens_per_batch a step, so the global batch grows with the ranks."""
+    now, then = drafter_ranks * accumulation, recommended * accumulation
+    if now == then:
+        return []
+    keep = (
+        f"--gradient_accumulation_steps {now // recommended}"
+        if now % recommended == 0
+        else f"--tokens_per_batch x {now}/{then}"
+    )
+    return [
+        f"  global batch: a step takes drafter ranks x --gradient_accumulation_steps batches: {now} now, {then} "
+        f"with {recommended} drafter ranks, another recipe (fewer steps an epoch; the learning rate may want "
+        f"tuning); to keep {now} a step with {recommended} drafter ranks pass {keep}"
+    ]
+
+
 def report(
     measurement: Measurement,
     world_size: int,
@@ -276,9 +294,11 @@ def report(
     drafter_ranks: int,
     allreduce_bytes: int,
     tp_size: int = 1,
+    accumulation: int = 1,
 ) -> list[str]:
     """The lines `--plan --calibrate` prints: the measured rates, the splits of the planning world with
-    their predictions, then `recommended split: T target ranks + M drafter ranks` and the idle ranks."""
+    their predictions, then `recommended split: T target ranks + M drafter ranks`, what it does to the
+    global batch (drafter ranks x `accumulation` batches a step) and the idle ranks."""
     m, rates = measurement, measurement.rates
     unit = "one target rank: " if tp_size == 1 else f"one target group ({tp_size} ranks, tensor-parallel):"
     lines = [
@@ -316,6 +336,7 @@ def report(
         f"(torchrun --nproc-per-node {best.processes} ... --drafter_ranks {best.drafter_ranks}{flag}): "
         f"{_describe(best)}"
     )
+    lines += global_batch_note(drafter_ranks, best.drafter_ranks, accumulation)
     idle = best.idle_ranks
     if idle:
         which = f"rank {idle[0]}" if len(idle) == 1 else f"ranks {idle[0]}-{idle[-1]}"

@@ -50,7 +50,7 @@ def calibrate_split(cfg: TrainConfig, setup: RunSetup, topology: Topology, where
     measurement = measure_rates(
         calibration_schedule(cfg, setup, data, device), extractor, trainer, cfg.gradient_accumulation_steps
     )
-    print_calibration(measurement, topology, trainer, device)
+    print_calibration(measurement, topology, trainer, device, cfg.gradient_accumulation_steps)
 
 
 def calibration_schedule(cfg: TrainConfig, setup: RunSetup, data, device: torch.device):
@@ -66,11 +66,19 @@ def calibration_schedule(cfg: TrainConfig, setup: RunSetup, data, device: torch.
     )
 
 
-def print_calibration(measurement, topology: Topology, trainer: DrafterTrainer, device) -> None:
-    """The calibration's report (calibrate.report) for this launch's topology."""
+def print_calibration(
+    measurement, topology: Topology, trainer: DrafterTrainer, device, accumulation: int
+) -> None:
+    """The calibration's report (calibrate.report) for this launch's topology and accumulation."""
     gradient_bytes = sum(p.numel() * p.element_size() for p in trainer.drafter.parameters())
     for line in report(
-        measurement, topology.world_size, device, topology.num_drafters, gradient_bytes, topology.tp_size
+        measurement,
+        topology.world_size,
+        device,
+        topology.num_drafters,
+        gradient_bytes,
+        topology.tp_size,
+        accumulation,
     ):
         print(line)
 
@@ -110,7 +118,7 @@ def calibrate_group_split(cfg: TrainConfig, setup: RunSetup, where: str) -> None
             measurement = dataclasses.replace(
                 drafter, rates=Rates(sequences / target_s, drafter.rates.drafter), target_s=target_s
             )
-            print_calibration(measurement, topo, trainer, device)
+            print_calibration(measurement, topo, trainer, device, cfg.gradient_accumulation_steps)
         job_barrier("calibrate-done")
     finally:
         shutdown()
