@@ -196,6 +196,14 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
     # a full disk, bad numbers, a rank that never came, a target its rank cannot load or run: no traceback
     except (ChannelError, SaveError, FloatingPointError, TimeoutError, ValueError) as e:
         return fail(f"error{where}: {e}", 1, split, lock=lock)
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (start-up), or a second one
+        return fail(
+            f"interrupted{where}: stopped at once; the checkpoints saved before are kept, and the same command "
+            "resumes from the last",
+            130,
+            split,
+            lock=lock,
+        )
     except RuntimeError as e:
         if not lost_peer(e):
             raise  # a bug: keep its traceback

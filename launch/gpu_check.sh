@@ -76,6 +76,17 @@ case "${1:-}" in
   -h | --help) usage; exit 0 ;;
   *) echo "gpu_check.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
 esac
+if [ $# -gt 1 ]; then
+  echo "gpu_check.sh: one option at most (got: $*); choose steps with ONLY=step1,step2" >&2; exit 2
+fi
+# a misspelt ONLY would run nothing but the preflight and end "0 step(s) failed": refused before anything runs
+STEPS="preflight colocated_flex gpu_shapes plan_large large split_gloo dflash2_window dspark plan_long_context"
+STEPS="$STEPS long_context colocated_sparse regenerate vllm_regenerate"
+for asked in ${ONLY//,/ }; do
+  if [[ " $STEPS " != *" $asked "* ]]; then
+    echo "gpu_check.sh: ONLY names no step '$asked'; the steps: $STEPS" >&2; exit 2
+  fi
+done
 DEVICE=${DEVICE:-cuda}
 PYTHON=${PYTHON:-python}
 OUT=$(realpath -m "${OUT:-gpu_check}")

@@ -151,6 +151,13 @@ def test_a_checkpoint_from_before_an_objective_setting_resumes_with_the_setting_
         saved, current, ["position_weighting", "loss", "target_topk"], _newest(finished_run)
     )
     assert "loss: 'ce' -> 'tv'" in accepted
+    # a global batch the new drafter ranks cannot keep says what it is made of
+    current["config"].update(position_weighting="decay", loss="ce", target_topk=0)
+    current["config"]["global_batch"] = saved["config"]["global_batch"] + 1
+    with pytest.raises(
+        ValueError, match=r"global_batch: checkpoint \d+, now \d+ batches a step \(drafter ranks x"
+    ):
+        check_same_run(saved, current, [], _newest(finished_run))
 
 
 def test_a_checkpoint_from_before_anchor_scaling_resumes_under_the_default_where_it_trains_alike(

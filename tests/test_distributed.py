@@ -434,3 +434,33 @@ def test_a_16k_token_sequence_trains_the_same_drafter_split_as_colocated(tmp_pat
     # the drafter's side too: one message received ahead of the one in training, never more
     received = [r["drafter_peak_receive_mib"] for r in records]
     assert all(message_mib <= mib <= 1.01 * message_mib for mib in received), received
+
+
+def test_ctrl_c_ends_a_wait_at_a_job_barrier_at_once(monkeypatch):
+    """A rank waiting at the start barrier while another loads its target for minutes: Ctrl-C interrupts
+    the wait (a wait inside the store's C++ call held it off until the barrier's hour-long timeout)."""
+    import threading
+
+    from dflash_ddp.parallel import topology
+
+    class Store:  # the other rank never arrives
+        def set(self, key, value):
+            pass
+
+        def add(self, key, amount):
+            return 1
+
+        def check(self, keys):
+            return False
+
+    monkeypatch.setattr(topology, "job_store", Store)
+    monkeypatch.setattr(topology.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(topology.dist, "get_world_size", lambda: 2)
+    main = threading.main_thread().ident
+    threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        topology.job_barrier("channel-open", timeout_s=60)
+    assert time.monotonic() - start < 5
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not reach the end barrier within 0 s"):
+        topology.job_barrier("end", timeout_s=0.2)

@@ -177,6 +177,18 @@ def test_a_lock_taken_anew_leaves_no_directory_and_a_removed_lock_file_is_never_
     late.release()
 
 
+def test_an_output_dir_whose_filesystem_does_not_lock_is_one_line(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(f, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(ValueError, match=r"its filesystem does not lock files \(\[Errno 38\]"):
+        OutputDirLock(tmp_path / "run").acquire()
+
+
 @pytest.mark.processes
 def test_sigterm_to_a_target_rank_only_stops_the_whole_job_with_a_checkpoint(
     tiny_target, chat_data, tmp_path

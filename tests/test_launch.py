@@ -160,3 +160,26 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert (outs[1] / "regenerated.jsonl").is_file() and (outs[0] / "colocated_flex" / "eval.json").is_file()
     for out in outs:
         assert not list(out.glob("*/checkpoints")) and not (out / "compile_cache").exists()
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "only,args,message",
+    [
+        ("split-gloo", ["--dry-run"], "ONLY names no step 'split-gloo'"),
+        ("", ["--dry-run", "--only", "split_gloo"], "one option at most"),
+    ],
+)
+def test_gpu_check_refuses_steps_it_would_not_run(tmp_path, only, args, message):
+    """A misspelt step ran only the preflight and ended '0 step(s) failed'; an ignored argument ran every
+    step: either spends a GPU lease on nothing asked for."""
+    env = {**os.environ, "ONLY": only, "OUT": str(tmp_path / "out")}
+    done = subprocess.run(
+        ["bash", str(ROOT / "launch" / "gpu_check.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()

@@ -49,6 +49,13 @@ class OutputDirLock:
                     f"--output_dir {self.path.parent} is in use by another job ({holder}): wait for it to end, "
                     "stop it, or pass another --output_dir"
                 ) from None
+            except OSError as e:  # ENOSYS, ENOLCK: Lustre mounted without flock, some NFS setups
+                f.close()
+                raise ValueError(
+                    f"--output_dir {self.path.parent}: its filesystem does not lock files ({e}), which keeps a "
+                    "second job from writing into a running job's directory; pass a directory on one that "
+                    "does (a local disk; Lustre mounted with -o flock)"
+                ) from None
             if _is_file_at(f, self.path):
                 break
             f.close()  # a job refused at start removed the file it held after this one opened it: take anew

@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from unittest import mock
@@ -268,6 +269,7 @@ def shutdown() -> None:
 # How long a rank waits at the job's start and end barriers: loading the target, building and compiling the
 # drafter, and the drafter's last steps all happen before them, so far beyond --dist_timeout (one transfer).
 BARRIER_TIMEOUT_S = 3600.0
+BARRIER_POLL_S = 0.1  # between looks at the store: a barrier ends at most this much after its last rank
 
 
 def job_store() -> dist.Store:
@@ -279,20 +281,22 @@ def job_store() -> dist.Store:
 def job_barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     """Wait until every rank of the job has arrived at barrier `name`, through the job's store: no
     collective, so no NCCL communicator and no watchdog is involved, and the wait has its own timeout. A
-    rank still missing after `timeout_s` is named in the error."""
+    rank still missing after `timeout_s` is named in the error. The store is polled from Python: a wait
+    inside the store's C++ call would hold off Ctrl-C for as long as the other ranks take to load."""
     store = job_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     store.set(f"dflash_ddp/barrier/{name}/rank{rank}", "1")
     if store.add(f"dflash_ddp/barrier/{name}/arrived", 1) == world:
         store.set(f"dflash_ddp/barrier/{name}/all", "1")
-    try:
-        store.wait([f"dflash_ddp/barrier/{name}/all"], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError:  # the store's timeout (DistStoreError is a RuntimeError)
-        missing = [r for r in range(world) if not store.check([f"dflash_ddp/barrier/{name}/rank{r}"])]
-        raise TimeoutError(
-            f"rank {rank}: ranks {missing} did not reach the {name} barrier within {timeout_s:.0f} s "
-            "(stuck loading or compiling? see their output)"
-        ) from None
+    deadline = time.monotonic() + timeout_s
+    while not store.check([f"dflash_ddp/barrier/{name}/all"]):
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if not store.check([f"dflash_ddp/barrier/{name}/rank{r}"])]
+            raise TimeoutError(
+                f"rank {rank}: ranks {missing} did not reach the {name} barrier within {timeout_s:.0f} s "
+                "(stuck loading or compiling? see their output)"
+            )
+        time.sleep(BARRIER_POLL_S)
 
 
 def group_meshes(num_groups: int, tp_size: int, device_type: str):

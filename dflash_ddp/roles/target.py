@@ -23,7 +23,6 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
     tensor-parallel group agree before each batch, since a rank that left alone would leave the others
     waiting in the batch's all-reduces."""
     topo = ctx.topology
-    signalled = GracefulStop().install()
     stop, told = StopFlag(), False
     extractor = build_extractor(run.cfg, run.setup, ctx.device, ctx.target_meshes)
     sends = topo.rank in topo.sender_ranks
@@ -31,6 +30,9 @@ def run_target(ctx: DistributedContext, run: Run) -> bool:
     group = tp_group(ctx.target_meshes) if ctx.target_meshes is not None else None
     pad_id = padding_id(run.setup.tokenizer)
     job_barrier("channel-open")  # every drafter rank has built, restored and warmed up its drafter
+    # caught from here, as the drafter does after its warm-up: a signal while the target loads or waits for
+    # the drafters ends the rank at once (nothing is trained yet), instead of waiting for the first batch
+    signalled = GracefulStop().install()
     for item in run.schedule.batches(run.first_batch, run.end_batch):
         if topo.group_of(item.g) != topo.group:
             continue

@@ -216,6 +216,14 @@ def _differences(key: str, saved, current) -> list[str]:
     ]
 
 
+# why a resume with another number of drafter ranks can be refused: the accumulation keeps the checkpoint's
+# global batch only where the new number of ranks divides it
+GLOBAL_BATCH_NOTE = (
+    " batches a step (drafter ranks x --gradient_accumulation_steps; these drafter ranks do not divide the "
+    "checkpoint's: resume with a number of drafter ranks that does)"
+)
+
+
 def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path) -> list[str]:
     """Compare a checkpoint's state with this run's; returns the overridden changes, raises on the rest.
 
@@ -255,7 +263,9 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
     free = SCHEDULE_LENGTH if saved["global_step"] == 0 else ()  # no step has run on the saved schedule
     overrides = [*overrides, *free]
     refused = [
-        f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in changed.items() if k not in overrides
+        f"{k}: checkpoint {old!r}, now {new!r}" + (GLOBAL_BATCH_NOTE if k == "global_batch" else "")
+        for k, (old, new) in changed.items()
+        if k not in overrides
     ]
     if refused:
         flags = [
