@@ -464,3 +464,33 @@ def test_ctrl_c_ends_a_wait_at_a_job_barrier_at_once(monkeypatch):
     assert time.monotonic() - start < 5
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not reach the end barrier within 0 s"):
         topology.job_barrier("end", timeout_s=0.2)
+
+
+@pytest.mark.parametrize(
+    "error,kind,says",
+    [
+        (
+            "[gloo] Timed out waiting 15000ms for recv operation to complete",
+            "ChannelError",
+            "target rank 0 is stuck",
+        ),
+        ("[gloo] Connection closed by peer [127.0.0.1]:1234", "PeerLost", "target rank 0 died"),
+    ],
+)
+def test_a_drafter_whose_target_went_silent_names_it_as_its_own_failure(monkeypatch, error, kind, says):
+    """A target rank stuck (SIGSTOP, a hung forward): the drafter's receive times out and is the rank that can
+    name it, so it is not reported as a consequence (torchrun's summary had blamed a healthy target rank,
+    whose sends had stopped being taken, and shown no message); a target that died is its consequence."""
+    from types import SimpleNamespace
+
+    from dflash_ddp.parallel import channel
+
+    class Work:
+        def wait(self):
+            raise RuntimeError(error)
+
+    monkeypatch.setattr(channel.dist, "batch_isend_irecv", lambda ops: [Work()])
+    monkeypatch.setattr(channel.dist, "P2POp", lambda *args: None)
+    with pytest.raises(channel.ChannelError) as failed:
+        channel.ChannelReceiver._recv_into(SimpleNamespace(rank=2), [torch.empty(1)], 0, "batch 5")
+    assert type(failed.value).__name__ == kind and says in str(failed.value)

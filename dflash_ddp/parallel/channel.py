@@ -83,7 +83,15 @@ class ChannelError(RuntimeError):
 
 class PeerLost(ChannelError):
     """A send or receive failed because the peer rank died or got stuck: a consequence of that rank's
-    failure, not a failure of this rank's own."""
+    failure, not a failure of this rank's own. (A drafter's receive that times out is a ChannelError of its
+    own: it names the target rank that is stuck, which says nothing itself, so torchrun's summary shows it.)"""
+
+
+def _timed_out(error: RuntimeError) -> bool:
+    """Whether a failed send or receive ran out of --dist_timeout (the peer alive but silent), as gloo and
+    NCCL word it, rather than losing its peer."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
 
 
 @dataclass
@@ -185,8 +193,13 @@ class ChannelSender:
                 if self.device.type == "cuda":  # NCCL's wait() only orders the stream: block for backpressure
                     torch.cuda.current_stream(self.device).synchronize()
             except RuntimeError as e:
+                reason = (
+                    "that rank stopped taking batches: stuck, or waiting for another target rank (see its message)"
+                    if _timed_out(e)
+                    else "that rank died (see its message)"
+                )
                 raise PeerLost(
-                    f"target rank {self.rank}: sending to drafter rank {dst} failed ({e}); that rank died or is stuck"
+                    f"target rank {self.rank}: sending to drafter rank {dst} failed ({e}); {reason}"
                 ) from None
             self.wait_s += time.perf_counter() - start
 
@@ -270,9 +283,15 @@ class ChannelReceiver:
             for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src) for t in tensors]):
                 work.wait()
         except RuntimeError as e:
+            if _timed_out(e):  # nothing came: this rank is the one that can name the stuck one
+                raise ChannelError(
+                    f"drafter rank {self.rank}: nothing of {what} came from target rank {src} within "
+                    f"--dist_timeout ({e}); target rank {src} is stuck (or --dist_timeout is too short for "
+                    "one of its forwards)"
+                ) from None
             raise PeerLost(
                 f"drafter rank {self.rank}: receiving {what} from target rank {src} failed ({e}); "
-                f"target rank {src} died or is stuck (see --dist_timeout)"
+                f"target rank {src} died (see its message above)"
             ) from None
 
     def _receive_header(self, src: int, what: str, on: torch.device) -> Header:
