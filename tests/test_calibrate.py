@@ -98,6 +98,7 @@ def test_report_names_the_recommended_split_and_the_idle_rank():
     assert "idle: rank 7 of 8" in text
     assert re.search(r"7 \+ 1: 6\.00 sequences/s.*<- this launch", text)
     assert "global batch" not in text  # the recommended split keeps this launch's one drafter rank
+    assert "ranks started on this one share its cores" in text  # a CPU's prediction is per machine
     # a recommendation with more drafter ranks says that the step grows with them, and how to keep it
     fast_target = Measurement(
         Rates(target=6.0, drafter=1.0), batches=3, sequences=30, target_s=5.0, drafter_s=30.0

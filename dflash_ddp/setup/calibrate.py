@@ -312,6 +312,11 @@ def report(
     if world_size == 1:
         colocated = predict(1, 1, 1, rates)
         lines.append(f"  this launch, colocated (target and drafter take turns): {_describe(colocated)}")
+    if device.type == "cpu":
+        lines.append(
+            "  (on a CPU the splits below assume each rank a machine like this one; ranks started on this one "
+            "share its cores)"
+        )
     best = recommend(world, rates, tp_size)
     if best.colocated:
         lines.append("recommended split: colocated (one device: there is no split to choose)")
