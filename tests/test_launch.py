@@ -183,3 +183,38 @@ def test_gpu_check_refuses_steps_it_would_not_run(tmp_path, only, args, message)
     )
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.processes
+def test_the_slurm_script_gives_srun_the_cpus_and_a_process_per_gpu(tmp_path):
+    """Run with stand-ins for scontrol and srun that print what they are given, as SLURM would start it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-a; echo node-b\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "42",
+        "SLURM_CPUS_PER_TASK": "16",
+        "SLURM_GPUS_ON_NODE": "4",
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "launch" / "slurm_multinode.sbatch"), "--config", "configs/qwen3-8b.yaml"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    line = " ".join(done.stdout.split())
+    assert line.startswith("srun --cpus-per-task 16 torchrun --nnodes 2 --nproc-per-node 4 --rdzv-id 42"), (
+        line
+    )
+    assert "--rdzv-endpoint node-a:29500" in line and line.endswith(
+        "-m dflash_ddp.train --config configs/qwen3-8b.yaml"
+    )
