@@ -3,6 +3,7 @@ the image, its entry point is there, it builds the GPU image with no build argum
 names at run time. (Building it: launch/docker_check.sh, see docs/gpu.md.)"""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -67,3 +68,23 @@ def test_no_build_arguments_give_the_gpu_image_and_hub_names_are_not_blocked():
     env = " ".join(instructions("ENV"))
     assert "HF_HUB_OFFLINE" not in env, "HF_HUB_OFFLINE baked into the image blocks hub names"
     assert "HF_HOME=" in env
+
+
+@pytest.mark.processes
+def test_docker_run_keeps_the_checkpoints_on_the_host(tmp_path):
+    """With a stand-in `docker` that prints its arguments: an --output_dir outside the one mounted folder is
+    refused (the container's --rm would delete its checkpoints); OUT_DIR mounts another host folder; NPROC
+    passes through."""
+    fake = tmp_path / "docker"
+    fake.write_text('#!/bin/sh\necho "docker $*"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "NPROC": "4", "OUT_DIR": "/shared/runs"}
+    script = str(ROOT / "launch" / "docker_run.sh")
+    for flags in (["--output_dir", "/scratch/q"], ["--output_dir=elsewhere/q"]):
+        done = subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "is not under runs/" in done.stderr and not done.stdout
+    done = subprocess.run(
+        ["bash", script, "--output_dir", "runs/q"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "-e NPROC " in done.stdout and "-v /shared/runs:/app/runs " in done.stdout
