@@ -122,3 +122,12 @@ def test_live_display_keeps_the_bar_and_every_figure_of_a_split_job(tmp_path, mo
     assert "…" not in shown and "-:--:--" in shown
     for figure in ("loss 1.000", "tau~1.50", "12,345 tok/s", "drafter waited 12%", "1,024 MiB/s", "6:1"):
         assert figure in text, (figure, shown)
+
+
+def test_a_quiet_monitor_shows_nothing_and_still_records(tmp_path, capsys, clock):
+    """A benchmark printing its own table: no legend (it came once per timed run inside the table), no lines."""
+    monitor = TrainingMonitor(tmp_path, total_steps=10, quiet=True)
+    monitor.log(record(10, 0.5, None))
+    monitor.close()
+    assert capsys.readouterr().err == ""
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1

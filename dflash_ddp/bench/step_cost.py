@@ -90,8 +90,7 @@ def trainer_parts(
     extractor = build_extractor(cfg, setup, device)
     source = SimpleNamespace(wait_s=0.0, bytes_received=0, peak_buffered_bytes=0)
     window = LoggingWindow(source, 1, device)
-    monitor = TrainingMonitor(out, schedule.total_steps)
-    monitor.console.quiet = True  # the table is the output; metrics.jsonl is still written
+    monitor = TrainingMonitor(out, schedule.total_steps, quiet=True)  # the table is the output
     timer, pad_id = trainer.timer, padding_id(setup.tokenizer)
     timer.enabled = True
     totals = dict.fromkeys(PARTS, 0.0)

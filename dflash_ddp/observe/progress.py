@@ -127,13 +127,21 @@ class TrainingMonitor:
     """Appends one JSON object per logged step to metrics.jsonl, sends it to the experiment trackers (if
     any: --report_to) and shows progress."""
 
-    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int = 0, trackers=None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        start_step: int = 0,
+        trackers=None,
+        quiet: bool = False,
+    ):
+        """`quiet`: metrics.jsonl and the trackers only, nothing shown (a benchmark printing its own table)."""
         self.path = Path(output_dir) / "metrics.jsonl"
         self.trackers = trackers  # trackers.Trackers, started before training
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
-        self.console = Console(stderr=True)
-        self.live = sys.stderr.isatty()
+        self.console = Console(stderr=True, quiet=quiet)
+        self.live = sys.stderr.isatty() and not quiet
         self.start_time = time.perf_counter()
         self._window_start = 0.0  # seconds after start_time when the current logging window began
         self._send_wait_s: dict[str, float] | None = None  # targets' cumulative send waits at its start
