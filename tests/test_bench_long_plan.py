@@ -16,6 +16,10 @@ def test_the_long_context_plan_prints_each_length_for_qwen3_8b(monkeypatch, caps
     assert "| 2.50 GiB | yes |" in rows[3]
     # DFlash2's codebooks: 2 x 151936 x 256 x 16 bytes (fp32 weights, gradients, AdamW's moments) = 1.16 GiB
     assert all("selector codebooks 1.16" in r for r in rows[5:]) and "codebooks" not in rows[0]
-    assert "dflash: longest that fits: 131072 tokens" in out
+    assert (
+        "dflash: longest that fits the memory: 131072 tokens; within the target's max_position_embeddings 40960"
+        in out
+    )
+    assert "longest_context says): 32768;" in out
     # an H200 has room to keep every activation and score a chunk's loss in one piece
     assert "recompute none, gradient checkpointing off, loss pieces of 8192 rows: the fastest" in out

@@ -95,9 +95,13 @@ def bench_long_plan() -> list[str]:
                 f"{m.target.total / GIB:.1f} GiB ({m.target.describe()}) | {p.message_bytes / GIB:.2f} GiB | "
                 f"{'yes' if m.fit.fits else 'no'} |"
             )
+        positions = QWEN3_8B["max_position_embeddings"]
+        within = [p for p in rows if p.length <= positions]
         lines.append(
-            f"{family}: longest that fits: {longest_fitting(rows)} tokens; the drafter's execution at "
-            f"{rows[0].length}: {rows[0].memory.execution.describe()}"
+            f"{family}: longest that fits the memory: {longest_fitting(rows)} tokens; within the target's "
+            f"max_position_embeddings {positions} (what --plan's longest_context "
+            f"says): {longest_fitting(within)}; the drafter's execution at {rows[0].length}: "
+            f"{rows[0].memory.execution.describe()}"
         )
     lines.append(f"the target rank with --target_prefill_tokens {PREFILL_PIECE}:")
     lines += ["| tokens per sequence | target rank |", "| --- | --- |"]
