@@ -82,6 +82,7 @@ fi
 # a misspelt ONLY would run nothing but the preflight and end "0 step(s) failed": refused before anything runs
 STEPS="preflight colocated_flex gpu_shapes plan_large large split_gloo dflash2_window dspark plan_long_context"
 STEPS="$STEPS long_context colocated_sparse regenerate vllm_regenerate"
+ONLY=${ONLY:-}
 for asked in ${ONLY//,/ }; do
   if [[ " $STEPS " != *" $asked "* ]]; then
     echo "gpu_check.sh: ONLY names no step '$asked'; the steps: $STEPS" >&2; exit 2
