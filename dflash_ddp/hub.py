@@ -9,11 +9,11 @@ HF_HUB_OFFLINE=1 the cache alone is read. Every failure is one ValueError line s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -439,10 +439,26 @@ def resolve_data(spec: str, flag: str = "--data", commit: str | None = None) -> 
     return [str(folder / f) for f in files], folder.name
 
 
-def lacks_indexed_files(path: Path) -> bool:
-    """Whether some weight file the index of the directory `path` names is not in it."""
-    weight_map = _weight_map(path)
-    return weight_map is not None and any(not (path / f).is_file() for f in set(weight_map.values()))
+def check_complete(path: Path) -> None:
+    """Refuse a local directory whose index names weight files it lacks (a snapshot partly copied or
+    downloaded): transformers opens every file the index names, and the run's target fingerprint would change
+    when the folder is completed. A hub name reads only the shards a run needs."""
+    weight_map = _weight_map(path) or {}
+    missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+    if not missing:
+        return
+    hub = re.search(r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})$", str(path.resolve()))
+    advice = (
+        f"it is a hub snapshot: pass --target_model {hub.group(1)}/{hub.group(2)}@{hub.group(3)}, whose runs read "
+        "only the shards they need"
+        if hub
+        else "copy the whole model"
+    )
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    raise ValueError(
+        f"--target_model {path}: its {WEIGHTS_INDEX} names {len(missing)} weight file(s) the folder lacks "
+        f"({shown}); {advice}"
+    )
 
 
 def truncated_view(
@@ -451,24 +467,19 @@ def truncated_view(
     """A hub snapshot as transformers should load it for `num_layers` layers (of the text model alone with
     `text`): a directory under `root` of links to its config, tokenizer and the weight files those layers
     need, with an index of only their weights, so that no other shard is opened (or needs to be on disk). A
-    local directory is used as is unless its index names files it lacks (a snapshot partly downloaded)."""
-    index_file = source.path / WEIGHTS_INDEX
-    if not index_file.is_file() or (source.repo_id is None and not lacks_indexed_files(source.path)):
+    local directory is used as is."""
+    if source.repo_id is None or not (source.path / WEIGHTS_INDEX).is_file():
         return source.path
     files = weight_files(source.path, num_layers, text)
     layers = ("all" if num_layers is None else f"{num_layers}layers") + ("-text" if text else "")
-    if source.repo_id is None:  # named by the folder and its index: a folder refilled gets a new view
-        key = hashlib.sha256(f"{source.path.resolve()}\n{index_file.read_text()}".encode()).hexdigest()
-        view = root / f"local-{source.path.name}-{key[:12]}-{layers}"
-    else:
-        view = root / f"{source.repo_id.replace('/', '--')}-{source.commit[:12]}-{layers}"
+    view = root / f"{source.repo_id.replace('/', '--')}-{source.commit[:12]}-{layers}"
     if (view / WEIGHTS_INDEX).is_file():
         return view
     index = json.loads((source.path / WEIGHTS_INDEX).read_text())
     index["weight_map"] = {
         w: f for w, f in index["weight_map"].items() if f in files and (text is None or text.holds(w))
     }
-    tmp = root / f".{view.name}-{os.getpid()}"
+    tmp = root / f".{view.name}-{socket.gethostname()}-{os.getpid()}"  # nodes may share the cache
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for item in source.path.iterdir():

@@ -119,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         if lock:
             lock.release()
         return refuse(f"error{where}: {e}", first=local_rank == 0, split=world > 1)
+    except KeyboardInterrupt:  # Ctrl-C while the target downloads, loads or the data is tokenized
+        if lock:
+            lock.release()
+        print(
+            f"interrupted{where}: stopped before training started; the same command starts again",
+            file=sys.stderr,
+        )
+        return 130
     except BaseException:
         if lock:
             lock.release()

@@ -6,14 +6,16 @@
 # mounted at /models and /data; checkpoints land in ./runs on the host (OUT_DIR: another folder); NPROC
 # passes through (the processes of the job).
 set -euo pipefail
-# Only ./runs is mounted: an --output_dir anywhere else would be written inside the container, and --rm
-# deletes it with the checkpoints. OUT_DIR=/shared/runs mounts another host folder there instead.
+# Only ./runs is mounted: an --output_dir flag anywhere else would be written inside the container, and --rm
+# deletes it with the checkpoints (a --config file's output_dir is not looked at: keep it under runs/ too).
+# OUT_DIR=/shared/runs mounts another host folder there instead.
 previous=""
 for arg in "$@"; do
   dir=""
   case "$arg" in --output_dir=*) dir=${arg#--output_dir=} ;; esac
   [ "$previous" = "--output_dir" ] && dir=$arg
-  if [ -n "$dir" ] && [[ "$dir" != runs/* && "$dir" != /app/runs/* ]]; then
+  dir=${dir#./}
+  if [ -n "$dir" ] && [[ "$dir" != runs && "$dir" != runs/* && "$dir" != /app/runs && "$dir" != /app/runs/* ]]; then
     echo "docker_run.sh: --output_dir $dir is not under runs/, the one folder the container writes to the host" \
       "(OUT_DIR=HOST_FOLDER mounts that folder as runs/); pass --output_dir runs/NAME" >&2
     exit 2

@@ -83,8 +83,8 @@ def test_docker_run_keeps_the_checkpoints_on_the_host(tmp_path):
     for flags in (["--output_dir", "/scratch/q"], ["--output_dir=elsewhere/q"]):
         done = subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "is not under runs/" in done.stderr and not done.stdout
-    done = subprocess.run(
-        ["bash", script, "--output_dir", "runs/q"], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
+    for accepted in ("runs/q", "./runs/q", "--output_dir=runs"):
+        flags = [accepted] if accepted.startswith("--") else ["--output_dir", accepted]
+        done = subprocess.run(["bash", script, *flags], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
     assert "-e NPROC " in done.stdout and "-v /shared/runs:/app/runs " in done.stdout

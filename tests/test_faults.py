@@ -177,6 +177,23 @@ def test_a_lock_taken_anew_leaves_no_directory_and_a_removed_lock_file_is_never_
     late.release()
 
 
+def test_ctrl_c_while_the_job_starts_is_one_line_and_leaves_no_directory(
+    tiny_target, chat_data, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C while the target downloads or loads, or the data is tokenized: one line, status 130, the output
+    directory's lock released (the directory the job made for it removed), no traceback."""
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "prepare", interrupted)
+    out = tmp_path / "run"
+    assert main(flags(tiny_target, chat_data, out)) == 130
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "interrupted: stopped before training started; the same command starts again"
+    assert not out.exists()
+
+
 def test_an_output_dir_whose_filesystem_does_not_lock_is_one_line(tmp_path, monkeypatch):
     import errno
     import fcntl

@@ -38,7 +38,7 @@ from dflash_ddp.regenerate import main as regenerate_main
 from dflash_ddp.setup.run import target_weights
 from dflash_ddp.target_model import loading
 from dflash_ddp.target_model.info import inspect_target
-from dflash_ddp.target_model.loading import load_causal_lm, load_text_model, whole_target
+from dflash_ddp.target_model.loading import load_causal_lm, whole_target
 from dflash_ddp.train import main as train_main
 
 from conftest import build_tokenizer, conversation
@@ -455,24 +455,23 @@ def test_sharded_weights_without_their_index_are_refused(tiny_target, tmp_path):
         weight_files(folder, 2)
 
 
-def test_a_local_snapshot_missing_later_shards_loads_through_a_view(hub_cache, tmp_path):
-    """A local folder that is a partly downloaded snapshot: transformers would open every file its index names;
-    the run reads it through a view of the files its layers need."""
-    local = tmp_path / "partial"
-    shutil.copytree(hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A, local)
-    for shard in shards_of_late_layers(local, 2):
+def test_a_local_snapshot_missing_shards_is_refused_naming_them_and_its_hub_name(hub_cache, tmp_path):
+    """A local folder that is a partly downloaded snapshot: transformers would open every file its index names
+    (a FileNotFoundError after the plan said it fits). Refused at start; a hub snapshot's folder is told its
+    hub name, which reads only the shards a run needs. (Not read through a view: the run's target fingerprint
+    would change once the folder is completed, refusing its resume.)"""
+    snapshot_folder = hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A
+    for shard in shards_of_late_layers(snapshot_folder, 2):
         shard.unlink()
-    source = ModelSource(str(local), local)
-    view = fetch_target_weights(source, 2, tmp_path / "views", together=False)
-    assert view != local and set(_index(view).values()) == set(weight_files(local, 2))
-    info = inspect_target(view)
-    assert load_text_model(view, info.text_stack(), 2, torch.float32) is not None
-    complete = tmp_path / "complete"
-    shutil.copytree(hub_cache / "models--org--tiny" / "snapshots" / COMMIT_A, complete)
-    assert (
-        fetch_target_weights(ModelSource(str(complete), complete), 2, tmp_path / "views", together=False)
-        == complete
-    )
+    with pytest.raises(ValueError) as refused:
+        fetch_target_weights(ModelSource(str(snapshot_folder), snapshot_folder), 2, tmp_path / "views", False)
+    message = str(refused.value)
+    assert "weight file(s) the folder lacks" in message
+    assert f"pass --target_model org/tiny@{COMMIT_A}, whose runs read only the shards they need" in message
+    copied = tmp_path / "copied"
+    shutil.copytree(snapshot_folder, copied)
+    with pytest.raises(ValueError, match="the folder lacks .*; copy the whole model"):
+        fetch_target_weights(ModelSource(str(copied), copied), 2, together=False)
 
 
 def test_views_for_decoding_go_to_the_users_cache_when_the_hub_cache_is_read_only(tmp_path, monkeypatch):

@@ -539,6 +539,7 @@ def test_a_checkpoint_of_custom_code_is_refused_without_running_or_asking(tiny_t
     """A config or tokenizer that names code of its own (auto_map) for a class transformers lacks: one line,
     at once (transformers asked on a terminal whether to run it, then the run failed anyway)."""
     from dflash_ddp.data.chat_template import load_target_tokenizer
+    from dflash_ddp.target_model.tensor_parallel import check_tensor_parallel
     from dflash_ddp.target_model.text_stack import read_text_stack
 
     monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
@@ -554,6 +555,8 @@ def test_a_checkpoint_of_custom_code_is_refused_without_running_or_asking(tiny_t
     )
     with pytest.raises(ValueError, match=r"its config.json names code of its own \(auto_map\)"):
         read_text_stack(target)
+    with pytest.raises(ValueError, match=r"its config.json names code of its own \(auto_map\)"):
+        check_tensor_parallel(target, 2)  # --target_tp_size reads the config first
     tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
     tokenizer_config |= {
         "tokenizer_class": "XTokenizer",

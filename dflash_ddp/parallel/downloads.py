@@ -12,10 +12,10 @@ from pathlib import Path
 from dflash_ddp.hub import (
     ModelSource,
     TextWeights,
+    check_complete,
     fetch_weights,
     hub_dataset_name,
     hub_model_name,
-    lacks_indexed_files,
     locate_model,
     resolve_data,
     truncated_view,
@@ -51,17 +51,14 @@ def fetch_target_weights(
         fetch_weights(source, num_layers, local_only=fetched is not None, text=text)
         return "fetched"
 
-    which = f"{source.name}/{num_layers}/{'text' if text else 'all'}"
     if source.repo_id is None:
         fetch(None)  # a local directory: only its files' integrity is checked
-        # used as it is, unless it is a snapshot partly copied or downloaded: transformers would open every
-        # file its index names
-        if view_root is None or not lacks_indexed_files(source.path):
-            return source.path
-    else:
-        once(f"weights/{which}", fetch, together)
-        if view_root is None:
-            return source.path
+        check_complete(source.path)
+        return source.path
+    which = f"{source.name}/{num_layers}/{'text' if text else 'all'}"
+    once(f"weights/{which}", fetch, together)
+    if view_root is None:
+        return source.path
     view = once(
         f"view/{which}",
         lambda made: made or str(truncated_view(source, num_layers, view_root, text)),

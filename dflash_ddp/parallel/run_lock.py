@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 LOCK_FILE = ".dflash_ddp.lock"
+LOCK_ATTEMPTS = 10  # a lock file removed under a starting job is taken anew this many times at most
 
 
 class OutputDirLock:
@@ -31,11 +32,13 @@ class OutputDirLock:
 
     def acquire(self) -> list[str]:
         """Take the lock or raise ValueError naming its holder. Returns lines to print."""
-        self._made_dir = not self.path.parent.exists()
-        while True:
+        for _ in range(LOCK_ATTEMPTS):
+            self._made_dir = not self.path.parent.exists()
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 f = self.path.open("a+")
+            except FileNotFoundError:  # a job refused at start removed the directory it made meanwhile
+                continue
             except OSError as e:
                 raise ValueError(
                     f"--output_dir {self.path.parent}: cannot create it or its lock file ({e})"
@@ -59,6 +62,11 @@ class OutputDirLock:
             if _is_file_at(f, self.path):
                 break
             f.close()  # a job refused at start removed the file it held after this one opened it: take anew
+        else:
+            raise ValueError(
+                f"--output_dir {self.path.parent}: its lock file kept changing under this job ({LOCK_ATTEMPTS} "
+                "tries: other jobs starting on it?); pass another --output_dir or start one job at a time"
+            )
         previous = _read(f)
         f.seek(0)
         f.truncate()

@@ -254,7 +254,15 @@ def once_per_node(key: str, work: Callable[[str | None], str | None]) -> str | N
             raise
         store.set(key, json.dumps({"result": result}))
         return result
-    store.wait([key])
+    wait_for_key(
+        store,
+        key,
+        BARRIER_TIMEOUT_S,
+        lambda: (
+            f"rank {rank}: the first process of this node did not "
+            f"finish '{key}' (a download?) within {BARRIER_TIMEOUT_S:.0f} s"
+        ),
+    )
     published = json.loads(store.get(key))
     if "error" in published:
         raise ValueError(published["error"])
@@ -288,14 +296,24 @@ def job_barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     store.set(f"dflash_ddp/barrier/{name}/rank{rank}", "1")
     if store.add(f"dflash_ddp/barrier/{name}/arrived", 1) == world:
         store.set(f"dflash_ddp/barrier/{name}/all", "1")
+
+    def stuck() -> str:
+        missing = [r for r in range(world) if not store.check([f"dflash_ddp/barrier/{name}/rank{r}"])]
+        return (
+            f"rank {rank}: ranks {missing} did not reach the {name} barrier within {timeout_s:.0f} s "
+            "(stuck loading or compiling? see their output)"
+        )
+
+    wait_for_key(store, f"dflash_ddp/barrier/{name}/all", timeout_s, stuck)
+
+
+def wait_for_key(store: dist.Store, key: str, timeout_s: float, message: Callable[[], str]) -> None:
+    """Wait until `key` is set in `store`, polling from Python: a wait inside the store's C++ call would hold
+    off Ctrl-C for as long as the other ranks take. TimeoutError with `message()` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not store.check([f"dflash_ddp/barrier/{name}/all"]):
+    while not store.check([key]):
         if time.monotonic() > deadline:
-            missing = [r for r in range(world) if not store.check([f"dflash_ddp/barrier/{name}/rank{r}"])]
-            raise TimeoutError(
-                f"rank {rank}: ranks {missing} did not reach the {name} barrier within {timeout_s:.0f} s "
-                "(stuck loading or compiling? see their output)"
-            )
+            raise TimeoutError(message())
         time.sleep(BARRIER_POLL_S)
 
 

@@ -11,16 +11,16 @@ from pathlib import Path
 import torch
 import transformers
 from torch import nn
-from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from dflash_ddp.hub import TextWeights, cache_dir, fetch_weights, locate_model, truncated_view
+from dflash_ddp.hub import TextWeights, cache_dir, check_complete, fetch_weights, locate_model, truncated_view
 from dflash_ddp.target_model.forward_code import causal_lm_class
 from dflash_ddp.target_model.info import TargetInfo, inspect_target
 from dflash_ddp.target_model.quantization import check_kernels, weight_storage
 from dflash_ddp.target_model.text_stack import (
     TextStack,
     dequantized_as_it_loads,
+    read_config,
     required_text_model_class,
     truncated_text_config,
 )
@@ -97,7 +97,7 @@ def load_checkpoint_class(
     where the class is more than what writes the text, that sub-model's class alone, which transformers reads
     from its part of the files (Omni's thinker, beside a talker that speaks: Qwen2.5-Omni's class would also
     read the talker's voices from a pickle, which this project never loads)."""
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = read_config(path)
     if dequantize:
         dequantized_as_it_loads(config)
     cls = getattr(transformers, stack.architecture)
@@ -159,12 +159,12 @@ def eos_token_ids(tokenizer, target: nn.Module | Path) -> list[int]:
     """EOS ids of the tokenizer and of the target's generation config (either may be a list or missing); the
     target is the loaded model, or its directory where no weights are loaded (a serving engine decodes)."""
     if isinstance(target, Path):
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
         try:
             generation = GenerationConfig.from_pretrained(target, local_files_only=True)
         except OSError:  # no generation_config.json: the model config's own ids, as a loaded model has
-            generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(target))
+            generation = GenerationConfig.from_model_config(read_config(target))
     else:
         generation = target.generation_config
     ids = set()
@@ -206,5 +206,7 @@ def whole_target(name: str | Path) -> TargetInfo:
     info = inspect_target(source.path)  # a local directory's problems first: not one, no config, no weights
     text = decoding_weights(info)
     fetch_weights(source, None, text=text)
+    if source.repo_id is None:
+        check_complete(source.path)
     view = truncated_view(source, None, views_root(), text)
     return info if view == source.path else inspect_target(view)

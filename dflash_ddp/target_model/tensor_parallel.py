@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 from transformers import __version__ as transformers_version
 from transformers.distributed import DistributedConfig
 
 from dflash_ddp.parallel.topology import Topology, group_mesh
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import load_target_model
+from dflash_ddp.target_model.text_stack import read_config
 
 
 def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
@@ -34,7 +34,7 @@ def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
             "differently from the 5.24 this trainer was built against; install transformers 5.24 or pass "
             "--target_tp_size 1"
         )
-    config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(decoder=True)
+    config = read_config(path).get_text_config(decoder=True)
     if not getattr(config, "base_model_tp_plan", None):
         raise ValueError(
             f"--target_tp_size {tp_size}: transformers has no tensor-parallel plan for the model family "

@@ -325,26 +325,27 @@ def _saved_numbers(locations: dict[str, Path], modules: set[str]) -> int:
     return total
 
 
-def custom_code_refusal(path: Path, file: str) -> str:
-    """The refusal of a checkpoint whose `file` names code of its own (`auto_map`) for a class transformers
-    does not have."""
-    return (
-        f"--target_model {path}: its {file} names code of its own (auto_map) for a class transformers "
-        f"{transformers.__version__} does not have; targets are loaded by transformers' own classes and no code "
-        "from a checkpoint is run: use a release of the model in a format transformers supports (or a newer "
-        "transformers that has the class)"
-    )
+def read_config(path: str | Path) -> PretrainedConfig:
+    """The checkpoint's config (local files only). A config naming code of its own (`auto_map`) for a class
+    transformers does not have is refused in one line: no checkpoint's code is run, and nothing asks on a
+    terminal whether to run it."""
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"--target_model {path}: its config.json names code of its own (auto_map) for a class transformers "
+            f"{transformers.__version__} does not have; targets are loaded by transformers' own classes and no "
+            "code from a checkpoint is run: use a release of the model in a format transformers supports (or a "
+            "newer transformers that has the class)"
+        ) from None
 
 
 def read_text_stack(path: str | Path) -> TextStack:
     """The text model of the checkpoint in `path` (config only; the model is built on the meta device)."""
     path = Path(path)
-    try:  # never run a checkpoint's own code, nor ask on a terminal whether to
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except ValueError as e:
-        if "trust_remote_code" not in str(e):
-            raise
-        raise ValueError(custom_code_refusal(path, "config.json")) from None
+    config = read_config(path)
     text = config.get_text_config(decoder=True)
     quantized = getattr(config, "quantization_config", None)
     if text is not config and quantized and not getattr(text, "quantization_config", None):
