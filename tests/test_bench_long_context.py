@@ -43,6 +43,6 @@ def test_the_quick_long_context_benchmark_prints_both_tables(tmp_path):
     # a second run reads what the first kept (the target, seed 0's drafters) and trains only what is new:
     # another seed of one chosen drafter, beside the first seed's
     name = list(VARIANTS)[-1]
-    other = bench(tmp_path, 300, "--long_seed", "1", "--long_variants", name)
+    other = bench(tmp_path, 1200, "--long_seed", "1", "--long_variants", name)
     assert other.count("trained trained") == 1 and f"trained {name}" in other and "| 1024 |" not in other
     assert (tmp_path / "quick" / "seed1" / "table.md").is_file() and "building the long target" not in other
