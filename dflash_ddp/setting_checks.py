@@ -66,6 +66,14 @@ def check_sliding(cfg) -> None:
 
 def check_loss(cfg) -> None:
     """--loss, --target_topk and --ce_weight together: each soft-target setting needs the others."""
+    if (
+        cfg.drafter in ("dspark", "lilicorr") and cfg.ce_weight
+    ):  # their losses are their own: it would be ignored
+        own = "--dspark_ce_alpha" if cfg.drafter == "dspark" else "--lilicorr_ce_alpha"
+        raise ValueError(
+            f"--ce_weight {cfg.ce_weight} mixes the token's CE into DFlash's --loss kl or tv, which --drafter "
+            f"{cfg.drafter} does not train (its loss is its own: {own} weighs its CE); drop --ce_weight"
+        )
     if cfg.drafter == "lilicorr":
         if cfg.loss != "ce" or (cfg.lilicorr_penalty_alpha and not cfg.target_topk):
             raise ValueError(

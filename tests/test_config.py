@@ -74,6 +74,14 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
         (["--target_topk", "8"], "--target_topk 8 makes the target ranks run every layer .* --loss kl"),
         (["--ce_weight", "0.1"], "--ce_weight 0.1 mixes the token's CE into --loss kl or tv"),
         (
+            ["--drafter", "dspark", "--ce_weight", "0.5"],
+            "--ce_weight 0.5 .* --drafter dspark does not train \\(its loss is its own: --dspark_ce_alpha",
+        ),
+        (
+            ["--drafter", "lilicorr", "--ce_weight", "0.5"],
+            "--lilicorr_ce_alpha weighs its CE\\); drop --ce_weight",
+        ),
+        (
             ["--loss", "kl", "--target_topk", "4", "--ce_weight", "2"],
             "--ce_weight 2.0: must be in \\[0, 1\\]",
         ),
