@@ -596,3 +596,17 @@ def test_the_checkpoint_records_how_the_drafter_ran(finished_run):
     current = json.loads(json.dumps(saved))
     current["execution"] = {"recompute": "qkv_mlp", "gradient_checkpointing": True, "loss_chunk_size": 8192}
     assert check_same_run(saved, current, [], _newest(finished_run)) == []
+
+
+def test_the_rate_logged_after_a_schedule_override_is_the_one_the_step_used(
+    finished_run, tiny_target, chat_data
+):
+    """--max_steps raised on resume (--resume_override max_steps): step 7 trains at the new schedule's rate;
+    it was logged as the old schedule's last (0.0 where it had decayed to its end)."""
+    assert (
+        main(args(tiny_target, chat_data, finished_run, "--max_steps", "9", "--resume_override", "max_steps"))
+        == 0
+    )
+    lines = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    rates = {r["step"]: r["lr"] for r in lines}
+    assert rates[7] > rates[8] > 0, rates

@@ -88,5 +88,7 @@ def restore_training(
     for group, schedule_fn in zip(trainer.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         group.update(initial_lr=optim.learning_rate, weight_decay=optim.weight_decay)
         group["lr"] = optim.learning_rate * schedule_fn(scheduler.last_epoch)
+    # what the next step logs as its rate (get_last_lr): the loaded one is the old schedule's after an override
+    scheduler._last_lr = [group["lr"] for group in trainer.optimizer.param_groups]
     trainer.global_step = start_step
     return tokens_seen
