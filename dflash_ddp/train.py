@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         topology = Topology(world, rank, cfg.drafter_ranks, cfg.target_tp_size)
         leader = topology.is_leader
         if embedded and leader:
-            print(f"no --target_model given: training the embedded default (tiny target {cfg.target_model})")
+            data = " ".join(cfg.data)
+            print(
+                f"training the embedded default: the tiny target {cfg.target_model} with its preset, on {data}"
+            )
         # only the drafter leader plans and measures, unless a tensor-parallel group must time its forward
         group_calibration = cfg.calibrate and topology.tp_size > 1
         if cfg.plan and not leader and not group_calibration:

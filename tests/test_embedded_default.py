@@ -43,7 +43,10 @@ def test_no_argument_job_runs_as_7_plus_1(tmp_path):
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "training the embedded default" in result.stdout
+    assert (
+        "training the embedded default: the tiny target " in result.stdout
+        and "with its preset, on " in result.stdout
+    )
     state = json.loads((out / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     assert state["topology"] == {
         "world_size": 8,

@@ -1,4 +1,4 @@
-"""Real speculative decoding with a DFlash or DFlash2 drafter: acceptance length, speed, and the lossless check.
+"""Real speculative decoding with a drafter of any family: acceptance length, speed, and the lossless check.
 
 `python -m dflash_ddp.evaluate --target_model DIR --drafter DIR --data FILE` decodes the first prompts of a
 jsonl/json conversation file greedily in five ways, in one run and on the same prompts:

@@ -162,7 +162,11 @@ def parse_args(argv: list[str] | None) -> RegenerateConfig:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_ddp.regenerate", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--target_model", required=True, help="local Hugging Face model directory")
+    parser.add_argument(
+        "--target_model",
+        required=True,
+        help="a local Hugging Face model directory or a hub name org/name[@revision]",
+    )
     parser.add_argument(
         "--data", required=True, nargs="+", help="jsonl/json/parquet files, globs, save_to_disk dirs"
     )
