@@ -81,6 +81,12 @@ def check_loss(cfg) -> None:
                 "--loss ce, and the correlator's penalty (--lilicorr_penalty_alpha) reads the target's top-k: pass "
                 f"--target_topk K >= 1 or leave it out ({LILICORR_TARGET_TOPK}), or --lilicorr_penalty_alpha 0"
             )
+        if not cfg.lilicorr_penalty_alpha and cfg.target_topk:
+            raise ValueError(
+                f"--lilicorr_penalty_alpha 0 with --target_topk {cfg.target_topk} (the family's default unless "
+                "given): the target ranks would run every layer and send soft targets that nothing reads without "
+                "the penalty; pass --target_topk 0 with it"
+            )
         return
     if cfg.drafter == "dspark":
         if cfg.loss != "ce" or not cfg.target_topk:

@@ -82,6 +82,10 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
             "--lilicorr_ce_alpha weighs its CE\\); drop --ce_weight",
         ),
         (
+            ["--drafter", "lilicorr", "--lilicorr_penalty_alpha", "0"],
+            "--lilicorr_penalty_alpha 0 with --target_topk 64 .* nothing reads .* pass --target_topk 0 with it",
+        ),
+        (
             ["--loss", "kl", "--target_topk", "4", "--ce_weight", "2"],
             "--ce_weight 2.0: must be in \\[0, 1\\]",
         ),
