@@ -546,26 +546,32 @@ def test_a_checkpoint_of_custom_code_is_refused_without_running_or_asking(tiny_t
     ran = tmp_path / "ran"
     target = tmp_path / "custom"
     shutil.copytree(tiny_target, target)
-    config = json.loads((target / "config.json").read_text())
-    config |= {"model_type": "mytiny", "auto_map": {"AutoConfig": "configuration_mytiny.MyTinyConfig"}}
-    (target / "config.json").write_text(json.dumps(config))
-    (target / "configuration_mytiny.py").write_text(
-        f"open({str(ran)!r}, 'w').close()\nfrom transformers import Qwen3Config\n"
-        "class MyTinyConfig(Qwen3Config):\n    model_type = 'mytiny'\n"
+
+    def own_code(json_file: str, fields: dict, module: str, base: str, body: str) -> None:
+        """`fields` into the target's `json_file`, naming `module`.py, whose class leaves `ran` if it runs."""
+        saved = json.loads((target / json_file).read_text())
+        (target / json_file).write_text(json.dumps(saved | fields))
+        (target / f"{module}.py").write_text(
+            f"open({str(ran)!r}, 'w').close()\nfrom transformers import {base}\n{body}"
+        )
+
+    own_code(
+        "config.json",
+        {"model_type": "mytiny", "auto_map": {"AutoConfig": "configuration_mytiny.MyTinyConfig"}},
+        "configuration_mytiny",
+        "Qwen3Config",
+        "class MyTinyConfig(Qwen3Config):\n    model_type = 'mytiny'\n",
     )
     with pytest.raises(ValueError, match=r"its config.json names code of its own \(auto_map\)"):
         read_text_stack(target)
     with pytest.raises(ValueError, match=r"its config.json names code of its own \(auto_map\)"):
         check_tensor_parallel(target, 2)  # --target_tp_size reads the config first
-    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
-    tokenizer_config |= {
-        "tokenizer_class": "XTokenizer",
-        "auto_map": {"AutoTokenizer": [None, "tok_x.XTokenizer"]},
-    }
-    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    (target / "tok_x.py").write_text(
-        f"open({str(ran)!r}, 'w').close()\nfrom transformers import PreTrainedTokenizerFast\n"
-        "class XTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    own_code(
+        "tokenizer_config.json",
+        {"tokenizer_class": "XTokenizer", "auto_map": {"AutoTokenizer": [None, "tok_x.XTokenizer"]}},
+        "tok_x",
+        "PreTrainedTokenizerFast",
+        "class XTokenizer(PreTrainedTokenizerFast):\n    pass\n",
     )
     with pytest.raises(ValueError, match=r"its tokenizer is code of its own \(auto_map\), which is not run"):
         load_target_tokenizer(target)

@@ -61,23 +61,36 @@ def load_text_model(
     model_class = causal_lm_class(stack.config) if with_head else None
     model_class = model_class or required_text_model_class(stack.config)
     with checkpoint_conversions(model_class, stack, with_head):
-        model, loading = model_class.from_pretrained(
+        return _complete_from_pretrained(
+            model_class,
             path,
+            f"its text model's first {layers} layers",
+            f"; read from '{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by "
+            "transformers?",
             config=truncated_text_config(stack, layers, with_head, dequantize),
             dtype=dtype,
-            local_files_only=True,
             key_mapping=_key_mapping(stack, with_head),
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,  # refused below, with the shapes (transformers' report is silenced)
             **kwargs,
         )
+
+
+def _complete_from_pretrained(cls, path: Path, whose: str, advice: str, **kwargs) -> nn.Module:
+    """`cls.from_pretrained(path, **kwargs)` from local files, refusing a checkpoint whose weights have other
+    shapes than its config gives them (`check_shapes`) or lack some of `whose` (transformers would fill them
+    with random numbers), naming them and ending with `advice`."""
+    model, loading = cls.from_pretrained(
+        path,
+        local_files_only=True,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,  # refused below, with the shapes (transformers' report is silenced)
+        **kwargs,
+    )
     check_shapes(path, loading)
     missing = sorted(loading.get("missing_keys", ()))
     if missing:
         raise ValueError(
-            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of its text model's first "
-            f"{layers} layers ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); read from "
-            f"'{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by transformers?"
+            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {whose} "
+            f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}){advice}"
         )
     return model
 
@@ -105,23 +118,15 @@ def load_checkpoint_class(
         with torch.device("meta"):
             part = cls._from_config(copy.deepcopy(config)).get_submodule(stack.generator)
         cls, config = type(part), part.config
-    model, loading = cls.from_pretrained(
+    return _complete_from_pretrained(
+        cls,
         path,
+        cls.__name__,
+        "; is it complete and saved by transformers?",
         config=config,
         dtype=dtype,
-        local_files_only=True,
-        output_loading_info=True,
-        ignore_mismatched_sizes=True,  # refused below, with the shapes (transformers' report is silenced)
         **kwargs,
     )
-    check_shapes(path, loading)
-    missing = sorted(loading.get("missing_keys", ()))
-    if missing:
-        raise ValueError(
-            f"--target_model {path}: the checkpoint lacks {len(missing)} weight(s) of {cls.__name__} "
-            f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); is it complete and saved by transformers?"
-        )
-    return model
 
 
 def check_shapes(path: Path, loading: dict) -> None:
