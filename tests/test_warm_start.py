@@ -421,3 +421,53 @@ def test_a_resumed_run_keeps_the_start_it_recorded(source, tmp_path, embedded_ca
     capsys.readouterr()
     assert train_main([*fresh, "--init_from", str(source), "--max_steps", "4", *longer]) == 2
     assert "this run started from a fresh drafter (no --init_from)" in capsys.readouterr().err
+
+
+def test_lilicorr_grows_its_convolutions_in_and_out(source, tmp_path):
+    """A LiLiCorr drafter (its correlator trained away from its start) grown into LiLiCorr with
+    --lilicorr_conv drafts exactly as it does: only the convolutions are new, at the identity. Back without
+    them, the run says the convolutions are dropped. Convolutions of another size are refused naming the flag."""
+    small = ["--drafter", "lilicorr", "--lilicorr_hidden_size", "0", "--lilicorr_factor_dim", "64"]
+    cfg, setup = run_setup(["--init_from", str(source), *small], tmp_path / "a")
+    plain = build_trainer(cfg, setup, torch.device("cpu"), 6).drafter
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name.startswith("lilicorr"):
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    save_drafter(plain, tmp_path / "lilicorr")
+    cfg, setup = run_setup(
+        ["--init_from", str(tmp_path / "lilicorr"), *small, "--lilicorr_conv", "true"], tmp_path / "b"
+    )
+    warm = setup.warm_start
+    assert warm.new and all("conv" in name for name in warm.new) and not warm.dropped
+    grown = build_trainer(cfg, setup, torch.device("cpu"), 6).drafter
+    save_drafter(grown, tmp_path / "grown")
+    evaluation = prepare_evaluation(EMBEDDED_TARGET, tmp_path / "lilicorr", HELDOUT, 2, "cpu")
+    target, eos = evaluation.target, evaluation.eos
+    mine = as_transformers_assistant(load_drafter(tmp_path / "grown"), target)
+    theirs_before = as_transformers_assistant(load_drafter(source), target)
+    differs = False
+    for _, prompt in evaluation.prompts:
+        theirs = speculative_generate(target, evaluation.drafter, prompt, 40, eos)
+        ours = speculative_generate(target, mine, prompt, 40, eos)
+        assert ours.tokens == theirs.tokens and ours.accepted == theirs.accepted
+        differs |= speculative_generate(target, theirs_before, prompt, 40, eos).accepted != theirs.accepted
+    assert differs  # the correlator's weights change what it drafts: the comparison can fail
+    _, setup = run_setup(["--init_from", str(tmp_path / "grown"), *small], tmp_path / "c")
+    assert setup.warm_start.new == [] and all("conv" in name for name in setup.warm_start.dropped)
+    message = refusal(
+        [
+            "--init_from",
+            str(tmp_path / "grown"),
+            *small,
+            "--lilicorr_conv",
+            "true",
+            "--conv_kernel_size",
+            "4",
+        ],
+        tmp_path / "d",
+    )
+    assert (
+        "its conv_kernel_size is 2, this run's --conv_kernel_size is 4; pass --conv_kernel_size 2" in message
+    )

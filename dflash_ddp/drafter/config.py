@@ -72,6 +72,11 @@ class DFlashDraftConfig(PretrainedConfig):
         """The family's own fields from the run's settings of the same names (`run`: the run's config)."""
         return {name: getattr(run, name) for name in cls.run_settings}
 
+    def settings_to_match(self, source: DFlashDraftConfig) -> tuple[str, ...]:
+        """The family's own settings a warm start from `source` (a drafter of the same family) must equal:
+        all of them, but for parts one side lacks, which the run starts new or drops."""
+        return self.run_settings
+
     @property
     def slides(self) -> bool:
         """Whether any layer attends through a sliding window."""

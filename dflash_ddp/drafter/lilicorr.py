@@ -91,6 +91,11 @@ class LiLiCorrDraftConfig(DFlashDraftConfig):
     def convolved(self) -> bool:
         return bool(self.conv_kernel_size)
 
+    def settings_to_match(self, source: DFlashDraftConfig) -> tuple[str, ...]:
+        """The convolutions' settings only where both drafters have them: growing them in (they start as the
+        identity) or leaving them out (their tensors dropped) is a change of parts, as DFlash to DFlash2."""
+        return self.run_settings if self.convolved and source.convolved else LILICORR_FIELDS
+
     def shape_errors(self) -> list[str]:
         """What makes this shape unservable, each naming the setting to change (empty when it is sound)."""
         errors = super().shape_errors()

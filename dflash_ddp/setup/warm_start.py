@@ -176,7 +176,7 @@ def _check_same(where: str, run: DFlashDraftConfig, src: DFlashDraftConfig, laye
             "source's"
         )
     if run.family == src.family:
-        for name in run.run_settings:
+        for name in run.settings_to_match(src):
             if getattr(run, name) != getattr(src, name):
                 raise ValueError(
                     f"{where}: its {name} is {getattr(src, name)}, this run's --{name} is {getattr(run, name)}; "
