@@ -23,6 +23,7 @@ from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
 from dflash_ddp.setting_checks import (
     check_family,
+    check_idle,
     check_init_from,
     check_loss,
     check_paths,
@@ -35,9 +36,7 @@ from dflash_ddp.settings import check_setting, field_types, load_yaml, parse_fla
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
-
 EMBEDDED_TARGET = ASSETS / "tiny_qwen3"
-
 
 EMBEDDED_NAME = "embedded"  # --target_model embedded: the embedded default by name (other --data allowed)
 
@@ -581,6 +580,7 @@ def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     values = {**EMBEDDED_PRESET, **merged} if embedded else merged
     config = TrainConfig(**values, **family_defaults(values))
     config.validate()
+    check_idle(config, flags, file_values, config_file)
     return config, embedded
 
 

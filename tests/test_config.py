@@ -1,5 +1,7 @@
 """Configuration: precedence, strictness and clear errors."""
 
+from pathlib import Path
+
 import pytest
 
 from dflash_ddp.config import EMBEDDED_PRESET, parse_config
@@ -239,3 +241,67 @@ def test_help_with_flags_that_do_not_parse_says_so():
     text = usage(["--config", "configs/qwen3-8b.yaml", "--lr", "1"])
     assert "NOTE: the flags given with --help do not parse (command line: unknown key 'lr'" in text
     assert "NOTE" not in usage(["--max_steps", "3"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--position_weighting", "decay", "--dpace_smoothing", "0.3"],
+            "--dpace_smoothing 0.3 sets D-PACE's smoothing, which acts only with --position_weighting dpace "
+            "\\(it is decay\\): it would be ignored; drop it, or pass --position_weighting with it",
+        ),
+        (
+            ["--drafter", "lilicorr", "--lilicorr_margin", "1"],
+            "--lilicorr_margin 1.0 .* --lilicorr_margin_alpha",
+        ),
+        (
+            ["--drafter", "dspark", "--markov_rank", "0", "--confidence_head_with_markov", "false"]
+            + ["--markov_head_type", "rnn"],
+            "--markov_head_type rnn sets the Markov head, which acts only with --markov_rank R > 0",
+        ),
+        (
+            ["--drafter", "dspark", "--confidence_alpha", "0", "--confidence_head_with_markov", "false"],
+            "--confidence_head_with_markov false .* --confidence_alpha W > 0 \\(it is 0\\)",
+        ),
+        (
+            ["--optimizer", "adamw", "--muon_orthogonalisation", "polar_express_3"],
+            "--muon_orthogonalisation polar_express_3 .* --optimizer muon \\(it is adamw\\)",
+        ),
+        (["--max_steps", "5", "--num_epochs", "2"], "--num_epochs 2 .* --max_steps -1 \\(it is 5\\)"),
+        (
+            ["--eval_data", "", "--eval_prompts", "3"],
+            "--eval_prompts 3 .* drop it, or pass --eval_data with it",
+        ),
+        (["--eval_data", "", "--eval_max_new_tokens", "8"], "--eval_max_new_tokens 8 .* --eval_data FILE"),
+    ],
+)
+def test_a_setting_that_would_be_ignored_is_refused_naming_what_it_needs(argv, message):
+    """A value changed from its default where what it sets is off would be recorded and never act."""
+    with pytest.raises(ValueError, match=message):
+        parse_config(argv)
+
+
+def test_the_settings_that_act_only_with_another_are_taken_with_it():
+    for argv in (
+        ["--dpace_smoothing", "0.3"],
+        ["--drafter", "lilicorr", "--lilicorr_margin_alpha", "0.1", "--lilicorr_margin", "1"],
+        ["--drafter", "dspark", "--markov_head_type", "rnn"],
+        ["--drafter", "dspark", "--markov_rank", "0", "--confidence_head_with_markov", "false"],
+        ["--max_steps", "-1", "--num_epochs", "2"],
+        ["--eval_prompts", "3", "--eval_max_new_tokens", "8"],
+    ):
+        parse_config(argv)
+
+
+def test_a_config_file_keeps_its_defaults_and_names_its_key_when_it_would_be_ignored(tmp_path):
+    """The shipped configs spell out num_epochs (the default): --max_steps beside them runs; a file's own
+    value that would never act is named by file and key."""
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b.yaml"
+    parse_config(["--config", str(shipped), "--max_steps", "100"])
+    config = tmp_path / "run.yaml"
+    config.write_text("optimizer: adamw\nmuon_orthogonalisation: polar_express_3\n")
+    with pytest.raises(
+        ValueError, match=f"{config}: muon_orthogonalisation: polar_express_3 sets .* drop the key"
+    ):
+        parse_config(["--config", str(config)])
