@@ -23,9 +23,11 @@ def check_family(cfg) -> None:
         family = f.metadata["setting"].group
         shared = f.name in CONVOLUTION_SETTINGS and cfg.drafter == "lilicorr" and cfg.lilicorr_conv
         if family in FAMILIES and family != cfg.drafter and getattr(cfg, f.name) != f.default and not shared:
+            convolved = " (or --lilicorr_conv true, DFlash2's convolutions in LiLiCorr)"
             raise ValueError(
                 f"--{f.name} {getattr(cfg, f.name)} sets the {family} drafter, and this run trains "
-                f"--drafter {cfg.drafter}: pass --drafter {family} with it, or drop it"
+                f"--drafter {cfg.drafter}: pass --drafter {family} with it"
+                f"{convolved if f.name in CONVOLUTION_SETTINGS and cfg.drafter == 'lilicorr' else ''}, or drop it"
             )
     if (
         cfg.drafter == "dspark"

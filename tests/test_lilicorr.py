@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from dflash_ddp.config import EMBEDDED_PRESET, EMBEDDED_TARGET
+from dflash_ddp.config import EMBEDDED_PRESET, EMBEDDED_TARGET, parse_config
 from dflash_ddp.drafter.blocks import build_block_inputs
 from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.lilicorr import LiLiCorrDraftConfig
@@ -143,6 +143,16 @@ def test_a_shape_the_engines_refuse_is_refused_naming_the_setting():
     assert any("lilicorr_candidate_topk 6 must be a power of two <= 16" in e for e in errors)
     assert any("lilicorr_num_heads 3 must divide the correlator's width 16" in e for e in errors)
     assert any("set both (--lilicorr_conv) or neither" in e for e in errors)
+
+
+def test_convolution_settings_without_lilicorr_conv_name_it():
+    with pytest.raises(
+        ValueError, match="--conv_kernel_size 4 sets the dflash2 drafter.* --lilicorr_conv true"
+    ):
+        parse_config(["--drafter", "lilicorr", "--conv_kernel_size", "4"])
+    assert parse_config(["--drafter", "lilicorr", "--lilicorr_conv", "--conv_kernel_size", "4"])[
+        0
+    ].lilicorr_conv
 
 
 # vLLM 0.32's LiLiCorrHead (model_executor/models/lilicorr.py), as it loads a checkpoint: every Linear with
