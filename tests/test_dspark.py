@@ -174,6 +174,7 @@ def test_a_dspark_run_trains_resumes_exactly_exports_and_decodes_losslessly(
         assert set(f.keys()) == zlab_keys(config["num_hidden_layers"], "dspark", "vanilla")
     card = (export / "README.md").read_text()
     assert "DSpark drafter" in card and '"method": "dspark"' in card and '"num_speculative_tokens": 3' in card
+    assert "- objective: DSpark's own loss: 0.1 x the cross-entropy of the Markov-biased logits" in card
 
     capsys.readouterr()
     report_path = tmp_path / "report.json"
@@ -202,3 +203,14 @@ def test_the_plan_names_dsparks_markov_tables_and_counts_them_as_lasting_state()
     plan = drafter_memory(dspark_config(), load)
     assert "Markov tables" in plan.parts and "selector codebooks" not in plan.parts
     assert "Markov tables" in plan.lasting and "activations" not in plan.lasting
+
+
+def test_the_card_of_a_head_vllm_does_not_serve_gives_no_vllm_command():
+    from dflash_ddp.serving.card import dspark_serving
+
+    vanilla = "\n".join(dspark_serving("org/target", "/exports/d", 8, "vanilla"))
+    assert '"method": "dspark"' in vanilla and '"num_speculative_tokens": 7' in vanilla
+    for kind in ("gated", "rnn"):
+        card = "\n".join(dspark_serving("org/target", "/exports/d", 8, kind))
+        assert "vllm serve" not in card and f"Its {kind} Markov head" in card and "not served by vLLM" in card
+        assert "python -m dflash_ddp.evaluate --target_model org/target --drafter /exports/d" in card

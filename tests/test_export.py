@@ -296,6 +296,31 @@ def test_the_model_card_names_the_loss_it_was_trained_with():
     assert scored_against({"loss": "kl", "target_topk": 4, "ce_weight": 0.0}).startswith("KL divergence")
 
 
+def test_the_model_card_names_a_familys_own_loss_terms_and_their_weights():
+    """DSpark trains its own loss, not the --loss the run records (ce); DFlash2 and LiLiCorr add their parts'."""
+    dspark = {"drafter": "dspark", "loss": "ce", "target_topk": 64, "dspark_ce_alpha": 0.1}
+    dspark |= {"dspark_l1_alpha": 0.9, "confidence_alpha": 0.0}
+    assert scored_against(dspark) == (
+        "DSpark's own loss: 0.1 x the cross-entropy of the Markov-biased logits + 0.9 x their L1 distance to the "
+        "target's top-64 next-token distribution"
+    )
+    assert "+ 2 x the confidence head's BCE" in scored_against(dspark | {"confidence_alpha": 2.0})
+    lilicorr = {"drafter": "lilicorr", "loss": "ce", "target_topk": 64, "lilicorr_ce_alpha": 0.25}
+    lilicorr |= {"lilicorr_margin_alpha": 0.0, "lilicorr_penalty_alpha": 0.5}
+    assert scored_against(lilicorr) == (
+        "cross-entropy, plus the lattice correlator's 0.25 x its K-way cross-entropy given the true predecessor "
+        "+ 0.5 x a penalty on candidates the target's top-64 ranks below the true one"
+    )
+    hinge = scored_against(lilicorr | {"lilicorr_margin_alpha": 0.1, "lilicorr_margin": 1.5})
+    assert "+ 0.1 x a hinge of margin 1.5 +" in hinge
+    dflash2 = {"drafter": "dflash2", "loss": "ce", "selector_loss_alpha": 1.0, "selector_top_k": 16}
+    assert scored_against(dflash2) == (
+        "cross-entropy plus 1 x the candidate selector's cross-entropy over the LM head's top 16, the previous "
+        "token teacher-forced"
+    )
+    assert "selector left at its start" in scored_against(dflash2 | {"selector_loss_alpha": 0.0})
+
+
 def one_line_error(cmd: list[str]) -> str:
     """The command's stderr, which must be a single `error:` line with exit 2 and no traceback."""
     result = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=600)

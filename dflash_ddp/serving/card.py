@@ -26,7 +26,49 @@ OBJECTIVE_SETTINGS = (
 
 
 def scored_against(cfg: dict) -> str:
-    """The loss in words: the token's cross-entropy, or a divergence from the target's top-k distribution."""
+    """The loss in words: the token's cross-entropy, or a divergence from the target's top-k distribution,
+    and the terms of the drafter family's own parts (DFlash2's selector, DSpark's heads, LiLiCorr's
+    correlator) with their weights."""
+    drafter, k = cfg.get("drafter", "dflash"), cfg.get("target_topk")
+    if drafter == "dspark":
+        confidence = cfg.get("confidence_alpha", 1.0)
+        return (
+            f"DSpark's own loss: {cfg.get('dspark_ce_alpha', 0.1):g} x the cross-entropy of the Markov-biased "
+            f"logits + {cfg.get('dspark_l1_alpha', 0.9):g} x their L1 distance to the target's top-{k} "
+            "next-token distribution"
+            + (
+                f" + {confidence:g} x the confidence head's BCE against the acceptance that distance implies"
+                if confidence
+                else ""
+            )
+        )
+    if drafter == "lilicorr":
+        terms = [
+            f"{cfg.get('lilicorr_ce_alpha', 0.25):g} x its K-way cross-entropy given the true predecessor"
+        ]
+        if cfg.get("lilicorr_margin_alpha"):
+            terms.append(
+                f"{cfg['lilicorr_margin_alpha']:g} x a hinge of margin {cfg.get('lilicorr_margin', 2.0):g}"
+            )
+        if cfg.get("lilicorr_penalty_alpha", 0.25):
+            terms.append(
+                f"{cfg.get('lilicorr_penalty_alpha', 0.25):g} x a penalty on candidates the target's top-{k} "
+                "ranks below the true one"
+            )
+        return "cross-entropy, plus the lattice correlator's " + " + ".join(terms)
+    if drafter == "dflash2":
+        alpha = cfg.get("selector_loss_alpha", 1.0)
+        selector = (
+            f"plus {alpha:g} x the candidate selector's cross-entropy over the LM head's top "
+            f"{cfg.get('selector_top_k', 16)}, the previous token teacher-forced"
+            if alpha
+            else "(the candidate selector left at its start, a no-op: --selector_loss_alpha 0)"
+        )
+        return f"{_dflash_loss(cfg)} {selector}"
+    return _dflash_loss(cfg)
+
+
+def _dflash_loss(cfg: dict) -> str:
     loss = cfg.get("loss", "ce")
     if loss == "ce":
         return "cross-entropy"
@@ -199,9 +241,23 @@ def dspark_lines(config: dict) -> list[str]:
     return [f"It is a DSpark drafter: DFlash's backbone with {' and '.join(heads)}.", ""]
 
 
-def dspark_serving(target_ref: str, export: str, block: int) -> list[str]:
+def dspark_serving(target_ref: str, export: str, block: int, markov_head: str) -> list[str]:
     """How a DSpark export is served: vLLM's DSpark method (its V2 runner, on GPUs), the block as its fill-in
-    mode."""
+    mode, for the vanilla Markov head vLLM serves; a gated or rnn head's card says it is served here only."""
+    ours = (
+        "dflash_ddp's own decoding runs it "
+        f"(`python -m dflash_ddp.evaluate --target_model {target_ref} --drafter {export} --data FILE`)."
+    )
+    if markov_head != "vanilla":
+        return [
+            "## Serving",
+            "",
+            f"With this export at `{export}`. Its {markov_head} Markov head (`--markov_head_type {markov_head}`) is "
+            "not served by vLLM, whose DSpark loader builds the vanilla head only and refuses this head's "
+            "weights by name; train with `--markov_head_type vanilla` to serve it there. transformers' "
+            f"`generate` does not run DSpark drafters; {ours}",
+            "",
+        ]
     return [
         "## Serving",
         "",
@@ -213,8 +269,7 @@ def dspark_serving(target_ref: str, export: str, block: int) -> list[str]:
         f'\'{{"method": "dspark", "model": "{export}", "num_speculative_tokens": {block - 1}}}\'',
         "```",
         "",
-        "transformers' `generate` does not run DSpark drafters; dflash_ddp's own decoding does "
-        f"(`python -m dflash_ddp.evaluate --target_model {target_ref} --drafter {export} --data FILE`).",
+        f"transformers' `generate` does not run DSpark drafters; {ours}",
         "",
     ]
 
@@ -370,7 +425,9 @@ def model_card(
         ]
     export = str(export_dir.resolve())
     if dspark:
-        return "\n".join(lines + dspark_serving(target_ref, export, block))
+        return "\n".join(
+            lines + dspark_serving(target_ref, export, block, config.get("markov_head_type", "vanilla"))
+        )
     lines += [
         "## Serving",
         "",
