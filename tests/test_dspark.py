@@ -174,6 +174,7 @@ def test_a_dspark_run_trains_resumes_exactly_exports_and_decodes_losslessly(
         assert set(f.keys()) == zlab_keys(config["num_hidden_layers"], "dspark", "vanilla")
     card = (export / "README.md").read_text()
     assert "DSpark drafter" in card and '"method": "dspark"' in card and '"num_speculative_tokens": 3' in card
+    assert '"enable_adaptive_verification": true' in card  # its confidence head, used
     assert "- objective: DSpark's own loss: 0.1 x the cross-entropy of the Markov-biased logits" in card
 
     capsys.readouterr()
@@ -208,9 +209,13 @@ def test_the_plan_names_dsparks_markov_tables_and_counts_them_as_lasting_state()
 def test_the_card_of_a_head_vllm_does_not_serve_gives_no_vllm_command():
     from dflash_ddp.serving.card import dspark_serving
 
-    vanilla = "\n".join(dspark_serving("org/target", "/exports/d", 8, "vanilla"))
-    assert '"method": "dspark"' in vanilla and '"num_speculative_tokens": 7' in vanilla
+    vanilla = "\n".join(dspark_serving("org/target", "/exports/d", 8, "vanilla", False))
+    assert '"method": "dspark", "model": "/exports/d", "num_speculative_tokens": 7}\'' in vanilla
+    assert "adaptive" not in vanilla
+    # a confidence head acts only under vLLM's adaptive verification (off by default)
+    confident = "\n".join(dspark_serving("org/target", "/exports/d", 8, "vanilla", True))
+    assert '"num_speculative_tokens": 7, "enable_adaptive_verification": true}\'' in confident
     for kind in ("gated", "rnn"):
-        card = "\n".join(dspark_serving("org/target", "/exports/d", 8, kind))
+        card = "\n".join(dspark_serving("org/target", "/exports/d", 8, kind, True))
         assert "vllm serve" not in card and f"Its {kind} Markov head" in card and "not served by vLLM" in card
         assert "python -m dflash_ddp.evaluate --target_model org/target --drafter /exports/d" in card

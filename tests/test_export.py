@@ -215,6 +215,14 @@ def test_the_export_is_stamped_with_how_the_drafter_was_trained(tmp_path, tiny_t
     assert again["dflash_ddp"] == config["dflash_ddp"] and again["dflash_config"] == config["dflash_config"]
     assert again["dtype"] == "float32"
     assert {t.dtype for t in load_file(tmp_path / "fp32" / "model.safetensors").values()} == {torch.float32}
+    # ... and its card: the training and acceptance as the first card had them, the fp32 said to be bf16's
+    again_card = (tmp_path / "fp32" / "README.md").read_text()
+    for heading in ("## Training", "## Acceptance"):
+        section = card[card.index(heading) :].split("\n## ")[0].rstrip()
+        assert section.startswith(heading) and section in again_card
+    assert "- 7 optimizer steps" in again_card
+    assert "weights in float32 (the bfloat16 values of the export it was made from, widened)" in again_card
+    assert "weights in bfloat16" in card
 
     # the target moved: a clear error, and --target_model points at it
     moved = tmp_path / "moved_target"

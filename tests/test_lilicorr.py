@@ -241,6 +241,9 @@ def test_a_lilicorr_run_trains_resumes_exactly_exports_and_decodes_losslessly(tm
     assert state["config"]["target_topk"] == 64
     export = tmp_path / "export"
     assert export_main([str(whole), str(export), "--dtype", "float32"]) == 0
+    card = (export / "README.md").read_text()  # transformers' generate would draft without the correlator
+    assert "speculation_type" not in card and "dflash_ddp's own decoding runs this one" in card
+    assert "- objective: cross-entropy, plus the lattice correlator's 0.25 x" in card
     report_path = tmp_path / "report.json"
     args = [
         "--target_model",

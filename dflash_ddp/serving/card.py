@@ -134,6 +134,29 @@ def init_from_lines(record: dict | None) -> list[str]:
     return [line]
 
 
+def source_card_section(source: Path, heading: str) -> list[str]:
+    """The section `heading` ("## Training") of the model card of an export being exported again, as it
+    was written from the run (an export has no trainer_state.json to write it from); empty when absent."""
+    card = source / "README.md"
+    lines = card.read_text(errors="replace").splitlines() if card.is_file() else []
+    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return ["\n".join(lines[start:end]).rstrip(), ""]
+
+
+def weights_line(config: dict, source: Path, state: dict | None) -> str:
+    """The weights' dtype, and where an export exported again in a wider dtype holds only the source's
+    values (an fp32 export of a bf16 export is bf16 widened: the run's fp32 weights are in its checkpoints)."""
+    dtype = config.get("dtype", config.get("torch_dtype", "?"))
+    if state is None and (source / "config.json").is_file():
+        was = json.loads((source / "config.json").read_text()).get("dtype")
+        if was == "bfloat16" and dtype == "float32":
+            return f"{dtype} (the bfloat16 values of the export it was made from, widened)"
+    return dtype
+
+
 def untrained_line(state: dict, cfg: dict) -> str:
     """What a checkpoint of step 0 (a --max_steps 0 run) holds: the source drafter, or random weights."""
     start = (
@@ -241,9 +264,10 @@ def dspark_lines(config: dict) -> list[str]:
     return [f"It is a DSpark drafter: DFlash's backbone with {' and '.join(heads)}.", ""]
 
 
-def dspark_serving(target_ref: str, export: str, block: int, markov_head: str) -> list[str]:
+def dspark_serving(target_ref: str, export: str, block: int, markov_head: str, confidence: bool) -> list[str]:
     """How a DSpark export is served: vLLM's DSpark method (its V2 runner, on GPUs), the block as its fill-in
-    mode, for the vanilla Markov head vLLM serves; a gated or rnn head's card says it is served here only."""
+    mode, for the vanilla Markov head vLLM serves (a gated or rnn head's card says it is served here only);
+    a confidence head acts only under vLLM's adaptive verification, which is off unless asked."""
     ours = (
         "dflash_ddp's own decoding runs it "
         f"(`python -m dflash_ddp.evaluate --target_model {target_ref} --drafter {export} --data FILE`)."
@@ -266,9 +290,20 @@ def dspark_serving(target_ref: str, export: str, block: int, markov_head: str) -
         "",
         "```bash",
         f"vllm serve {target_ref} --speculative-config "
-        f'\'{{"method": "dspark", "model": "{export}", "num_speculative_tokens": {block - 1}}}\'',
+        f'\'{{"method": "dspark", "model": "{export}", "num_speculative_tokens": {block - 1}'
+        + (', "enable_adaptive_verification": true' if confidence else "")
+        + "}'",
         "```",
         "",
+        *(
+            [
+                "`enable_adaptive_verification` has vLLM size each request's verification from the confidence "
+                "head's predicted acceptance; without it vLLM loads the head and verifies every drafted position.",
+                "",
+            ]
+            if confidence
+            else []
+        ),
         f"transformers' `generate` does not run DSpark drafters; {ours}",
         "",
     ]
@@ -364,7 +399,7 @@ def model_card(
         f"- block size {block} ({block - 1} drafted tokens per step, plus the target's bonus token)",
         f"- {config['num_hidden_layers']} layers, hidden size {config['hidden_size']}, "
         f"{config['num_attention_heads']} heads ({config['num_key_value_heads']} KV heads), "
-        f"MLP {config['intermediate_size']}; weights in {config.get('dtype', config.get('torch_dtype', '?'))}",
+        f"MLP {config['intermediate_size']}; weights in {weights_line(config, checkpoint, state)}",
         f"- tapped target layers {dflash['target_layer_ids']} (the outputs of those decoder layers, "
         f"`hidden_states[L + 1]` in transformers), of {config['num_target_layers']}",
         f"- mask token id {dflash['mask_token_id']}"
@@ -398,16 +433,22 @@ def model_card(
                     f"- {state.get('global_step')} optimizer steps (epoch {state.get('epoch', '?')}), "
                     f"{state.get('tokens_seen', 0):,} tokens seen",
                     f"- objective: {scored_against(cfg)} at each block position after randomly drawn anchors on "
-                    f"response tokens, weighted by {weighted_by(cfg, block)}; {objective}",
+                    f"response tokens, weighted by {weighted_by(cfg, block)}"
+                    + (f"; {objective}" if objective else ""),
                 ]
                 if state.get("global_step")
                 else [untrained_line(state, cfg)]
             ),
             "",
         ]
+    else:
+        lines += source_card_section(checkpoint, "## Training")
     report, source = run_evaluation(checkpoint, state)
-    lines += ["## Acceptance (real speculative decoding)", ""]
-    if report:
+    carried = [] if state else source_card_section(checkpoint, "## Acceptance")
+    if carried:
+        lines += carried
+    elif report:
+        lines += ["## Acceptance (real speculative decoding)", ""]
         lines += [
             f"tau = tokens committed per target verify step, bonus included; greedy decoding, from {source}:",
             "",
@@ -415,6 +456,7 @@ def model_card(
             "",
         ]
     else:
+        lines += ["## Acceptance (real speculative decoding)", ""]
         lines += [
             (source + "; m" if source else "M")
             + "easure it with `python -m dflash_ddp.evaluate --target_model "
@@ -426,7 +468,14 @@ def model_card(
     export = str(export_dir.resolve())
     if dspark:
         return "\n".join(
-            lines + dspark_serving(target_ref, export, block, config.get("markov_head_type", "vanilla"))
+            lines
+            + dspark_serving(
+                target_ref,
+                export,
+                block,
+                config.get("markov_head_type", "vanilla"),
+                bool(config.get("enable_confidence_head")),
+            )
         )
     lines += [
         "## Serving",
@@ -455,7 +504,7 @@ def model_card(
         "```",
         "",
     ]
-    if dflash2:
+    if dflash2 or lilicorr:
         lines += [
             "transformers' `generate` runs DFlash drafters only; dflash_ddp's own decoding runs this one "
             f"(`python -m dflash_ddp.evaluate --target_model {target_ref} --drafter {export} --data FILE`).",
