@@ -29,9 +29,12 @@ def test_warnings_fire_above_their_limits():
     assert "could train the drafter instead" in blocked["targets_blocked"]
     # one target rank has no rank to move: it waits for the drafter
     assert "its one target rank waits for it" in pipeline_warnings(0.0, {"0": 0.9})["targets_blocked"]
-    # an active warning ends only clearly below its limit, not when the share hovers at it
-    assert set(pipeline_warnings(0.05, {}, frozenset({"drafter_waits"}))) == {"drafter_waits"}
-    assert pipeline_warnings(0.0, {}, frozenset({"drafter_waits"})) == {}
+    # an active warning ends only below half its limit, not when the share hovers at it; but it does end
+    # once the drafter is fed (real waits never reach 0)
+    assert set(pipeline_warnings(0.06, {}, frozenset({"drafter_waits"}))) == {"drafter_waits"}
+    assert pipeline_warnings(0.04, {}, frozenset({"drafter_waits"})) == {}
+    assert pipeline_warnings(1e-5, {}, frozenset({"drafter_waits"})) == {}
+    assert pipeline_warnings(0.0, {"0": 0.2}, frozenset({"targets_blocked"})) == {}
 
 
 def record(step: int, wait: float, send_wait_s: dict | None) -> dict:
@@ -46,7 +49,9 @@ def record(step: int, wait: float, send_wait_s: dict | None) -> dict:
 def clock(monkeypatch):
     """The monitor's clock, moved by hand: each logging window below lasts 10 s."""
     now = [0.0]
-    monkeypatch.setattr(progress, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(
+        progress, "time", SimpleNamespace(perf_counter=lambda: now[0], time=lambda: 1.8e9 + now[0])
+    )
     return now
 
 
@@ -65,9 +70,9 @@ def test_monitor_warns_once_per_condition_change_and_records_it(tmp_path, capsys
     monitor.close()
     err = capsys.readouterr().err
     assert err.count("warning at step 20: the drafter waited 30%") == 1 and "warning at step 30" not in err
-    assert err.count("step 40: the drafter waits no more than 10% again") == 1
+    assert err.count("step 40: the drafter waits less than 5% again") == 1
     assert err.count("warning at step 40: the target ranks were blocked on sends 65%") == 1
-    assert err.count("step 50: the target ranks are blocked on sends no more than 50% again") == 1
+    assert err.count("step 50: the target ranks are blocked on sends less than 25% again") == 1
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["warnings"] for r in lines] == [
         [],
@@ -131,3 +136,41 @@ def test_a_quiet_monitor_shows_nothing_and_still_records(tmp_path, capsys, clock
     monitor.close()
     assert capsys.readouterr().err == ""
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_stall_is_not_judged_as_the_split(tmp_path, capsys, clock):
+    """A target rank stopped inside a send (its wait spans more than the window) is a stall: said once, not
+    advice to move ranks; the drafter starving meanwhile is still a warning, and it ends once it is fed."""
+    monitor = TrainingMonitor(tmp_path, total_steps=50)
+    windows = [
+        (0.0, {"0": 1.0, "1": 1.0}),  # start-up
+        (0.8, {"0": 1.0, "1": 1.0}),  # both targets stopped: the drafter starves
+        (0.0, {"0": 21.0, "1": 1.5}),  # rank 0 resumes: 20 s of one send counted in a 10 s window
+        (1e-5, {"0": 21.5, "1": 2.0}),  # fed again
+        (1e-5, {"0": 22.0, "1": 2.5}),
+    ]
+    for i, (wait, send_wait_s) in enumerate(windows, 1):
+        clock[0] += 10.0
+        monitor.log(record(10 * i, wait, send_wait_s))
+    monitor.close()
+    err = capsys.readouterr().err
+    assert "warning at step 20: the drafter waited 80%" in err
+    assert "step 30: target rank 0 waited in one send longer than the logging window: a stall" in err
+    assert "blocked on sends" not in err and "step 30: the drafter waits less than 5% again" in err
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["warnings"] for r in lines] == [[], ["drafter_waits"], [], [], []]
+
+
+def test_plain_log_lines_and_records_say_when(tmp_path, capsys, clock):
+    """Under a scheduler (no terminal) each line gives the elapsed and remaining time; each record the wall
+    clock beside the seconds since the process started."""
+    monitor = TrainingMonitor(tmp_path, total_steps=1000, start_step=400)
+    for step in (500, 600):
+        clock[0] += 3600.0
+        monitor.log(record(step, 0.0, None))
+    monitor.close()
+    err = capsys.readouterr().err
+    assert "step 500/1000" in err and "1:00:00 elapsed, 5:00:00 left" in err
+    assert "2:00:00 elapsed, 4:00:00 left" in err
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["time"], r["unix_time"]) for r in lines] == [(3600.0, 1.8e9 + 3600), (7200.0, 1.8e9 + 7200)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from rich.console import Console
@@ -40,15 +41,20 @@ DRAFTER_WAIT_LIMIT = 0.10  # of a logging window; above it the targets do not ke
 TARGET_BLOCKED_LIMIT = 0.50  # of a logging window, averaged over the target ranks
 
 
-# an active warning ends only this far below its limit: a share hovering at the limit would otherwise warn
-# and resolve at every other logging step
-HYSTERESIS = 0.10
+# an active warning ends only below this share of its limit: a share hovering at the limit would otherwise
+# warn and resolve at every other logging step
+HYSTERESIS = 0.5
 
 
 RESOLVED = {
-    "drafter_waits": f"the drafter waits no more than {100 * DRAFTER_WAIT_LIMIT:.0f}% again",
-    "targets_blocked": f"the target ranks are blocked on sends no more than {100 * TARGET_BLOCKED_LIMIT:.0f}% again",
+    "drafter_waits": f"the drafter waits less than {100 * HYSTERESIS * DRAFTER_WAIT_LIMIT:.0f}% again",
+    "targets_blocked": "the target ranks are blocked on sends less than "
+    f"{100 * HYSTERESIS * TARGET_BLOCKED_LIMIT:.0f}% again",
 }
+
+# a send that waited longer than the whole window began before it: a stall (a paused or stopped rank, a
+# long evaluation or save on the drafter's side), not the steady imbalance the split is judged on
+STALL = 1.05
 
 
 def send_wait_fractions(
@@ -70,11 +76,11 @@ def pipeline_warnings(
 
     `drafter_wait` is the drafter ranks' mean share of the window spent waiting for features,
     `target_blocked` each target rank's share spent blocked on sends (their mean is compared); a condition
-    already `active` holds until its share falls HYSTERESIS below its limit."""
+    already `active` holds until its share falls below HYSTERESIS times its limit."""
     warnings = {}
 
     def over(name: str, share: float, limit: float) -> bool:
-        return share > limit - (HYSTERESIS if name in active else 0.0)
+        return share > limit * (HYSTERESIS if name in active else 1.0)
 
     if over("drafter_waits", drafter_wait, DRAFTER_WAIT_LIMIT):
         warnings["drafter_waits"] = (
@@ -99,6 +105,10 @@ def pipeline_warnings(
                 )
             )
     return warnings
+
+
+def _clock(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))  # 1:02:03, and "2 days, 1:02:03" past a day
 
 
 class TrainingProgress(Progress):
@@ -139,7 +149,7 @@ class TrainingMonitor:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.trackers = trackers  # trackers.Trackers, started before training
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.total_steps = total_steps
+        self.total_steps, self.start_step = total_steps, start_step
         self.console = Console(stderr=True, quiet=quiet)
         self.live = sys.stderr.isatty() and not quiet
         self.start_time = time.perf_counter()
@@ -157,7 +167,7 @@ class TrainingMonitor:
     def log(self, record: dict) -> None:
         """Record a step's metrics (written at once, flushed) and refresh the display."""
         now = time.perf_counter() - self.start_time
-        record = {"time": round(now, 3), **record}
+        record = {"time": round(now, 3), "unix_time": round(time.time(), 3), **record}
         record.update(self._judge_split(record, now))
         try:
             with self.path.open("a") as f:
@@ -186,8 +196,19 @@ class TrainingMonitor:
             self._progress.update(self._task, completed=record["step"], summary=summary)
         else:
             self.console.print(
-                f"step {record['step']}/{self.total_steps}  {summary}", highlight=False, soft_wrap=True
+                f"step {record['step']}/{self.total_steps}  {summary}  {self._times(record['step'], now)}",
+                highlight=False,
+                soft_wrap=True,
             )
+
+    def _times(self, step: int, now: float) -> str:
+        """Elapsed and estimated remaining time for a plain log line (a terminal's bar shows its own): the
+        rate of this process's steps so far, which a resumed run starts anew."""
+        done = step - self.start_step
+        left = now / done * (self.total_steps - step) if done > 0 else None
+        return f"{_clock(now)} elapsed, " + (
+            f"{_clock(left)} left" if left is not None else "time left unknown"
+        )
 
     def _real_tau(self, step: int) -> str:
         """The newest real tau of eval.jsonl (written by the evaluation watcher) for the bar, printing a line
@@ -212,11 +233,25 @@ class TrainingMonitor:
         if not send_wait_s:  # colocated: the drafter's "wait" is the target's own compute, not an imbalance
             return {}
         first, before = self._send_wait_s is None, self._send_wait_s or {}
-        fractions = send_wait_fractions(send_wait_s, before, now - self._window_start)
+        window = now - self._window_start
+        fractions = send_wait_fractions(send_wait_s, before, window)
+        stalled = sorted(
+            (r for r, w in send_wait_s.items() if r in before and w - before[r] > STALL * window),
+            key=int,
+        )
         self._send_wait_s, self._window_start = dict(send_wait_s), now
         if first:  # the first window holds the start (models loading, the first batches): not judged
             return {"target_send_wait_fraction": fractions, "warnings": []}
-        warnings = pipeline_warnings(record.get("wait_fraction", 0.0), fractions, frozenset(self._warnings))
+        if stalled:
+            self.print(
+                f"step {record['step']}: target rank {', '.join(stalled)} waited in one send longer than the "
+                "logging window: a stall (a paused rank, a long save or evaluation), not judged as the split"
+            )
+        warnings = pipeline_warnings(
+            record.get("wait_fraction", 0.0), {} if stalled else fractions, frozenset(self._warnings)
+        )
+        if stalled and "targets_blocked" in self._warnings:  # not judged: held as it was
+            warnings["targets_blocked"] = self._warnings["targets_blocked"]
         for name, message in warnings.items():
             if name not in self._warnings:
                 self.print(f"warning at step {record['step']}: {message}")
