@@ -131,59 +131,60 @@ def check_init_from(cfg) -> None:
         )
 
 
+def idle_settings(config: dict) -> dict[str, tuple[str, str, str]]:
+    """The settings that do nothing in a run of `config` (the settings as a dict) because another leaves
+    what they set off: name -> (what it sets, what turns that on, what the run has instead)."""
+    weighting, steps, optimizer = config["position_weighting"], config["max_steps"], config["optimizer"]
+    table = (
+        (
+            "dpace_smoothing",
+            weighting == "dpace",
+            "D-PACE's smoothing",
+            "--position_weighting dpace",
+            weighting,
+        ),
+        (
+            "lilicorr_margin",
+            config["lilicorr_margin_alpha"] > 0,
+            "the hinge's margin",
+            "--lilicorr_margin_alpha W > 0",
+            0,
+        ),
+        ("markov_head_type", config["markov_rank"] > 0, "the Markov head", "--markov_rank R > 0", 0),
+        (
+            "confidence_head_with_markov",
+            config["confidence_alpha"] > 0,
+            "what the confidence head reads",
+            "--confidence_alpha W > 0",
+            0,
+        ),
+        ("muon_orthogonalisation", optimizer == "muon", "Muon's update", "--optimizer muon", optimizer),
+        ("num_epochs", steps == -1, "the length of a run of whole passes", "--max_steps -1", steps),
+        ("eval_prompts", bool(config["eval_data"]), "the evaluation's prompts", "--eval_data FILE", "empty"),
+        (
+            "eval_max_new_tokens",
+            bool(config["eval_data"]),
+            "the evaluation's prompts",
+            "--eval_data FILE",
+            "empty",
+        ),
+    )
+    return {name: (sets, needs, f"it is {has}") for name, acts, sets, needs, has in table if not acts}
+
+
 def check_idle(cfg, flags: dict, file_values: dict, config_file: str | None) -> None:
     """A setting given (as a flag or in the config file) and changed from its default that acts only with
     another, which this run leaves off, would be recorded and ignored: refuse it, naming what it needs."""
-    pw, steps = cfg.position_weighting, cfg.max_steps
-    for name, acts, sets, needs, instead in (
-        ("dpace_smoothing", pw == "dpace", "D-PACE's smoothing", "--position_weighting dpace", f"it is {pw}"),
-        (
-            "lilicorr_margin",
-            cfg.lilicorr_margin_alpha > 0,
-            "the hinge's margin",
-            "--lilicorr_margin_alpha W > 0",
-            "it is 0",
-        ),
-        ("markov_head_type", cfg.markov_rank > 0, "the Markov head", "--markov_rank R > 0", "it is 0"),
-        (
-            "confidence_head_with_markov",
-            cfg.confidence_alpha > 0,
-            "what the confidence head reads",
-            "--confidence_alpha W > 0",
-            "it is 0",
-        ),
-        (
-            "muon_orthogonalisation",
-            cfg.optimizer == "muon",
-            "Muon's update",
-            "--optimizer muon",
-            f"it is {cfg.optimizer}",
-        ),
-        (
-            "num_epochs",
-            steps == -1,
-            "the length of a run of whole passes",
-            "--max_steps -1",
-            f"it is {steps}",
-        ),
-        ("eval_prompts", bool(cfg.eval_data), "the evaluation's prompts", "--eval_data FILE", "it is empty"),
-        (
-            "eval_max_new_tokens",
-            bool(cfg.eval_data),
-            "the evaluation's prompts",
-            "--eval_data FILE",
-            "it is empty",
-        ),
-    ):
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name, (sets, needs, instead) in idle_settings(vars(cfg)).items():
         value = getattr(cfg, name)
-        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
-        if acts or value == default or (name not in flags and name not in file_values):
+        if value == defaults[name] or (name not in flags and name not in file_values):
             continue
         shown = str(value).lower() if isinstance(value, bool) else value
         where = f"--{name} {shown}" if name in flags else f"{config_file}: {name}: {shown}"
         raise ValueError(
             f"{where} sets {sets}, which acts only with {needs} ({instead}): it would be ignored; drop "
-            f"{'it' if name in flags else 'the key'}, or pass {needs.split()[0]} with it"
+            f"{'it' if name in flags else 'the key'}, or pass {needs} with it"
         )
 
 

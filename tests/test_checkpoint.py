@@ -213,6 +213,25 @@ def test_a_checkpoint_from_before_the_orthogonalisation_option_resumes_with_torc
     assert check_same_run(saved, current, [], _newest(finished_run)) == []
 
 
+def test_a_setting_whose_part_is_off_now_is_no_change_on_resume(finished_run):
+    """A value recorded before such settings were refused (or before the part it sets was turned off with
+    --resume_override) does not trap the resume: the run refuses the flag that restores it, and without it
+    the setting is idle, so neither its old nor its new value trains."""
+    saved = load_trainer_state(_newest(finished_run))
+    current = json.loads(json.dumps(saved))
+    saved["config"] |= {"num_epochs": 3, "dpace_smoothing": 0.3}
+    current["config"] |= {"num_epochs": 6, "dpace_smoothing": 0.5, "position_weighting": "decay"}
+    assert current["config"]["max_steps"] != -1
+    with pytest.raises(ValueError, match="position_weighting: checkpoint 'dpace', now 'decay'") as refused:
+        check_same_run(saved, current, [], _newest(finished_run))
+    assert "num_epochs" not in str(refused.value) and "dpace_smoothing" not in str(refused.value)
+    accepted = check_same_run(saved, current, ["position_weighting"], _newest(finished_run))
+    assert accepted == ["position_weighting: 'dpace' -> 'decay'"]
+    current["config"]["position_weighting"] = "dpace"  # D-PACE on: its smoothing trains, and changed
+    with pytest.raises(ValueError, match="dpace_smoothing: checkpoint 0.3, now 0.5"):
+        check_same_run(saved, current, [], _newest(finished_run))
+
+
 def test_optimisation_change_needs_an_override(finished_run, tiny_target, chat_data, capsys):
     assert (
         main(args(tiny_target, chat_data, finished_run, "--learning_rate", "1e-2", "--max_steps", "6")) == 2

@@ -249,7 +249,7 @@ def test_help_with_flags_that_do_not_parse_says_so():
         (
             ["--position_weighting", "decay", "--dpace_smoothing", "0.3"],
             "--dpace_smoothing 0.3 sets D-PACE's smoothing, which acts only with --position_weighting dpace "
-            "\\(it is decay\\): it would be ignored; drop it, or pass --position_weighting with it",
+            "\\(it is decay\\): it would be ignored; drop it, or pass --position_weighting dpace with it",
         ),
         (
             ["--drafter", "lilicorr", "--lilicorr_margin", "1"],
@@ -268,10 +268,13 @@ def test_help_with_flags_that_do_not_parse_says_so():
             ["--optimizer", "adamw", "--muon_orthogonalisation", "polar_express_3"],
             "--muon_orthogonalisation polar_express_3 .* --optimizer muon \\(it is adamw\\)",
         ),
-        (["--max_steps", "5", "--num_epochs", "2"], "--num_epochs 2 .* --max_steps -1 \\(it is 5\\)"),
+        (
+            ["--max_steps", "5", "--num_epochs", "2"],
+            "--num_epochs 2 .* --max_steps -1 \\(it is 5\\).* or pass --max_steps -1 with it",
+        ),
         (
             ["--eval_data", "", "--eval_prompts", "3"],
-            "--eval_prompts 3 .* drop it, or pass --eval_data with it",
+            "--eval_prompts 3 .* drop it, or pass --eval_data FILE with it",
         ),
         (["--eval_data", "", "--eval_max_new_tokens", "8"], "--eval_max_new_tokens 8 .* --eval_data FILE"),
     ],

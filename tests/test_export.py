@@ -217,10 +217,18 @@ def test_the_export_is_stamped_with_how_the_drafter_was_trained(tmp_path, tiny_t
     assert {t.dtype for t in load_file(tmp_path / "fp32" / "model.safetensors").values()} == {torch.float32}
     # ... and its card: the training and acceptance as the first card had them, the fp32 said to be bf16's
     again_card = (tmp_path / "fp32" / "README.md").read_text()
-    for heading in ("## Training", "## Acceptance"):
-        section = card[card.index(heading) :].split("\n## ")[0].rstrip()
-        assert section.startswith(heading) and section in again_card
-    assert "- 7 optimizer steps" in again_card
+    section = card[card.index("## Training") :].split("\n## ")[0].rstrip()
+    assert section in again_card and "- 7 optimizer steps" in again_card
+    # no measured tau to carry: the line that says how to measure it names the new export
+    assert f"--drafter {(tmp_path / 'fp32').resolve()} --data HELDOUT.jsonl" in again_card
+    assert f"--drafter {(tmp_path / 'out').resolve()} " not in again_card
+    # a measured table is carried as it was
+    from dflash_ddp.serving.card import ACCEPTANCE, MEASURED
+
+    table = f"{ACCEPTANCE}\n\n{MEASURED}, from eval.json:\n\n| tau | 2.50 |"
+    (tmp_path / "out" / "README.md").write_text(card.split(ACCEPTANCE)[0] + table + "\n\n## Serving\n")
+    assert main([str(tmp_path / "out"), str(tmp_path / "measured"), "--dtype", "float32"]) == 0
+    assert table in (tmp_path / "measured" / "README.md").read_text()
     assert "weights in float32 (the bfloat16 values of the export it was made from, widened)" in again_card
     assert "weights in bfloat16" in card
 
@@ -455,3 +463,22 @@ def test_an_export_never_overwrites_a_checkpoint_a_run_or_a_model(tmp_path, tiny
     (tmp_path / "a_file").write_text("x")
     assert main([str(run), str(tmp_path / "a_file")]) == 2
     assert "a file; name a new directory" in capsys.readouterr().err
+
+
+def test_an_export_of_an_export_carries_only_the_sections_it_can(tmp_path):
+    """The training section is taken by its exact heading, whole even where a code block holds a `## ` line;
+    an unmeasured source's acceptance line (naming the source) is written anew for the new export."""
+    from dflash_ddp.serving.card import ACCEPTANCE, source_card_section
+
+    source = tmp_path / "export"
+    source.mkdir()
+    (source / "README.md").write_text(
+        "# d\n\n## Training Details\n\nby hand\n\n## Training\n\n- 7 optimizer steps\n```bash\n## not a heading\n"
+        f"```\n\n{ACCEPTANCE}\n\nMeasure it with `... --drafter {source} ...`.\n\n## Serving\n"
+    )
+    assert source_card_section(source, "## Training") == [
+        "## Training\n\n- 7 optimizer steps\n```bash\n## not a heading\n```",
+        "",
+    ]
+    assert source_card_section(source, "## Acceptance") == []  # not its heading
+    assert source_card_section(tmp_path / "none", "## Training") == []

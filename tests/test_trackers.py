@@ -74,6 +74,7 @@ def test_every_installed_tracker_gets_every_logged_metric_and_the_config(
     assert last == pytest.approx(records[-1]["accuracy_per_position"][0], rel=1e-6)
     for key in ("tau_estimate", "lr", "grad_norm", "tokens_per_s", "wait_fraction", "tokens_seen"):
         assert set(logged[key]) == {1, 2, 3}, key
+    assert "unix_time" in records[0] and "unix_time" not in logged  # the trackers stamp their own clock
     hparams = event_hparams(out / "tensorboard" / "r1")
     assert hparams["max_steps"] == 3 and hparams["report_to"] == '["all"]'
     assert hparams["target_model"] == str(tiny_target)

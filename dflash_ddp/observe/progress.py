@@ -52,10 +52,6 @@ RESOLVED = {
     f"{100 * HYSTERESIS * TARGET_BLOCKED_LIMIT:.0f}% again",
 }
 
-# a send that waited longer than the whole window began before it: a stall (a paused or stopped rank, a
-# long evaluation or save on the drafter's side), not the steady imbalance the split is judged on
-STALL = 1.05
-
 
 def send_wait_fractions(
     now_s: dict[str, float], before_s: dict[str, float], window_s: float
@@ -233,25 +229,11 @@ class TrainingMonitor:
         if not send_wait_s:  # colocated: the drafter's "wait" is the target's own compute, not an imbalance
             return {}
         first, before = self._send_wait_s is None, self._send_wait_s or {}
-        window = now - self._window_start
-        fractions = send_wait_fractions(send_wait_s, before, window)
-        stalled = sorted(
-            (r for r, w in send_wait_s.items() if r in before and w - before[r] > STALL * window),
-            key=int,
-        )
+        fractions = send_wait_fractions(send_wait_s, before, now - self._window_start)
         self._send_wait_s, self._window_start = dict(send_wait_s), now
         if first:  # the first window holds the start (models loading, the first batches): not judged
             return {"target_send_wait_fraction": fractions, "warnings": []}
-        if stalled:
-            self.print(
-                f"step {record['step']}: target rank {', '.join(stalled)} waited in one send longer than the "
-                "logging window: a stall (a paused rank, a long save or evaluation), not judged as the split"
-            )
-        warnings = pipeline_warnings(
-            record.get("wait_fraction", 0.0), {} if stalled else fractions, frozenset(self._warnings)
-        )
-        if stalled and "targets_blocked" in self._warnings:  # not judged: held as it was
-            warnings["targets_blocked"] = self._warnings["targets_blocked"]
+        warnings = pipeline_warnings(record.get("wait_fraction", 0.0), fractions, frozenset(self._warnings))
         for name, message in warnings.items():
             if name not in self._warnings:
                 self.print(f"warning at step {record['step']}: {message}")

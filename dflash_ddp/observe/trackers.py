@@ -189,7 +189,8 @@ class Trackers:
         """Send a record's numbers (see `scalars`) at `step` (default: the record's own "step")."""
         step = int(record["step"] if step is None else step)
         self.last_step = max(self.last_step, step)
-        values = scalars({k: v for k, v in record.items() if k != "step"}, prefix)
+        # the wall clock is the trackers' own (a float32 chart would round it to minutes)
+        values = scalars({k: v for k, v in record.items() if k not in ("step", "unix_time")}, prefix)
         for name, tracker in list(self._started.items()):
             try:
                 tracker.log(values, step=step)

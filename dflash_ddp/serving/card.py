@@ -13,6 +13,8 @@ from dflash_ddp.drafter.optimizer import trains_nothing
 from dflash_ddp.drafter.weighting import loss_gamma
 from dflash_ddp.hub import hub_model_name
 
+ACCEPTANCE = "## Acceptance (real speculative decoding)"
+MEASURED = "tau = tokens committed per target verify step, bonus included; greedy decoding"
 OBJECTIVE_SETTINGS = (
     "num_anchors",
     "anchor_scale_tokens",
@@ -135,15 +137,21 @@ def init_from_lines(record: dict | None) -> list[str]:
 
 
 def source_card_section(source: Path, heading: str) -> list[str]:
-    """The section `heading` ("## Training") of the model card of an export being exported again, as it
-    was written from the run (an export has no trainer_state.json to write it from); empty when absent."""
+    """The section headed exactly `heading` of the model card of an export being exported again, as it was
+    written from the run (an export has no trainer_state.json to write it from); empty when absent. A `## `
+    line inside a code block does not end it."""
     card = source / "README.md"
     lines = card.read_text(errors="replace").splitlines() if card.is_file() else []
-    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
-    if start is None:
+    if heading not in lines:
         return []
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return ["\n".join(lines[start:end]).rstrip(), ""]
+    start = lines.index(heading)
+    section, fenced = [heading], False
+    for line in lines[start + 1 :]:
+        fenced ^= line.startswith("```")
+        if line.startswith("## ") and not fenced:
+            break
+        section.append(line)
+    return ["\n".join(section).rstrip(), ""]
 
 
 def weights_line(config: dict, source: Path, state: dict | None) -> str:
@@ -444,19 +452,20 @@ def model_card(
     else:
         lines += source_card_section(checkpoint, "## Training")
     report, source = run_evaluation(checkpoint, state)
-    carried = [] if state else source_card_section(checkpoint, "## Acceptance")
-    if carried:
+    measured = source_card_section(checkpoint, ACCEPTANCE) if state is None else []
+    carried = measured if any(MEASURED in part for part in measured) else []
+    if carried:  # the source's measured table; an unmeasured source's card names the source: written anew
         lines += carried
     elif report:
-        lines += ["## Acceptance (real speculative decoding)", ""]
+        lines += [ACCEPTANCE, ""]
         lines += [
-            f"tau = tokens committed per target verify step, bonus included; greedy decoding, from {source}:",
+            f"{MEASURED}, from {source}:",
             "",
             *tau_table(report, family),
             "",
         ]
     else:
-        lines += ["## Acceptance (real speculative decoding)", ""]
+        lines += [ACCEPTANCE, ""]
         lines += [
             (source + "; m" if source else "M")
             + "easure it with `python -m dflash_ddp.evaluate --target_model "

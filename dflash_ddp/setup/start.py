@@ -16,9 +16,9 @@ from dflash_ddp.checkpoint.resume import find_checkpoint
 from dflash_ddp.checkpoint.trainer_state import load_trainer_state
 from dflash_ddp.checkpoint.writer import set_aside_later
 from dflash_ddp.config import RESUME_OVERRIDABLE
-from dflash_ddp.drafter.optimizer import trains_nothing
 from dflash_ddp.files import atomic_write_text
 from dflash_ddp.parallel.topology import DistributedContext, Topology
+from dflash_ddp.setting_checks import idle_settings
 from dflash_ddp.setup.run import Run
 
 
@@ -185,13 +185,10 @@ def keep_the_start(saved: dict | None, run: Run, where: Path) -> list[str]:
 def _trains_as(config: dict, key: str):
     """A setting's value as training sees it: anchors scale only in sequences longer than
     --anchor_scale_tokens, so with --max_seq_len no longer than that every value trains like 0 (a run from
-    before the setting, or before its default, resumes with today's default); Muon's orthogonalisation
-    trains nothing with AdamW."""
+    before the setting, or before its default, resumes with today's default)."""
     value = config[key]
     if key == "anchor_scale_tokens" and value >= config.get("max_seq_len", 0):
         return 0
-    if trains_nothing(config, key):
-        return None
     return value
 
 
@@ -255,10 +252,11 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
     missing = [k for k in RESUME_OVERRIDABLE if k not in saved["config"]]
     if missing:
         raise ValueError(f"{where}/trainer_state.json: config lacks {missing}")
+    idle = idle_settings(current["config"])  # what they set is off now: their value does not train
     changed = {
         k: (saved["config"][k], current["config"][k])
         for k in RESUME_OVERRIDABLE
-        if _trains_as(saved["config"], k) != _trains_as(current["config"], k)
+        if k not in idle and _trains_as(saved["config"], k) != _trains_as(current["config"], k)
     }
     free = SCHEDULE_LENGTH if saved["global_step"] == 0 else ()  # no step has run on the saved schedule
     overrides = [*overrides, *free]
