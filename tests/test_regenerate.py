@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -297,7 +300,30 @@ def test_multi_turn_and_prompt_only_rows(tiny_target, tmp_path, capsys):
         in capsys.readouterr().err
     )
     assert rg.main(flags(tiny_target, data, out, batch_size=3, keep_truncated=False)) == 2
+    # ... and so are changed data, another target and another chat template, which it did not follow
+    capsys.readouterr()
+    other_target = tmp_path / "other_target"
+    shutil.copytree(tiny_target, other_target)
+    template = tmp_path / "plain.jinja"
+    template.write_text(CHATML_TEMPLATE + "{# another template #}")
+    for changed, named in (
+        (flags(other_target, data, out, batch_size=3), "target_model: "),
+        (
+            flags(tiny_target, data, out, batch_size=3) + ["--chat_template", str(template)],
+            "chat_template_sha256",
+        ),
+    ):
+        assert rg.main(changed) == 2
+        assert f"is a finished run with other settings (then -> now): {named}" in capsys.readouterr().err
+    data.write_text(data.read_text() + data.read_text().splitlines(keepends=True)[0])
+    assert rg.main(flags(tiny_target, data, out, batch_size=3)) == 2
+    assert "data: [" in capsys.readouterr().err
     assert out.read_bytes() == before
+    # a file this tool did not write (no OUT.settings.json) is not taken for a finished run
+    stranger = tmp_path / "human.jsonl"
+    stranger.write_text(data.read_text())
+    assert rg.main(flags(tiny_target, data, stranger, batch_size=3)) == 2
+    assert "no human.jsonl.settings.json beside it says this tool wrote it" in capsys.readouterr().err
 
 
 def test_a_row_the_template_refuses_stops_the_run_or_is_skipped(tiny_target, chat_data, tmp_path, capsys):
@@ -553,3 +579,41 @@ def test_sigkill_and_restart_give_the_uninterrupted_rows_once_each(
     assert sorted(written["rows"]) == list(range(24))  # each row once across the old and new part files
     assert read_rows(out) == reference
     assert not parts.exists() and not (tmp_path / "out.jsonl.lock").exists()
+
+
+@pytest.mark.processes
+def test_sigterm_stops_with_one_line_naming_the_kept_rows_and_the_run_continues(
+    tiny_target, chat_data, tmp_path
+):
+    """A scheduler's preemption (SIGTERM) stops as Ctrl-C does: one line naming OUT's parts, exit 143, and
+    the same command finishes the rows as an uninterrupted run writes them."""
+    data = first_rows(chat_data, tmp_path / "rows.jsonl", 12)
+    settings = {"batch_size": 2, "max_new_tokens": 16}
+    reference = run(tiny_target, data, tmp_path / "reference.jsonl", **settings)
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPTS / "regenerate_slowly.py"),
+            "1.0",
+            *flags(tiny_target, data, out, **settings),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.time() + 120
+    while not (parts.is_dir() and finished_rows(parts)):
+        assert job.poll() is None and time.time() < deadline, job.stderr.read()[-3000:]
+        time.sleep(0.02)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 143
+    line = job.stderr.read().strip().splitlines()[-1]
+    assert (
+        line == f"stopped (SIGTERM): the rows finished so far are kept in {parts}; the same command continues"
+    )
+    assert not out.exists()
+    assert rg.main(flags(tiny_target, data, out, **settings)) == 0
+    assert read_rows(out) == reference

@@ -61,6 +61,7 @@ import dataclasses
 import hashlib
 import json
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -297,7 +298,7 @@ def pick_device(name: str, local_rank: int) -> tuple[torch.device, torch.dtype]:
     return device, torch.float32
 
 
-# settings a finished run is compared on before anything is read (data files by path)
+# settings a finished run is compared on as given; its data, target and chat template are compared below
 FINISHED_SETTINGS = (
     "max_new_tokens",
     "temperature",
@@ -310,17 +311,33 @@ FINISHED_SETTINGS = (
 
 
 def check_finished(out: Path, cfg: RegenerateConfig) -> None:
-    """A finished OUT asked for again: ValueError when OUT.settings.json records other settings than these
-    (those known without reading data or weights: local data files by path), which OUT does not follow."""
+    """A finished OUT asked for again: ValueError when OUT.settings.json records other settings, data (local
+    files by path and sha256), target or chat template (a local target's) than these, which OUT does not
+    follow, or when no OUT.settings.json says this tool wrote OUT. Nothing is downloaded."""
     path = settings_path(out)
-    if not path.is_file():  # written before the settings were kept beside OUT
-        return
+    if not path.is_file():
+        raise ValueError(
+            f"--out {out} exists and no {path.name} beside it says this tool wrote it (another file, or one "
+            f"regenerated before the settings were kept): pass another --out, or delete {out} to regenerate"
+        )
     old = json.loads(path.read_text())
     was = {name: old[name] for name in FINISHED_SETTINGS if name in old}
     now = {name: getattr(cfg, name) for name in was}
     if "data" in old and all(hub_dataset_name(spec) is None for spec in cfg.data):
-        was["data"] = sorted(d["path"] for d in old["data"])
-        now["data"] = sorted(str(f.resolve()) for f in data_file_contents(cfg.data))
+        was["data"] = sorted(f"{d['path']} (sha256 {d['sha256'][:12]})" for d in old["data"])
+        now["data"] = sorted(
+            f"{f.resolve()} (sha256 {file_sha256(f)[:12]})" for f in data_file_contents(cfg.data)
+        )
+    local = Path(cfg.target_model).is_dir()
+    if "target_model" in old:  # a hub target by name (its commit is resolved only when it runs)
+        was["target_model"] = old["target_model"] if local else old["target_model"].split("@")[0]
+        now["target_model"] = (
+            str(Path(cfg.target_model).resolve()) if local else cfg.target_model.split("@")[0]
+        )
+    if "chat_template_sha256" in old and local:
+        was["chat_template_sha256"] = old["chat_template_sha256"]
+        template = load_target_tokenizer(cfg.target_model, cfg.chat_template).chat_template
+        now["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
     changed = [f"{k}: {was[k]!r} -> {now[k]!r}" for k in was if was[k] != now[k]]
     if changed:
         raise ValueError(
@@ -530,8 +547,17 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: 0 when done (or nothing left to do), 2 on bad input or settings, 1 when the disk fails."""
     rank, world, _ = env_world()
     where = "" if world == 1 else f" (rank {rank})"
+    stop = []
+
+    def stop_on_sigterm(signum, frame):  # a scheduler's preemption stops as Ctrl-C: what is done is on disk
+        stop.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    cfg = None
     try:
-        regenerate(parse_args(argv))
+        cfg = parse_args(argv)
+        regenerate(cfg)
     except ValueError as e:
         print(f"error{where}: {e}", file=sys.stderr)
         return 2
@@ -539,11 +565,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error{where}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what is done is on disk
+        parts = f"{cfg.out}.parts" if cfg else "OUT.parts"
+        how = "stopped (SIGTERM)" if stop else "interrupted"
         print(
-            f"interrupted{where}: the rows finished so far are kept in OUT.parts; the same command continues",
+            f"{how}{where}: the rows finished so far are kept in {parts}; the same command continues",
             file=sys.stderr,
         )
-        return 130
+        return 143 if stop else 130
     return 0
 
 
