@@ -36,7 +36,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",po
 
 
 class FakeEngine(BaseHTTPRequestHandler):
-    """An OpenAI-compatible server that answers each prompt with its reversed ids and counts, per
+    """An OpenAI-compatible server that answers each prompt with its reversed ids, repeated, and counts, per
     completion, 2 drafts with 3 tokens accepted (2 at position 0, 1 at position 1)."""
 
     completions = 0
@@ -57,7 +57,10 @@ class FakeEngine(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).completions += 1
-        self._send(json.dumps({"choices": [{"token_ids": body["prompt"][::-1][: body["max_tokens"]]}]}))
+        # a prompt's tokens as its output, reversed and repeated: 6 of them where its 2 drafts accepted 3
+        # after the first token, 1 + 3 + 2 (each verify step commits its accepted drafts and one more)
+        tokens = (body["prompt"][::-1] * 3)[: min(6, body["max_tokens"])]
+        self._send(json.dumps({"choices": [{"token_ids": tokens}]}))
 
     def log_message(self, *args):
         pass
@@ -74,12 +77,16 @@ def fake_engine():
 def test_the_counters_and_outputs_make_the_report(fake_engine):
     client = EngineClient(fake_engine)
     prompts = [("a:1", [1, 2, 3]), ("a:2", [4, 5, 6])]
-    report = engine_evaluation(client, None, prompts, 8, reference=[[3, 2, 1], [6, 5, 4]])
-    assert report["drafts"] == 4 and report["tau"] == 1 + 6 / 4  # each verify step: accepted + the target's
+    reference = [[3, 2, 1] * 2, [6, 5, 4] * 2]
+    report = engine_evaluation(client, None, prompts, 8, reference=reference)
+    assert report["drafts"] == 4 and report["tau"] == (12 - 2) / 4 == 1 + 6 / 4  # accepted + the target's
     assert report["acceptance_by_position"] == [1.0, 0.5] and report["lossless"] is True
     report = engine_evaluation(client, client, prompts, 8)  # a second server's outputs as the reference
     assert report["lossless"] is True and report["tokens_per_s_without_drafter"] > 0
-    assert engine_evaluation(client, None, prompts, 8, reference=[[3, 2, 1], [0]])["mismatched"] == ["a:2"]
+    assert engine_evaluation(client, None, prompts, 8, reference=[reference[0], [0]])["mismatched"] == ["a:2"]
+    # outputs cut at 4 tokens: vLLM's counters still hold the drafts accepted past the cut; tau does not
+    short = engine_evaluation(client, None, prompts, 4, reference=[r[:4] for r in reference])
+    assert short["tau"] == (8 - 2) / 4 and short["tau_counted"] == 1 + 6 / 4
 
 
 def test_the_servers_evaluate_starts_run_one_at_a_time(tmp_path, monkeypatch, capsys):

@@ -446,6 +446,11 @@ def test_bad_inputs_exit_2_with_clear_messages(target_dir, data_file, tmp_path, 
     assert code == 2 and "[4]" in err and "4 decoder layers" in err
 
     code, err = _run_cli(capsys, target_dir, tmp_path / "missing", data_file)
+    assert (
+        code == 2 and f"--drafter {tmp_path / 'missing'}: no such export, checkpoint or run directory" in err
+    )
+    (tmp_path / "empty").mkdir()
+    code, err = _run_cli(capsys, target_dir, tmp_path / "empty", data_file)
     assert code == 2 and "no config.json" in err
     code, err = _run_cli(capsys, tmp_path / "no_target", tmp_path / "narrow", data_file)
     assert code == 2 and "not a directory" in err
@@ -466,6 +471,19 @@ def test_bad_inputs_exit_2_with_clear_messages(target_dir, data_file, tmp_path, 
     assert "--max_new_tokens 1: at least 2" in capsys.readouterr().err
     assert main([*argv, "--json", str(tmp_path)]) == 2  # said before the evaluation, not after it
     assert f"--json {tmp_path}: a directory" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert main([*argv, "--json", str(tmp_path / "a_file" / "sub" / "r.json")]) == 2
+    assert f"{tmp_path / 'a_file'} is a file, not a directory" in capsys.readouterr().err
+    # sampling settings without a temperature would be ignored (greedy); each range named alone
+    for flags, message in (
+        (["--top_p", "0.5"], "--top_p and --seed only apply when sampling: also pass --temperature > 0"),
+        (["--seed", "3"], "--top_p and --seed only apply when sampling"),
+        (["--temperature", "1", "--top_p", "1.5"], "error: --top_p 1.5 must be in (0, 1]\n"),
+        (["--temperature", "-1"], "error: --temperature -1.0 must be >= 0 (0: greedy)\n"),
+        (["--vllm_python", str(tmp_path / "nope")], f"--vllm_python {tmp_path / 'nope'}: no such file"),
+    ):
+        assert main([*argv, *flags]) == 2
+        assert message in capsys.readouterr().err, flags
 
 
 def test_a_drafter_is_checked_against_the_tokenizer_it_was_trained_with(target_dir, tmp_path):

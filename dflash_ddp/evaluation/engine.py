@@ -69,9 +69,10 @@ def engine_report(
     reference: list[list[int]] | None = None,
     sampling: SamplingRequest | None = None,
 ) -> dict:
-    """Tau and acceptance by position from the drafter server's counters (tau = 1 + accepted / drafts: each
-    verify step commits the accepted drafts and one token of the target's), the rates, and the lossless
-    check of the drafted outputs against the plain server's (else `reference`)."""
+    """Tau (the tokens each prompt got after its first, which prefill gives, per verify step: the drafter
+    server's draft count) and acceptance by position from its counters, the rates, and the lossless check of
+    the drafted outputs against the plain server's (else `reference`). vLLM's own 1 + accepted / drafts
+    (`tau_counted`) also counts drafts accepted past --max_new_tokens and cut off: higher on short outputs."""
     sampling = sampling or SamplingRequest()
     counted = drafted.counted
     if plain is not None:
@@ -87,7 +88,8 @@ def engine_report(
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "drafts": counted.drafts,
-        "tau": 1 + counted.accepted / counted.drafts if counted.drafts else None,
+        "tau": (tokens - len(prompts)) / counted.drafts if counted.drafts else None,
+        "tau_counted": 1 + counted.accepted / counted.drafts if counted.drafts else None,
         "acceptance_by_position": [a / counted.drafts for a in counted.accepted_per_position]
         if counted.drafts
         else [],

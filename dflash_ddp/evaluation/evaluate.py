@@ -469,6 +469,30 @@ def engine_main(args) -> int:
     return 1 if report["lossless"] is False else 0
 
 
+def argument_error(args: argparse.Namespace) -> str | None:
+    """The first flag that cannot work, in one line, found before anything loads (not after it), or None."""
+    json_dir = next((p for p in Path(args.json or ".").resolve().parents if p.exists()), None)
+    if not 0 <= args.confidence_threshold <= 1:
+        return f"--confidence_threshold {args.confidence_threshold} must be in [0, 1]"
+    if args.temperature < 0:
+        return f"--temperature {args.temperature} must be >= 0 (0: greedy)"
+    if not 0 < args.top_p <= 1:
+        return f"--top_p {args.top_p} must be in (0, 1]"
+    if not args.temperature and (args.top_p != 1 or args.seed):
+        return "--top_p and --seed only apply when sampling: also pass --temperature > 0"
+    if args.max_new_tokens < 2:  # the first new token is the target's alone: no draft is verified before it
+        return "--max_new_tokens 1: at least 2 (a verify step follows the first token)"
+    if args.json and Path(args.json).is_dir():
+        return f"--json {args.json}: a directory; name the report's file"
+    if args.json and not json_dir.is_dir():
+        return f"--json {args.json}: {json_dir} is a file, not a directory"
+    if not Path(args.drafter).exists():
+        return f"--drafter {args.drafter}: no such export, checkpoint or run directory"
+    if args.vllm_python and not Path(args.vllm_python).is_file():
+        return f"--vllm_python {args.vllm_python}: no such file (the python of vLLM's own environment)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: 0 when every speculative output equals greedy, 1 on a mismatch, 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
@@ -526,22 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the report to this JSON file")
     args = parser.parse_args(argv)
-    if not 0 <= args.confidence_threshold <= 1:
-        print(f"error: --confidence_threshold {args.confidence_threshold} must be in [0, 1]", file=sys.stderr)
-        return 2
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        print(
-            f"error: --temperature {args.temperature} must be >= 0, --top_p {args.top_p} in (0, 1]",
-            file=sys.stderr,
-        )
-        return 2
-    if args.max_new_tokens < 2:  # the first new token is the target's alone: no draft is verified before it
-        print(
-            "error: --max_new_tokens 1: at least 2 (a verify step follows the first token)", file=sys.stderr
-        )
-        return 2
-    if args.json and Path(args.json).is_dir():  # found now, not after the whole evaluation
-        print(f"error: --json {args.json}: a directory; name the report's file", file=sys.stderr)
+    error = argument_error(args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if args.engine == "vllm":
         return engine_main(args)
