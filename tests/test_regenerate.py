@@ -225,6 +225,21 @@ def test_a_tool_call_the_template_drops_is_a_bad_row_before_it_is_answered(tiny_
         chat.prompt_ids(row, row.messages)
 
 
+def test_a_tool_call_row_stops_the_run_with_one_piece_of_advice(tiny_target, tmp_path, capsys):
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "w"}}],
+    }
+    messages = [{"role": "user", "content": "weather?"}, call, {"role": "tool", "content": "sunny"}]
+    data = tmp_path / "t.jsonl"
+    data.write_text(json.dumps({"messages": [*messages, {"role": "assistant", "content": "old"}]}) + "\n")
+    assert rg.main(flags(tiny_target, data, tmp_path / "out.jsonl")) == 2
+    err = capsys.readouterr().err
+    assert "turn 1 calls a tool, which the chat template does not render" in err
+    assert err.count("to skip and count such rows") == 1, err
+
+
 def test_chat_template_file_and_kwargs(tiny_target, tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text(
@@ -344,6 +359,7 @@ def test_a_row_the_template_refuses_stops_the_run_or_is_skipped(tiny_target, cha
     err = capsys.readouterr().err
     assert f"{data}:3: the chat template failed" in err and "No user query found" in err, err
     assert "--skip_bad_rows" in err and "Traceback" not in err
+    assert err.count("to skip and count such rows") == 1, err  # said once, whoever found the row bad
     assert sorted(finished_rows(parts)) == [0, 1] and not out.exists()
 
     # the same command with --skip_bad_rows continues the run (the flag is not a setting of OUT.parts)

@@ -178,10 +178,11 @@ def regenerate_batch(
             try:
                 prompts[b] = generate.prompt_ids(row, messages[b][: row.targets[j]])
             except BadRow as e:
-                if not skip_bad_rows:
+                if not skip_bad_rows:  # the reason may name --skip_bad_rows itself already
+                    said = "--skip_bad_rows" in str(e)
                     raise BadRow(
-                        f"{e}. Pass --skip_bad_rows to skip and count such rows; the finished rows are kept, "
-                        "so the same command with --skip_bad_rows continues this run"
+                        f"{e}{'' if said else '. Pass --skip_bad_rows to skip and count such rows'}; the "
+                        "finished rows are kept, so the same command with --skip_bad_rows continues this run"
                     ) from None
                 bad[b] = str(e)
         if not prompts:  # every row left is bad
