@@ -365,7 +365,7 @@ def test_a_row_the_template_refuses_stops_the_run_or_is_skipped(tiny_target, cha
     # the same command with --skip_bad_rows continues the run (the flag is not a setting of OUT.parts)
     summary = rg.regenerate(rg.parse_args(flags(tiny_target, data, out, **settings, skip_bad_rows=True)))
     assert summary.bad == 1 and summary.written == 4
-    assert "1 bad rows" in capsys.readouterr().out
+    assert "1 rows the chat template refused" in capsys.readouterr().out
     users = [json.loads(line)["messages"][0]["content"] for line in lines]
     assert [r["messages"][0]["content"] for r in read_rows(out)] == users  # the other rows, in order
     assert not parts.exists()
@@ -633,3 +633,11 @@ def test_sigterm_stops_with_one_line_naming_the_kept_rows_and_the_run_continues(
     assert not out.exists()
     assert rg.main(flags(tiny_target, data, out, **settings)) == 0
     assert read_rows(out) == reference
+
+
+def test_the_start_line_names_the_first_unreadable_row_skipped(tiny_target, chat_data, tmp_path, capsys):
+    lines = chat_data.read_text().splitlines(keepends=True)[:2]
+    data = tmp_path / "rows.jsonl"
+    data.write_text(lines[0] + '{"messages": [\n' + lines[1])
+    assert rg.main(flags(tiny_target, data, tmp_path / "out.jsonl", skip_bad_rows=True)) == 0
+    assert f"(1 unreadable rows skipped, the first: {data}:2: malformed JSON" in capsys.readouterr().out

@@ -499,9 +499,10 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
             )
         try:  # closed on a stop too (a bad row): the same process may run again, as the tests do
             if rank == 0:
+                first = f", the first: {stats.bad_row_examples[0]}" if stats.bad_row_examples else ""
                 print(
-                    f"regenerating {len(rows)} rows ({stats.bad_rows} bad rows skipped, {len(run.done)} already "
-                    f"done) with {where}"
+                    f"regenerating {len(rows)} rows ({stats.bad_rows} unreadable rows skipped{first}; "
+                    f"{len(run.done)} already done) with {where}"
                 )
             if cfg.engine == "vllm":
                 run_served(cfg, rows, run, chat, clients)
@@ -530,8 +531,8 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
         return None
     cut = "kept (--keep_truncated)" if cfg.keep_truncated else "left out (--keep_truncated keeps them)"
     print(
-        f"wrote {out}: {summary.written} of {summary.rows} rows; {summary.bad} bad rows and "
-        f"{summary.empty} with an empty answer left out, {summary.hit_max_new_tokens} cut off by "
+        f"wrote {out}: {summary.written} of {summary.rows} rows; {summary.bad} rows the chat template refused "
+        f"and {summary.empty} with an empty answer left out, {summary.hit_max_new_tokens} cut off by "
         f"--max_new_tokens ({cfg.max_new_tokens}) {cut}; {summary.turns} generated turns, "
         f"{summary.new_tokens} tokens in all; this process: {rate}"
     )
