@@ -365,7 +365,7 @@ def test_a_row_the_template_refuses_stops_the_run_or_is_skipped(tiny_target, cha
     # the same command with --skip_bad_rows continues the run (the flag is not a setting of OUT.parts)
     summary = rg.regenerate(rg.parse_args(flags(tiny_target, data, out, **settings, skip_bad_rows=True)))
     assert summary.bad == 1 and summary.written == 4
-    assert "1 rows the chat template refused" in capsys.readouterr().out
+    assert "1 bad rows found while generating (--skip_bad_rows)" in capsys.readouterr().out
     users = [json.loads(line)["messages"][0]["content"] for line in lines]
     assert [r["messages"][0]["content"] for r in read_rows(out)] == users  # the other rows, in order
     assert not parts.exists()

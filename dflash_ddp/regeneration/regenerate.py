@@ -531,8 +531,8 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
         return None
     cut = "kept (--keep_truncated)" if cfg.keep_truncated else "left out (--keep_truncated keeps them)"
     print(
-        f"wrote {out}: {summary.written} of {summary.rows} rows; {summary.bad} rows the chat template refused "
-        f"and {summary.empty} with an empty answer left out, {summary.hit_max_new_tokens} cut off by "
+        f"wrote {out}: {summary.written} of {summary.rows} rows; {summary.bad} bad rows found while generating "
+        f"(--skip_bad_rows) and {summary.empty} with an empty answer left out, {summary.hit_max_new_tokens} cut off by "
         f"--max_new_tokens ({cfg.max_new_tokens}) {cut}; {summary.turns} generated turns, "
         f"{summary.new_tokens} tokens in all; this process: {rate}"
     )
