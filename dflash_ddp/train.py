@@ -21,7 +21,7 @@ import torch
 
 from dflash_ddp.checkpoint.evaluations import prune_evaluations
 from dflash_ddp.checkpoint.resume import RestoreError
-from dflash_ddp.checkpoint.writer import remove_leftovers
+from dflash_ddp.checkpoint.writer import remove_leftovers, rotate_checkpoints
 from dflash_ddp.cli_help import usage
 from dflash_ddp.config import TrainConfig, config_to_dict, parse_config
 from dflash_ddp.evaluation.in_job import (
@@ -233,6 +233,8 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         )
         if watcher:
             finish_watcher(watcher, stopped, Path(cfg.output_dir))
+            kept = {run.resume_from.name} if run.resume_from else set()
+            rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, kept)
         interrupt_on_stop()  # no step to finish now: Ctrl-C ends the evaluation at once
         report, error = (
             final_evaluation_or_error(cfg, ctx.device) if cfg.eval_data and not stopped else (None, "")

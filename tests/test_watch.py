@@ -9,7 +9,7 @@ import dflash_ddp.evaluation.watch as watch_module
 from dflash_ddp.checkpoint.evaluations import best_record, prune_evaluations, read_evaluations
 from dflash_ddp.checkpoint.layout import read_best, resolve_checkpoint, write_best
 from dflash_ddp.checkpoint.parts import model_parts
-from dflash_ddp.checkpoint.writer import save_checkpoint
+from dflash_ddp.checkpoint.writer import rotate_checkpoints, save_checkpoint
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.evaluation.watch import Evaluator, WatchSettings, watch
 from dflash_ddp.train import main
@@ -136,6 +136,14 @@ def test_rotation_keeps_the_best_checkpoint_and_latest_moves_on(tmp_path):
     assert write_best(root, "step-00000004")
     save(5)
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]
+    # a run's last save kept 4 as best; its final evaluation then made 6 the best: the job's closing rotation
+    # (train.py, after the watcher ends) removes 4, as the next save's would have
+    save(6)
+    assert write_best(root, "step-00000006")
+    rotate_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000005", "step-00000006"]
+    rotate_checkpoints(tmp_path, 1)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000006"]
 
 
 @pytest.mark.processes

@@ -299,6 +299,12 @@ class CheckpointWriter:
             raise error
 
 
+def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, protect=frozenset()) -> None:
+    """Rotation once more after the run's last evaluation: `best` may have moved off a checkpoint that only
+    being best had kept (with --eval_steps, the final evaluation comes after the last save's rotation)."""
+    _rotate(Path(output_dir) / "checkpoints", save_total_limit, set(protect))
+
+
 def _rotate(root: Path, keep: int, protect: set[str]) -> None:
     if keep <= 0:
         return
