@@ -248,7 +248,9 @@ def tau_table(report: dict, family: str = "DFlash") -> list[str]:
             entry = report.get(key)
             if entry and entry.get("tau") is not None:
                 rows.append(
-                    f"| {label} | {entry['tau']:.2f} | {entry['speedup']:.2f}x | {entry['mismatches']} |"
+                    f"| {label} | {entry['tau']:.2f} | "
+                    + ("-" if entry.get("speedup") is None else f"{entry['speedup']:.2f}x")
+                    + f" | {entry['mismatches']} |"
                 )
     by_context = report.get("tau_by_context") or {}
     if by_context:
