@@ -94,7 +94,8 @@ def check_fit(
     sizes = {"target": target.total, "drafter": drafter.total, "colocated": colocated}
     if gpu_bytes is not None:
         usable = gpu_bytes - CUDA_RESERVE
-        return FitCheck(max(sizes[r] for r in node_roles), usable, f"a {gpu_bytes / GIB:.3g} GiB GPU")
+        where = f"a {gpu_bytes / GIB:.3g} GiB GPU ({usable / GIB:.1f} GiB usable)"
+        return FitCheck(max(sizes[r] for r in node_roles), usable, where)
     if device.type == "cuda":
         usable, where = device_capacity(device)
         return FitCheck(max(sizes[r] for r in node_roles), usable, where)
