@@ -109,6 +109,7 @@ def test_identity_changes_are_refused_naming_the_field(
     assert main(args(tiny_target, chat_data, finished_run, flag, value, "--max_steps", "9")) == 2
     err = capsys.readouterr().err
     assert "belongs to a different run" in err and field in err
+    assert "pass the settings it was trained with to resume it, or another --output_dir for a new run" in err
 
 
 def test_other_target_or_tokenizer_is_refused(finished_run):

@@ -157,6 +157,7 @@ def test_a_stopped_tp2_run_resumes_with_whole_target_ranks(tiny_target, chat_dat
     assert 3 <= stopped_at < STEPS, output[-2000:]
     result = torchrun(2, train_args(tiny_target, chat_data, out))
     assert f"resuming from {saved}" in result.stdout, result.stdout[-2000:]
+    assert "saved as 2+1 (tensor-parallel groups of 2), now 1+1)" in result.stdout
     assert [m["step"] for m in metrics(out)] == list(range(1, STEPS + 1))
     assert [m["tokens_seen"] for m in metrics(out)] == [m["tokens_seen"] for m in metrics(tp2_run)]
     assert_close_weights(weights(out), weights(tp2_run))

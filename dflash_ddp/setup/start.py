@@ -57,12 +57,17 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
         path,
     )
     notes += set_aside_later(run.cfg.output_dir, path, run.start_step)
+    was, tp = saved["topology"], saved["topology"].get("target_tp_size", 1)
     notes.append(
         f"resuming from {path} (step {run.start_step}, batch {run.first_batch}; saved as "
-        f"{saved['topology']['target_ranks']}+{saved['topology']['drafter_ranks']}, now "
-        f"{topology.num_targets}+{topology.num_drafters})"
+        f"{was['target_ranks']}+{was['drafter_ranks']}{_in_groups(tp)}, now "
+        f"{topology.num_targets}+{topology.num_drafters}{_in_groups(topology.tp_size)})"
     )
     return notes
+
+
+def _in_groups(tp_size: int) -> str:
+    return f" (tensor-parallel groups of {tp_size})" if tp_size > 1 else ""
 
 
 def check_same_data(ctx: DistributedContext, run: Run) -> None:
@@ -238,7 +243,7 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
             f" (the target's hub revision now resolves to another commit; to go on with the one trained on, "
             f"pass --target_model {current['config']['target_model'].partition('@')[0]}@{moved})"
             if moved and moved != _lookup(current, "fingerprints.target_commit")
-            else ""
+            else "; pass the settings it was trained with to resume it, or another --output_dir for a new run"
         )
         raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity) + hint)
     # optimisation settings: a change is refused unless the user names it in --resume_override
