@@ -539,3 +539,17 @@ def test_check_compatibility_mask_token(target_dir):
     check_compatibility(drafter_config(), info)
     with pytest.raises(ValueError, match="mask_token_id 128"):
         check_compatibility(drafter_config(mask_token_id=VOCAB), info)
+
+
+def test_prompts_past_the_targets_positions_are_counted_in_a_note():
+    """A prompt whose answer runs past max_position_embeddings is decoded out of the target's range (one that
+    ends after prefill leaves no verify step): the report says how many, instead of nothing."""
+    from dflash_ddp.evaluation.row_notes import past_positions_note
+
+    target = SimpleNamespace(config=Qwen3Config(max_position_embeddings=64))
+    prompts = [("a:1", list(range(40))), ("a:2", list(range(60))), ("a:3", list(range(10)))]
+    assert past_positions_note(target, prompts, 16) == (
+        "1 of 3 prompts run past the target's 64 positions (its max_position_embeddings) with --max_new_tokens: "
+        "it answers them out of its range, and one that ends after prefill has no verify step to count"
+    )
+    assert past_positions_note(target, prompts[:1], 24) is None  # 40 + 24 = 64: within

@@ -52,6 +52,7 @@ from dflash_ddp.evaluation.row_notes import (
     assisted_decoding_note,
     generation_note,
     hyper_connection_note,
+    past_positions_note,
     position_ids_note,
     sampled_row_note,
     transformers_note,
@@ -280,8 +281,7 @@ def confidence_calibration(runs: list[DecodeResult], block_size: int) -> list[di
 
 
 def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, lookup_tokens: int) -> dict:
-    block_size = setup.drafter.config.block_size
-    family = setup.drafter.config.family
+    block_size, family = setup.drafter.config.block_size, setup.drafter.config.family
     greedy_tokens = sum(len(r.tokens) for r in results["greedy"])
     greedy_rate = greedy_tokens / sum(r.seconds for r in results["greedy"])
     report = {
@@ -302,6 +302,7 @@ def _summarise(results, mismatched, setup: EvalSetup, max_new_tokens: int, looku
                 generation_note(setup.target),
                 hyper_connection_note(setup.target),
                 position_ids_note(setup.target),
+                past_positions_note(setup.target, setup.prompts, max_new_tokens),
             )
             if n
         ],
@@ -550,8 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write the report to this JSON file")
     args = parser.parse_args(argv)
-    error = argument_error(args)
-    if error:
+    if error := argument_error(args):
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.engine == "vllm":

@@ -116,3 +116,18 @@ def transformers_note(config) -> str | None:
     if config.family != "dflash":
         return NO_TRANSFORMERS_ROW.format(family_label(config.family))
     return NO_TRANSFORMERS_WINDOW if config.slides else None
+
+
+def past_positions_note(target, prompts: list[tuple[str, list[int]]], max_new_tokens: int) -> str | None:
+    """How many prompts run past the positions the target's config declares, with their new tokens (the
+    target answers them out of its range: one may end after prefill, with no verify step, and leave no trace
+    in the tau tables), or None when none does."""
+    limit = getattr(target.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    past = sum(len(ids) + max_new_tokens > limit for _, ids in prompts) if limit else 0
+    if not past:
+        return None
+    return (
+        f"{past} of {len(prompts)} prompts run past the target's {limit} positions (its max_position_embeddings) "
+        "with --max_new_tokens: it answers them out of its range, and one that ends after prefill has no "
+        "verify step to count"
+    )
