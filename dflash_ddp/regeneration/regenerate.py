@@ -273,19 +273,27 @@ def run_settings(cfg: RegenerateConfig, source: ModelSource, tokenizer, engine: 
     """What decides the output: a parts directory started with other values must not be continued. `engine`
     names who generates: the dtype and batch size of transformers' path, or the server's model (and, for a
     server started here, its dtype and flags)."""
-    data = [
-        {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
-        for f in data_file_contents(cfg.data)
-    ]
     return {
-        "data": data,
+        "data": data_records(cfg.data),
         "num_rows": num_rows,
         "target_model": f"{source.repo_id}@{source.commit}" if source.repo_id else str(source.path.resolve()),
-        "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+        "chat_template_sha256": template_sha256(tokenizer),
         "chat_template_kwargs": cfg.chat_template_kwargs,
         **engine,
         **{name: getattr(cfg, name) for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed")},
     }
+
+
+def data_records(data: list[str]) -> list[dict]:
+    """How OUT.settings.json records the data: each local file's path, size and sha256."""
+    return [
+        {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
+        for f in data_file_contents(data)
+    ]
+
+
+def template_sha256(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
 
 
 def pick_device(name: str, local_rank: int) -> tuple[torch.device, torch.dtype]:
@@ -324,9 +332,9 @@ def check_finished(out: Path, cfg: RegenerateConfig) -> None:
     was = {name: old[name] for name in FINISHED_SETTINGS if name in old}
     now = {name: getattr(cfg, name) for name in was}
     if "data" in old and all(hub_dataset_name(spec) is None for spec in cfg.data):
-        was["data"] = sorted(f"{d['path']} (sha256 {d['sha256'][:12]})" for d in old["data"])
-        now["data"] = sorted(
-            f"{f.resolve()} (sha256 {file_sha256(f)[:12]})" for f in data_file_contents(cfg.data)
+        was["data"], now["data"] = (
+            sorted(f"{d['path']} (sha256 {d['sha256'][:12]})" for d in records)
+            for records in (old["data"], data_records(cfg.data))
         )
     local = Path(cfg.target_model).is_dir()
     if "target_model" in old:  # a hub target by name (its commit is resolved only when it runs)
@@ -336,8 +344,9 @@ def check_finished(out: Path, cfg: RegenerateConfig) -> None:
         )
     if "chat_template_sha256" in old and local:
         was["chat_template_sha256"] = old["chat_template_sha256"]
-        template = load_target_tokenizer(cfg.target_model, cfg.chat_template).chat_template
-        now["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+        now["chat_template_sha256"] = template_sha256(
+            load_target_tokenizer(cfg.target_model, cfg.chat_template)
+        )
     changed = [f"{k}: {was[k]!r} -> {now[k]!r}" for k in was if was[k] != now[k]]
     if changed:
         raise ValueError(

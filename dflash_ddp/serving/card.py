@@ -3,16 +3,22 @@ how it was trained, its real tau when the run measured it, and the commands that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import yaml
 
 from dflash_ddp.checkpoint.evaluations import best_record, read_evaluations
+from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.optimizer import trains_nothing
 from dflash_ddp.drafter.weighting import loss_gamma
 from dflash_ddp.hub import hub_model_name
 
+# a setting's default, for a checkpoint's config from before it
+TRAIN_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING
+}
 ACCEPTANCE = "## Acceptance (real speculative decoding)"
 MEASURED = "tau = tokens committed per target verify step, bonus included; greedy decoding"
 OBJECTIVE_SETTINGS = (
@@ -30,14 +36,14 @@ OBJECTIVE_SETTINGS = (
 def scored_against(cfg: dict) -> str:
     """The loss in words: the token's cross-entropy, or a divergence from the target's top-k distribution,
     and the terms of the drafter family's own parts (DFlash2's selector, DSpark's heads, LiLiCorr's
-    correlator) with their weights."""
-    drafter, k = cfg.get("drafter", "dflash"), cfg.get("target_topk")
+    correlator) with their weights (a checkpoint from before a setting: its default)."""
+    cfg = TRAIN_DEFAULTS | cfg
+    drafter, k = cfg["drafter"], cfg["target_topk"]
     if drafter == "dspark":
-        confidence = cfg.get("confidence_alpha", 1.0)
+        confidence = cfg["confidence_alpha"]
         return (
-            f"DSpark's own loss: {cfg.get('dspark_ce_alpha', 0.1):g} x the cross-entropy of the Markov-biased "
-            f"logits + {cfg.get('dspark_l1_alpha', 0.9):g} x their L1 distance to the target's top-{k} "
-            "next-token distribution"
+            f"DSpark's own loss: {cfg['dspark_ce_alpha']:g} x the cross-entropy of the Markov-biased logits + "
+            f"{cfg['dspark_l1_alpha']:g} x their L1 distance to the target's top-{k} next-token distribution"
             + (
                 f" + {confidence:g} x the confidence head's BCE against the acceptance that distance implies"
                 if confidence
@@ -45,24 +51,20 @@ def scored_against(cfg: dict) -> str:
             )
         )
     if drafter == "lilicorr":
-        terms = [
-            f"{cfg.get('lilicorr_ce_alpha', 0.25):g} x its K-way cross-entropy given the true predecessor"
-        ]
-        if cfg.get("lilicorr_margin_alpha"):
+        terms = [f"{cfg['lilicorr_ce_alpha']:g} x its K-way cross-entropy given the true predecessor"]
+        if cfg["lilicorr_margin_alpha"]:
+            terms.append(f"{cfg['lilicorr_margin_alpha']:g} x a hinge of margin {cfg['lilicorr_margin']:g}")
+        if cfg["lilicorr_penalty_alpha"]:
             terms.append(
-                f"{cfg['lilicorr_margin_alpha']:g} x a hinge of margin {cfg.get('lilicorr_margin', 2.0):g}"
-            )
-        if cfg.get("lilicorr_penalty_alpha", 0.25):
-            terms.append(
-                f"{cfg.get('lilicorr_penalty_alpha', 0.25):g} x a penalty on candidates the target's top-{k} "
-                "ranks below the true one"
+                f"{cfg['lilicorr_penalty_alpha']:g} x a penalty on candidates the target's top-{k} ranks below "
+                "the true one"
             )
         return "cross-entropy, plus the lattice correlator's " + " + ".join(terms)
     if drafter == "dflash2":
-        alpha = cfg.get("selector_loss_alpha", 1.0)
+        alpha = cfg["selector_loss_alpha"]
         selector = (
             f"plus {alpha:g} x the candidate selector's cross-entropy over the LM head's top "
-            f"{cfg.get('selector_top_k', 16)}, the previous token teacher-forced"
+            f"{cfg['selector_top_k']}, the previous token teacher-forced"
             if alpha
             else "(the candidate selector left at its start, a no-op: --selector_loss_alpha 0)"
         )
