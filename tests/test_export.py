@@ -1,5 +1,6 @@
 """The serving export (z-lab layout) and loading drafters back."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
+from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.zlab import to_zlab_config, zlab_keys
@@ -21,7 +23,7 @@ from dflash_ddp.evaluation.decoding import as_transformers_assistant
 from dflash_ddp.export import main
 from dflash_ddp.files import fingerprint_files
 from dflash_ddp.regeneration.parts import settings_path
-from dflash_ddp.serving.card import scored_against, weighted_by
+from dflash_ddp.serving.card import FAMILY_TERM_DEFAULTS, scored_against, weighted_by
 from dflash_ddp.serving.export import load_drafter, package_version, save_drafter
 from dflash_ddp.target_model.info import target_fingerprint
 
@@ -335,6 +337,16 @@ def test_the_model_card_names_a_familys_own_loss_terms_and_their_weights():
         "token teacher-forced"
     )
     assert "selector left at its start" in scored_against(dflash2 | {"selector_loss_alpha": 0.0})
+
+
+def test_a_checkpoint_from_before_a_family_setting_is_described_with_the_settings_default():
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert {k: defaults[k] for k in FAMILY_TERM_DEFAULTS} == FAMILY_TERM_DEFAULTS
+    assert scored_against({"drafter": "dspark", "target_topk": 64}) == (
+        "DSpark's own loss: 0.1 x the cross-entropy of the Markov-biased logits + 0.9 x their L1 distance to the "
+        "target's top-64 next-token distribution + 1 x the confidence head's BCE against the acceptance that "
+        "distance implies"
+    )
 
 
 def one_line_error(cmd: list[str]) -> str:
