@@ -212,6 +212,44 @@ def test_a_refusal_names_the_prefill_pieces_with_which_the_run_fits():
         plan.check_memory(TrainConfig(), memory)
 
 
+def test_the_plan_puts_one_pass_beside_the_prefills_pieces_and_says_which_is_smaller(tmp_path, capsys):
+    """Pieces trade the activations for a KV cache and a mask: --plan prints one pass's peak beside theirs
+    (the embedded target under SDPA: one pass is smaller), and nothing where the target runs in one pass."""
+    from dflash_ddp.parallel.machine import FitCheck
+    from dflash_ddp.setup import plan
+
+    flags = ["--max_seq_len", "8192", "--tokens_per_batch", "8192", "--output_dir", str(tmp_path / "run")]
+
+    def plan_lines(*more: str) -> dict[str, str]:
+        assert main([*flags, "--plan", *more]) == 0
+        return dict(
+            line.strip().split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line
+        )
+
+    pieces = plan_lines("--target_prefill_tokens", "2048")
+    one_pass = plan_lines()
+    figure = one_pass["target_rank_memory"].split(" GiB")[0]
+    assert (
+        f"; one pass (--target_prefill_tokens 0) would need {figure} GiB: one pass is smaller"
+        in (pieces["target_rank_memory"])
+    )
+    assert "in one pass)" in pieces["context_8K"]
+    assert "one pass" not in one_pass["target_rank_memory"] + one_pass["context_8K"]
+    # where the pieces save memory (a target that materialises its scores), the saving is named
+    memory = plan.RunMemory(
+        MemoryPlan({"activations": 1}),
+        MemoryPlan({"KV cache": 2**30}),
+        FitCheck(1, 2, "a device"),
+        None,
+        0,
+        0,
+    )
+    memory.one_pass_target = MemoryPlan({"attention scores": 3 * 2**30})
+    assert plan.one_pass_beside_pieces(memory) == (
+        "; one pass (--target_prefill_tokens 0) would need 3.00 GiB: the pieces save 2.00 GiB"
+    )
+
+
 def test_the_largest_fitting_prefill_piece_is_a_power_of_two_down_to_512():
     """Pieces halve from below the positions run at once now; none below 512."""
     from dflash_ddp.parallel.machine import FitCheck

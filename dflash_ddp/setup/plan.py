@@ -20,7 +20,7 @@ from dflash_ddp.drafter.weighting import LOSS_PIECE_ROWS
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
 from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
 from dflash_ddp.target_model.info import TargetInfo, layers_run
-from dflash_ddp.target_model.memory import TargetLoad, target_memory
+from dflash_ddp.target_model.memory import TargetLoad, in_pieces, target_memory
 from dflash_ddp.target_model.quantization import (
     NOT_QUANTIZED,
     WeightStorage,
@@ -118,6 +118,7 @@ class RunMemory:
     evaluation: int  # with --eval_data: the whole target's weights, which evaluation loads on the leader
     fitting_prefill: int | None = None  # where it does not fit: the largest --target_prefill_tokens that does
     target_storage: WeightStorage = NOT_QUANTIZED  # how a quantized release's weights sit on the device
+    one_pass_target: MemoryPlan | None = None  # with the target prefilled in pieces: its plan in one pass
 
     @property
     def checkpointing(self) -> bool:
@@ -195,7 +196,8 @@ def plan_memory(
     execution, plan, fit = run_fit(target)
     # beside a target in pieces, another of the drafter's executions may be the one that fits
     pieces = None if fit.fits else fitting_prefill(info, load, lambda t: run_fit(t)[2])
-    return RunMemory(plan, target, fit, execution, params, whole, pieces, storage)
+    one_pass = target_memory(info, dataclasses.replace(load, prefill_tokens=0)) if in_pieces(load) else None
+    return RunMemory(plan, target, fit, execution, params, whole, pieces, storage, one_pass)
 
 
 MIN_PREFILL_PIECE = 512  # smaller pieces leave the target's matrix products too thin to be worth it
@@ -280,6 +282,18 @@ def longest_fitting(plans: list[ContextPlan]) -> int | None:
 def pieces_that_fit(memory: RunMemory) -> str:
     """Where a run does not fit but would with its target prefilled in pieces, the setting that says so."""
     return f"; fits with --target_prefill_tokens {memory.fitting_prefill}" if memory.fitting_prefill else ""
+
+
+def one_pass_beside_pieces(memory: RunMemory) -> str:
+    """Where the target is prefilled in pieces, its peak in one pass beside it, and which is smaller: pieces
+    trade the activations for a KV cache and a mask, which is not always a saving."""
+    if memory.one_pass_target is None:
+        return ""
+    pieces, one_pass = memory.target.total, memory.one_pass_target.total
+    saving = (
+        f"the pieces save {(one_pass - pieces) / GIB:.2f} GiB" if pieces < one_pass else "one pass is smaller"
+    )
+    return f"; one pass (--target_prefill_tokens 0) would need {one_pass / GIB:.2f} GiB: {saving}"
 
 
 def check_memory(cfg: TrainConfig, memory: RunMemory) -> None:

@@ -35,6 +35,7 @@ from dflash_ddp.setup.plan import (
     RunMemory,
     context_length_plans,
     longest_fitting,
+    one_pass_beside_pieces,
     pieces_that_fit,
     plan_memory,
     planned_device,
@@ -349,7 +350,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             else ""
         ),
         "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})"
-        + (f"; weights are 1/{topology.tp_size} of the truncated target's" if topology.tp_size > 1 else ""),
+        + (f"; weights are 1/{topology.tp_size} of the truncated target's" if topology.tp_size > 1 else "")
+        + one_pass_beside_pieces(memory),
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
         f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}",
         "drafter_execution": memory.execution.describe(),
@@ -359,8 +361,9 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
     contexts = context_length_plans(cfg, info, c, topology, planned_device(cfg), plan_gpu_bytes(cfg))
     for p in contexts:
         plan[f"context_{p.length // 1024}K"] = (
-            f"drafter rank {p.memory.drafter.total / GIB:.1f} GiB, target rank {p.memory.target.total / GIB:.1f} "
-            f"GiB, message {p.message_bytes / 2**20:.1f} MiB: {'fits' if p.memory.fit.fits else 'does NOT fit'} "
+            f"drafter rank {p.memory.drafter.total / GIB:.1f} GiB, target rank {p.memory.target.total / GIB:.1f} GiB"
+            + (f" ({one_pass.total / GIB:.1f} in one pass)" if (one_pass := p.memory.one_pass_target) else "")
+            + f", message {p.message_bytes / 2**20:.1f} MiB: {'fits' if p.memory.fit.fits else 'does NOT fit'} "
             f"{p.memory.fit.where}"
             + pieces_that_fit(p.memory)
             + (
