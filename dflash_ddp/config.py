@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 
 from dflash_ddp.data.chat_template import check_template_kwargs
 from dflash_ddp.drafter.blocks import ANCHOR_RULES
@@ -20,6 +19,7 @@ from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.lilicorr import TARGET_TOPK as LILICORR_TARGET_TOPK
 from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, OPTIMIZERS, ORTHOGONALISATIONS
 from dflash_ddp.drafter.weighting import POSITION_WEIGHTINGS
+from dflash_ddp.hub import EMBEDDED_NAME, EMBEDDED_TARGET
 from dflash_ddp.observe.trackers import REPORT_TO_CHOICES, resolve_report_to
 from dflash_ddp.setting_checks import (
     check_family,
@@ -34,11 +34,7 @@ from dflash_ddp.setting_checks import (
 )
 from dflash_ddp.settings import check_setting, field_types, load_yaml, parse_flags, setting
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-
-EMBEDDED_TARGET = ASSETS / "tiny_qwen3"
-
-EMBEDDED_NAME = "embedded"  # --target_model embedded: the embedded default by name (other --data allowed)
+ASSETS = EMBEDDED_TARGET.parent
 
 
 # Used when no --target_model is given (or --target_model embedded): the tiny target and its data shipped in the package, with settings

@@ -28,6 +28,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+EMBEDDED_NAME = "embedded"  # --target_model embedded: the tiny target shipped in the package, by name
+EMBEDDED_TARGET = Path(__file__).resolve().parent / "assets" / "tiny_qwen3"
+
 # A repository id: one owner and one name, each of letters, digits, '-', '_' and '.'.
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Everything of a model repository a run reads besides its weights.
@@ -105,6 +108,12 @@ def hub_model_name(name: str) -> tuple[str, str | None] | None:
     if not REPO_ID.fullmatch(repo_id) or (revision == "" and "@" in name):
         return None
     return repo_id, revision or None
+
+
+def named_target(name: str) -> str:
+    """`--target_model` of the tools beside training (evaluate, regenerate): the name `embedded` is the tiny
+    target shipped in the package, as training's preset names it; anything else as given."""
+    return str(EMBEDDED_TARGET) if name == EMBEDDED_NAME else name
 
 
 def hub_dataset_name(spec: str) -> tuple[str, str] | None:

@@ -553,3 +553,23 @@ def test_prompts_past_the_targets_positions_are_counted_in_a_note():
         "it answers them out of its range, and one that ends after prefill has no verify step to count"
     )
     assert past_positions_note(target, prompts[:1], 24) is None  # 40 + 24 = 64: within
+
+
+def test_the_tools_beside_training_name_the_embedded_target_as_training_does(tmp_path):
+    """`--target_model embedded` is the tiny target shipped in the package for evaluate and regenerate (export
+    and the watcher parse it with the same type), as for train; a directory or hub name passes as given."""
+    from dflash_ddp.evaluation.arguments import parse_arguments
+    from dflash_ddp.hub import EMBEDDED_TARGET
+    from dflash_ddp.regeneration.regenerate import parse_args
+
+    embedded = str(EMBEDDED_TARGET)
+    assert (EMBEDDED_TARGET / "config.json").is_file()
+    evaluate_args = parse_arguments(["--target_model", "embedded", "--drafter", "d", "--data", "x.jsonl"])
+    assert evaluate_args.target_model == embedded
+    assert parse_arguments(["--target_model", "org/model", "--drafter", "d", "--data", "x"]).target_model == (
+        "org/model"
+    )
+    data = tmp_path / "x.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    regenerate = parse_args(["--target_model", "embedded", "--data", str(data), "--out", str(tmp_path / "o")])
+    assert regenerate.target_model == embedded

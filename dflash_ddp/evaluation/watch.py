@@ -45,6 +45,7 @@ from dflash_ddp.evaluation.decoding import (
 )
 from dflash_ddp.evaluation.evaluate import check_compatibility, load_prompts
 from dflash_ddp.files import atomic_write_text, describe_error
+from dflash_ddp.hub import named_target
 from dflash_ddp.parallel.topology import resolve_device
 from dflash_ddp.serving.export import drafter_from_state
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
@@ -352,7 +353,9 @@ def main(argv: list[str]) -> int:
         "--eval_steps", type=int, help="evaluate steps that are multiples of it (0: every one)"
     )
     parser.add_argument("--until_step", type=int, help="stop after evaluating a checkpoint at or past it")
-    parser.add_argument("--target_model", help="default: the run's")
+    parser.add_argument(
+        "--target_model", type=named_target, help="default: the run's (embedded: the tiny one)"
+    )
     parser.add_argument("--data", help="conversations to take prompts from; default: the run's --eval_data")
     parser.add_argument("--num_prompts", type=int, help="default: the run's --eval_prompts")
     parser.add_argument("--max_new_tokens", type=int, help="default: the run's --eval_max_new_tokens")

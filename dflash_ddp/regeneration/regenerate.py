@@ -81,7 +81,7 @@ from dflash_ddp.data.sources import (
 )
 from dflash_ddp.engines import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.files import file_sha256
-from dflash_ddp.hub import ModelSource, hub_dataset_name
+from dflash_ddp.hub import ModelSource, hub_dataset_name, named_target
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.topology import env_world, resolve_device
 from dflash_ddp.regeneration.parts import (
@@ -166,7 +166,9 @@ def parse_args(argv: list[str] | None) -> RegenerateConfig:
     parser.add_argument(
         "--target_model",
         required=True,
-        help="a local Hugging Face model directory or a hub name org/name[@revision]",
+        type=named_target,
+        help="a local Hugging Face model directory, a hub name org/name[@revision], or embedded (the tiny "
+        "target shipped in the package)",
     )
     parser.add_argument(
         "--data", required=True, nargs="+", help="jsonl/json/parquet files, globs, save_to_disk dirs"

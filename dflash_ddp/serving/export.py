@@ -28,7 +28,7 @@ from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.model import DFlashDraftModel, trainable_state_dict
 from dflash_ddp.drafter.zlab import from_zlab_config, rope_scaling, to_zlab_config
 from dflash_ddp.files import fingerprint_files
-from dflash_ddp.hub import ModelSource, hub_model_name, locate_model
+from dflash_ddp.hub import ModelSource, hub_model_name, locate_model, named_target
 from dflash_ddp.regeneration.parts import settings_path
 from dflash_ddp.serving.card import model_card
 from dflash_ddp.target_model.text_stack import read_text_stack
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target_model",
         default=None,
+        type=named_target,
         help="the target's directory or hub name when it moved since training (default: the one the run recorded)",
     )
     args = parser.parse_args(argv)
