@@ -6,18 +6,22 @@ from __future__ import annotations
 
 def messages_of(row: dict) -> list[dict]:
     """A written row's turns as {role, content}, whichever format it keeps (a ShareGPT row stays one)."""
-    if "messages" in row:
-        return row["messages"]
+    turns = row.get("messages") or row["conversations"]
+    if "role" in turns[0]:  # messages, or SpecForge's role/content turns under 'conversations'
+        return turns
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     return [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
 
 
 def with_fields(rows: list[dict]) -> list[dict]:
     """`rows` ({"messages": ...}) with the fields a data set's rows carry beside the conversation, each row's
-    own: an id before it, a source and nested metadata after it; every third row in ShareGPT format."""
+    own: an id before it, a source and nested metadata after it; every third row under 'conversations', in
+    ShareGPT's format or (every other such row) in SpecForge's role/content turns."""
     out = []
     for i, row in enumerate(rows):
-        if i % 3 == 2:
+        if i % 3 == 2 and i % 2:
+            row = {"conversations": row["messages"]}
+        elif i % 3 == 2:
             speaker = {"user": "human", "assistant": "gpt", "system": "system"}
             row = {
                 "conversations": [

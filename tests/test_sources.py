@@ -74,6 +74,37 @@ def test_sharegpt_rows_are_accepted(tmp_path):
     assert rows[0][1] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
+def test_either_key_reads_the_other_formats_turns_as_specforges_data_preparation_writes_them(tmp_path):
+    """SpecForge writes role/content turns under 'conversations'; some dumps write from/value under
+    'messages'; other assistants' names in ShareGPT dumps are the assistant."""
+    rows = [
+        {"id": "a", "conversations": GOOD["messages"]},
+        {"messages": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]},
+        *(
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": name, "value": "hello there"}]}
+            for name in ("chatgpt", "bing", "bard")
+        ),
+        {"messages": [GOOD["messages"][0], {"role": "model", "content": "hello there"}]},
+    ]
+    path = write(tmp_path / "s.jsonl", [json.dumps(row).encode() for row in rows])
+    assert [messages for _, messages, _ in read_conversations([str(path)])] == [GOOD["messages"]] * len(rows)
+    mixed = {"conversations": [GOOD["messages"][0], {"from": "gpt", "value": "x"}]}
+    with pytest.raises(BadRow, match=r"s2.jsonl:1: turn 1 has no 'role' \(the row's first turn has one\)"):
+        read_conversations([str(write(tmp_path / "s2.jsonl", [json.dumps(mixed).encode()]))])
+
+
+def test_an_input_without_one_usable_row_is_refused_also_when_skipping_bad_rows(tmp_path):
+    """--skip_bad_rows skips rows: a whole file in a format this does not read would otherwise vanish from
+    the data beside the good files, counted but unnoticed."""
+    good = write(tmp_path / "good.jsonl", [json.dumps(GOOD).encode()] * 3)
+    other = write(tmp_path / "other.jsonl", [json.dumps({"prompt": "p", "completion": "c"}).encode()] * 2)
+    with pytest.raises(ValueError, match=r"--data .*other.jsonl: no usable rows \(2 read, 2 bad and skipped"):
+        read_conversations([str(good), str(other)], skip_bad_rows=True)
+    assert len(read_conversations([str(good)], skip_bad_rows=True)) == 3
+    with pytest.raises(BadRow, match=r"bad.jsonl:1: malformed JSON \(Expecting value at column 15\)"):
+        read_conversations([str(write(tmp_path / "bad.jsonl", [b'{"messages": [} ']))])
+
+
 def test_parquet_and_save_to_disk_inputs_give_the_same_rows_as_jsonl(tmp_path):
     import datasets
 

@@ -27,6 +27,11 @@ ROLE_ALIASES = {
     "ipython": "tool",
     # OpenAI's newer name for the system prompt's role
     "developer": "system",
+    # other assistants' names in ShareGPT dumps, and Gemini's
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
 }
 
 
@@ -111,7 +116,7 @@ def _turns(row: dict, where: str) -> tuple[list, str, str]:
     """The row's turns and their role and text keys: OpenAI's 'messages' (role/content) or ShareGPT's
     'conversations' (from/value). A null counts as absent: parquet data joined from both formats holds
     both columns, each row filling one."""
-    found = _format(row)
+    found = row_format(row)
     if found is None:
         present = [key for key, _, _ in FORMATS if key in row]
         if present:
@@ -132,7 +137,7 @@ def _turns(row: dict, where: str) -> tuple[list, str, str]:
 def system_turn_added(row: dict) -> bool:
     """Whether the row's `system` field (LLaMA-Factory's ShareGPT rows) is read as its first turn: a text,
     beside turns that hold no system turn (regeneration writes the row back without it)."""
-    system, found = row.get("system"), _format(row)
+    system, found = row.get("system"), row_format(row)
     if not isinstance(system, str) or not system.strip() or found is None:
         return False
     key, role_key, _ = found
@@ -144,9 +149,17 @@ def system_turn_added(row: dict) -> bool:
 FORMATS = (("messages", "role", "content"), ("conversations", "from", "value"))
 
 
-def _format(row: dict) -> tuple[str, str, str] | None:
-    """The row's format (FORMATS): the first whose key holds something; 'messages' where a row has both."""
-    return next((f for f in FORMATS if row.get(f[0]) is not None), None)
+def row_format(row: dict) -> tuple[str, str, str] | None:
+    """The row's format (FORMATS): the first whose key holds something; 'messages' where a row has both.
+    Its turns' keys are the other format's where its first turn has that format's role key and not its
+    own: SpecForge's data preparation writes role/content turns under 'conversations'."""
+    found = next((f for f in FORMATS if row.get(f[0]) is not None), None)
+    if found and isinstance(row[found[0]], list):
+        first = next((t for t in row[found[0]] if isinstance(t, dict)), {})
+        other = next(f for f in FORMATS if f != found)
+        if other[1] in first and found[1] not in first:
+            return (found[0], other[1], other[2])
+    return found
 
 
 def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -> list[dict]:
@@ -156,8 +169,8 @@ def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -
         if not isinstance(turn, dict):
             raise BadRow(f"{where}: turn {i} must be a JSON object with '{role_key}' and '{text_key}'")
         if role_key not in turn:
-            other = " (ShareGPT's keys: the row's turns go under 'conversations')" if "from" in turn else ""
-            raise BadRow(f"{where}: turn {i} has no '{role_key}'{other}")
+            first = " (the row's first turn has one)" if i else ""
+            raise BadRow(f"{where}: turn {i} has no '{role_key}'{first}")
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
             raise BadRow(
@@ -233,7 +246,7 @@ def _jsonl_rows(path: Path):
             except UnicodeDecodeError:
                 yield where, BadRow(f"{where}: not valid UTF-8")
             except json.JSONDecodeError as e:
-                yield where, BadRow(f"{where}: malformed JSON ({e.msg})")
+                yield where, BadRow(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
 
 
 def _json_rows(path: Path):
@@ -281,21 +294,31 @@ def _rows(path: Path):
 
 
 def _conversations(paths: list[str], skip_bad_rows: bool, stats: DataStats, require_assistant: bool):
-    """(Conversation, the row as read) for every usable row of the --data inputs, in order."""
+    """(Conversation, the row as read) for every usable row of the --data inputs, in order. An input none of
+    whose rows is usable is refused also with `skip_bad_rows`: that is a whole file in a format this does not
+    read, not a few bad rows, and training on the other inputs alone would go unnoticed."""
     for path in data_files(paths):
+        file_stats = DataStats()
         for where, row in _rows(path):
             stats.rows += 1
+            file_stats.rows += 1
             try:
                 if isinstance(row, BadRow):
                     raise row
                 if not isinstance(row, dict):
                     raise BadRow(f"{where}: a row must be a JSON object")
                 messages = _normalise_messages(row, where, require_assistant)
+                file_stats.kept += 1
                 yield Conversation(where, messages, _row_template_kwargs(row, where)), row
             except BadRow as e:
                 if not skip_bad_rows:
                     raise
                 stats.skip(e)
+                file_stats.skip(e)
+        if file_stats.rows and not file_stats.kept:
+            raise ValueError(
+                _no_rows([str(path)], file_stats) + "; --skip_bad_rows skips bad rows, not a whole input"
+            )
 
 
 def read_conversations(

@@ -16,7 +16,7 @@ import torch
 from jinja2 import TemplateError
 
 from dflash_ddp.data.chat_template import check_tool_calls_rendered, row_template_kwargs
-from dflash_ddp.data.sources import ROLE_ALIASES, BadRow, system_turn_added
+from dflash_ddp.data.sources import ROLE_ALIASES, BadRow, row_format, system_turn_added
 
 
 @dataclass
@@ -83,16 +83,14 @@ def json_fields(fields: dict, where: str) -> dict:
 def output_row(row: Row, messages: list[dict]) -> dict:
     """The row as read with its regenerated answers: every field, and every turn not regenerated, kept as
     they were; each regenerated assistant turn (and an appended answer) written in the row's own format,
-    `messages` ({role, content}) or ShareGPT `conversations` ({from, value}, the assistant named as the row's
-    own assistant turns name it). A regenerated turn is replaced whole: its other keys (reasoning_content
-    ...) belonged to the answer it replaces."""
-    key, role_key, text_key = (
-        ("messages", "role", "content") if "messages" in row.fields else ("conversations", "from", "value")
-    )
+    `messages` ({role, content}) or ShareGPT `conversations` ({from, value}; or {role, content} as
+    SpecForge writes them), the assistant named as the row's own assistant turns name it. A regenerated turn
+    is replaced whole: its other keys (reasoning_content ...) belonged to the answer it replaces."""
+    key, role_key, text_key = row_format(row.fields)
     turns = list(row.fields[key])
     speaker = next(
         (t[role_key] for t in turns if ROLE_ALIASES.get(str(t[role_key]).lower()) == "assistant"),
-        "assistant" if key == "messages" else "gpt",
+        "assistant" if role_key == "role" else "gpt",
     )
     added = int(system_turn_added(row.fields))  # the row's `system` field, read as its first turn
     for position in row.targets:
