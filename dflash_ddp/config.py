@@ -32,7 +32,7 @@ from dflash_ddp.setting_checks import (
     check_together,
     check_values,
 )
-from dflash_ddp.settings import check_setting, field_types, load_yaml, parse_flags, setting
+from dflash_ddp.settings import allowed_text, check_setting, field_types, load_yaml, parse_flags, setting
 
 ASSETS = EMBEDDED_TARGET.parent
 
@@ -560,7 +560,11 @@ RESUME_OVERRIDABLE = (
 def parse_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     """Build and validate the config from argv. Returns it and whether the embedded preset was used."""
     types_ = field_types(TrainConfig)
-    config_file, flags = parse_flags(argv, types_)
+    words = {  # what a flag given without its value is told
+        f.name: allowed_text(f.metadata["setting"]) + (f"; --{f.name} '' for none" if f.default == "" else "")
+        for f in dataclasses.fields(TrainConfig)
+    }
+    config_file, flags = parse_flags(argv, types_, words)
     file_values = load_yaml(config_file, types_) if config_file else {}
     merged = {**file_values, **flags}
     named = merged.get("target_model") == EMBEDDED_NAME  # the embedded default, asked for by name

@@ -98,13 +98,41 @@ OTHER_NAMES = {
     "layers": "num_draft_layers",
     "num_layers": "num_draft_layers",
     "epochs": "num_epochs",
+    # SpecForge's train_dflash.py (its flags with dashes)
+    "target_model_path": "target_model",
+    "train_data_path": "data",
+    "eval_data_path": "eval_data",
+    "max_length": "max_seq_len",
+    "accumulation_steps": "gradient_accumulation_steps",
+    "log_interval": "logging_steps",
+    "eval_interval": "eval_steps",
+    "save_interval": "save_steps",
+    "tp_size": "target_tp_size",
+    "loss_decay_gamma": "loss_gamma",
+    "attention_backend": "attention",
+    "build_dataset_num_proc": "num_proc",
+}
+# other trainers' settings this project has no counterpart for, and why
+NO_COUNTERPART = {
+    "draft_config_path": "the drafter's shape comes from the target and the flags (--num_draft_layers, "
+    "--block_size, ...), or from a drafter given to --init_from",
+    "trust_remote_code": "targets load through transformers' own classes; no code from a checkpoint is run",
+    "embedding_key": "the target's embedding and LM head are found from its own classes",
+    "lm_head_key": "the target's embedding and LM head are found from its own classes",
+    "is_preformatted": "rows are conversations, rendered by the target's chat template (--chat_template FILE)",
+    "dataloader_num_workers": "batches are built once, before training (--num_proc tokenizes in parallel)",
 }
 
 
 def _unknown_key_error(key: typing.Any, known: list[str], where: str) -> ValueError:
     key = str(key)
-    if OTHER_NAMES.get(key) in known:
-        hint = f" (did you mean '{OTHER_NAMES[key]}'?)"
+    name = key.replace("-", "_")  # other trainers spell their flags with dashes
+    if name != key and name in known:
+        hint = f" (did you mean '{name}'? this project's names use underscores)"
+    elif OTHER_NAMES.get(name) in known:
+        hint = f" (did you mean '{OTHER_NAMES[name]}'?)"
+    elif name in NO_COUNTERPART:
+        hint = f" (none here: {NO_COUNTERPART[name]})"
     elif key.startswith("no_") and key[3:] in known:
         hint = f" (to turn '{key[3:]}' off, give it false)"
     else:
@@ -217,8 +245,9 @@ def load_yaml(path: str, types_: dict) -> dict:
     return values
 
 
-def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
-    """`--key value`, `--key=value`, `--key v1 v2` for lists, bare `--flag` for booleans."""
+def parse_flags(argv: list[str], types_: dict, allowed: dict | None = None) -> tuple[str | None, dict]:
+    """`--key value`, `--key=value`, `--key v1 v2` for lists, bare `--flag` for booleans; `allowed`: the
+    words for a setting's values, which a flag given without one is told."""
     config_file, values, i = None, {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -245,8 +274,10 @@ def parse_flags(argv: list[str], types_: dict) -> tuple[str | None, dict]:
         listed = _is_list(hint)
         if not raw:
             if not _is_bool(hint):
+                words = (allowed or {}).get(key)
                 raise ValueError(
-                    f"--{key}: missing value" + (f" (--{key} '' for none)" if hint is str else "")
+                    f"--{key}: missing value"
+                    + (f" ({words})" if words else f" (--{key} '' for none)" if hint is str else "")
                 )
             values[key] = True
             continue

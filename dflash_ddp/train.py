@@ -21,7 +21,7 @@ import torch
 
 from dflash_ddp.checkpoint.evaluations import prune_evaluations
 from dflash_ddp.checkpoint.resume import RestoreError
-from dflash_ddp.checkpoint.writer import remove_leftovers, rotate_checkpoints
+from dflash_ddp.checkpoint.writer import removal_note, remove_leftovers, rotate_checkpoints
 from dflash_ddp.cli_help import usage
 from dflash_ddp.config import TrainConfig, config_to_dict, parse_config
 from dflash_ddp.evaluation.in_job import (
@@ -234,7 +234,8 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         if watcher:
             finish_watcher(watcher, stopped, Path(cfg.output_dir))
             kept = {run.resume_from.name} if run.resume_from else set()
-            rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, kept)
+            if removed := rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, kept):
+                print(f"after the last evaluation{removal_note(removed, cfg.save_total_limit)}")
         interrupt_on_stop()  # no step to finish now: Ctrl-C ends the evaluation at once
         report, error = (
             final_evaluation_or_error(cfg, ctx.device) if cfg.eval_data and not stopped else (None, "")

@@ -338,10 +338,16 @@ def test_a_failed_save_leaves_earlier_checkpoints_and_latest_intact(finished_run
     assert all(verify_checkpoint(p) == [] for p in root.glob("step-*"))
 
 
-def test_rotation_keeps_the_limit_and_the_resumed_checkpoint(tiny_target, chat_data, tmp_path):
+def test_rotation_keeps_the_limit_and_the_resumed_checkpoint(tiny_target, chat_data, tmp_path, capsys):
+    """Each removal is said on the save's line (a run's log tells where its older checkpoints went)."""
     out = tmp_path / "run"
     assert main(args(tiny_target, chat_data, out, "--save_steps", "1", "--save_total_limit", "2")) == 0
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000005", "step-00000006"]
+    saved = [line for line in capsys.readouterr().err.splitlines() if line.startswith("saved ")]
+    assert len(saved) == 6 and "removed" not in saved[1]
+    assert saved[2].endswith("; removed step-00000001 (--save_total_limit 2)")
+    assert saved[5].endswith("; removed step-00000004 (--save_total_limit 2)")
+    capsys.readouterr()
     resumed = out / "checkpoints" / "step-00000005"
     assert (
         main(

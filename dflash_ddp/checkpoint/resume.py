@@ -28,7 +28,17 @@ def find_checkpoint(output_dir: str | Path, resume: str, report) -> Path | None:
         path = resolve_checkpoint(Path(resume))  # a run or its checkpoints/: the checkpoint `latest` names
         problems = verify_checkpoint(path) if path.is_dir() else [f"{path}: not a directory"]
         if problems:
-            raise ValueError(f"--resume {resume}: not a valid checkpoint: " + "; ".join(problems))
+            foreign = not (path / "trainer_state.json").is_file() and (path / "config.json").is_file()
+            raise ValueError(
+                f"--resume {resume}: not a valid checkpoint: "
+                + "; ".join(problems)
+                + (
+                    " (it holds a config.json and no trainer_state.json: a drafter from elsewhere, whose "
+                    "weights --init_from starts a run from)"
+                    if foreign
+                    else ""
+                )
+            )
         return path
     root = Path(output_dir) / "checkpoints"
     for tmp in sorted(root.glob(".tmp-*")) if root.is_dir() else []:

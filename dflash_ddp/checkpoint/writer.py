@@ -149,10 +149,11 @@ def snapshot(
 
 
 def write_checkpoint(
-    output_dir: str | Path, snap: Snapshot, save_total_limit: int, protect=frozenset()
+    output_dir: str | Path, snap: Snapshot, save_total_limit: int, protect=frozenset(), removed=None
 ) -> Path:
     """Write a snapshot atomically, point `latest` at it, and rotate old ones (never the new one, nor
-    those named in `protect`, e.g. the checkpoint the run resumed from). Returns its path.
+    those named in `protect`, e.g. the checkpoint the run resumed from; the names of those removed are
+    appended to the list `removed`). Returns its path.
 
     Any failure is a SaveError: a full disk surfaces as OSError from Python, RuntimeError from torch.save
     and SafetensorError from safetensors, and all of them must end the run the same clean way."""
@@ -197,7 +198,9 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
-        _rotate(root, keep=save_total_limit, protect={final.name, *protect})
+        gone = _rotate(root, keep=save_total_limit, protect={final.name, *protect})
+        if removed is not None:
+            removed += gone
     except Exception as e:
         raise SaveError(
             f"removing old checkpoints after saving {final.name} failed ({describe_error(e)}); {final.name} and "
@@ -273,14 +276,15 @@ class CheckpointWriter:
         self._thread.start()
 
     def _write(self, snap: Snapshot, stall: float) -> None:
-        start = time.perf_counter()
+        start, removed = time.perf_counter(), []
         try:
-            path = write_checkpoint(self.output_dir, snap, self.save_total_limit, self.protect)
+            path = write_checkpoint(self.output_dir, snap, self.save_total_limit, self.protect, removed)
         except BaseException as e:  # raised in the training thread by check(), save() or wait()
             self._error = e
             return
         self.report(
-            f"saved {path} (training paused {stall * 1e3:.0f} ms; written in {time.perf_counter() - start:.2f} s in the background)"
+            f"saved {path} (training paused {stall * 1e3:.0f} ms; written in {time.perf_counter() - start:.2f} s "
+            f"in the background){removal_note(removed, self.save_total_limit)}"
         )
 
     def check(self) -> None:
@@ -299,20 +303,32 @@ class CheckpointWriter:
             raise error
 
 
-def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, protect=frozenset()) -> None:
+def rotate_checkpoints(output_dir: str | Path, save_total_limit: int, protect=frozenset()) -> list[str]:
     """Rotation once more after the run's last evaluation: `best` may have moved off a checkpoint that only
-    being best had kept (with --eval_steps, the final evaluation comes after the last save's rotation)."""
-    _rotate(Path(output_dir) / "checkpoints", save_total_limit, set(protect))
+    being best had kept (with --eval_steps, the final evaluation comes after the last save's rotation).
+    Returns the names of the checkpoints removed."""
+    return _rotate(Path(output_dir) / "checkpoints", save_total_limit, set(protect))
 
 
-def _rotate(root: Path, keep: int, protect: set[str]) -> None:
+def _rotate(root: Path, keep: int, protect: set[str]) -> list[str]:
+    """Remove all but the newest `keep` checkpoints, `best` and those in `protect`; returns their names."""
     if keep <= 0:
-        return
+        return []
+    removed = []
     with pointer_lock(root):  # `best` cannot move to a checkpoint while it is being removed
         best = read_best(root)
         for old in step_dirs(root)[:-keep]:
             if old.name not in protect and (best is None or old.name != best.name):
                 shutil.rmtree(old)
+                removed.append(old.name)
+    return removed
+
+
+def removal_note(removed: list[str], save_total_limit: int) -> str:
+    """The words for checkpoints rotation removed ('' for none), so that a run's log says where they went."""
+    if not removed:
+        return ""
+    return f"; removed {', '.join(removed)} (--save_total_limit {save_total_limit})"
 
 
 def set_aside_later(output_dir: str | Path, resumed: Path, step: int) -> list[str]:

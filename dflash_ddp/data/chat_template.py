@@ -100,7 +100,10 @@ def load_chat_template(tokenizer, template_file: str) -> None:
     if template_file:
         path = Path(template_file)
         if not path.is_file():
-            raise ValueError(f"--chat_template {template_file}: file not found")
+            raise ValueError(
+                f"--chat_template {template_file}: file not found (a Jinja file, not a template's name: leave it "
+                "out to use the target tokenizer's own template)"
+            )
         tokenizer.chat_template = path.read_text(encoding="utf-8")
     if not tokenizer.chat_template:
         raise ValueError(
