@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from rich.console import Console
 from safetensors.torch import load_file, save_file
 from target_zoo import (
     DBRX_ROPE_THETA,
@@ -42,6 +43,7 @@ from dflash_ddp.evaluation.decoding import (
     untrained_drafter,
 )
 from dflash_ddp.evaluation.evaluate import evaluate
+from dflash_ddp.evaluation.report import print_report
 from dflash_ddp.export import main as export_main
 from dflash_ddp.hub import LAYER_OF_WEIGHT
 from dflash_ddp.parallel.machine import MemoryPlan
@@ -1193,3 +1195,7 @@ def test_a_target_whose_cache_changes_its_logits_is_said_in_one_line_not_called_
     )
     assert "which model type 'deepseek_v4' cannot (compressed attention)" in notes
     assert "near tie" not in notes
+    console = Console(record=True, width=200)
+    print_report(report, console)
+    last = console.export_text().strip().splitlines()[-1]  # not "every output equals greedy"
+    assert last.startswith("not checked token for token: ") and "output(s) leave greedy's" in last

@@ -111,9 +111,16 @@ def print_report(report: dict, console=None) -> None:
             )
         console.print(where if m["near_tie"] else f"[bold red]{where}")
     if report["lossless"] is not None:  # None: sampled, lossless in distribution (said in the notes)
-        ties = sum(m["near_tie"] for m in report["mismatched"] if m["method"] in OWN_DECODING)
+        own = [m for m in report["mismatched"] if m["method"] in OWN_DECODING]
+        ties = sum(m["near_tie"] for m in own)
+        cache = sum(m.get("target_cache_differs_at") is not None and not m["near_tie"] for m in own)
         if not report["lossless"]:
             console.print("[bold red]NOT lossless")
+        elif cache:
+            console.print(
+                f"not checked token for token: {cache} output(s) leave greedy's where the target's own decoding "
+                "with a KV cache leaves its cacheless forward (see the note); no drafter is to blame there"
+            )
         elif ties:
             console.print(
                 f"lossless up to the target's rounding: {ties} output(s) leave greedy's at a near tie"
