@@ -92,7 +92,8 @@ def test_a_group_never_spans_two_nodes(monkeypatch):
 
 @pytest.mark.processes
 def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_target, tmp_path):
-    """Every tapped layer (the last one final-normed), a padded batch, dense and mixture-of-experts."""
+    """Every tapped layer (the last one final-normed), a padded batch, dense and mixture-of-experts; the
+    memory plan's weights per rank equal those each rank holds."""
     targets = [str(tiny_target), str(tiny_moe_target)]
     result = subprocess.run(
         torchrun_cmd(3) + [str(SCRIPTS / "tp_features.py"), str(tmp_path), *targets],
@@ -108,6 +109,10 @@ def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_t
             differences = found[target]["relative_differences"]
             assert len(differences) == 3 and max(differences.values()) < 1e-5, (rank, target, differences)
             assert found[target]["q_proj_rows"] == [32, 64]  # each rank holds its half, not a replica
+            # the plan's share of the weights is what the rank holds: what transformers' plan leaves whole
+            # (an MoE's routed experts, the embedding) counted whole
+            weights = found[target]["weight_bytes"]
+            assert weights["local"] == weights["planned"] < weights["all"], (target, weights)
             assert found[target]["sharded_output_gathered_exactly"]
             assert found[target]["soft_top1_equal"] and found[target]["soft_probs_max_difference"] < 1e-2
     assert not (tmp_path / "rank2.json").exists()

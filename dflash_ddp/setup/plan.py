@@ -25,6 +25,7 @@ from dflash_ddp.target_model.quantization import (
     NOT_QUANTIZED,
     WeightStorage,
     truncated_weight_bytes,
+    unsharded_weight_bytes,
     weight_storage,
 )
 
@@ -119,6 +120,7 @@ class RunMemory:
     fitting_prefill: int | None = None  # where it does not fit: the largest --target_prefill_tokens that does
     target_storage: WeightStorage = NOT_QUANTIZED  # how a quantized release's weights sit on the device
     one_pass_target: MemoryPlan | None = None  # with the target prefilled in pieces: its plan in one pass
+    unsharded_bytes: int = 0  # the target's weights a tensor-parallel plan leaves whole on each rank
 
     @property
     def checkpointing(self) -> bool:
@@ -166,6 +168,7 @@ def plan_memory(
     layers = layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)
     load = TargetLoad(
         weight_bytes=truncated_weight_bytes(info, layers, storage, dtype),
+        unsharded_bytes=unsharded_weight_bytes(info, layers, storage, dtype) if topology.tp_size > 1 else 0,
         target_layer_ids=c.target_layer_ids,
         layers=layers,
         tokens_per_batch=batch_tokens,
@@ -197,7 +200,9 @@ def plan_memory(
     # beside a target in pieces, another of the drafter's executions may be the one that fits
     pieces = None if fit.fits else fitting_prefill(info, load, lambda t: run_fit(t)[2])
     one_pass = target_memory(info, dataclasses.replace(load, prefill_tokens=0)) if in_pieces(load) else None
-    return RunMemory(plan, target, fit, execution, params, whole, pieces, storage, one_pass)
+    return RunMemory(
+        plan, target, fit, execution, params, whole, pieces, storage, one_pass, load.unsharded_bytes
+    )
 
 
 MIN_PREFILL_PIECE = 512  # smaller pieces leave the target's matrix products too thin to be worth it

@@ -350,7 +350,17 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             else ""
         ),
         "target_rank_memory": f"{target.total / GIB:.2f} GiB predicted peak ({target.describe()})"
-        + (f"; weights are 1/{topology.tp_size} of the truncated target's" if topology.tp_size > 1 else "")
+        + (
+            f"; weights are 1/{topology.tp_size} of the truncated target's"
+            + (
+                f", but {memory.unsharded_bytes / GIB:.2f} GiB of them whole on each rank (transformers' plan "
+                f"does not split them: a mixture of experts' routed experts)"
+                if memory.unsharded_bytes > GIB / 100
+                else ""
+            )
+            if topology.tp_size > 1
+            else ""
+        )
         + one_pass_beside_pieces(memory),
         "drafter_rank_memory": f"{drafter.total / GIB:.2f} GiB predicted peak ({drafter.describe()}), "
         f"--drafter_chunk_tokens {cfg.drafter_chunk_tokens}",

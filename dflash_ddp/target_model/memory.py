@@ -39,6 +39,7 @@ class TargetLoad:
     dtype_bytes: int
     inflight: int = 0  # batches sent and not yet received (0 colocated)
     tp_size: int = 1
+    unsharded_bytes: int = 0  # of weight_bytes, those a tensor-parallel plan leaves whole on every rank
     topk: int = 0  # soft targets: the whole LM head and the top-k of each position
     prefill_tokens: int = 0  # positions run at once (0: a sequence in one pass)
     max_seq_len: int = 0
@@ -47,7 +48,7 @@ class TargetLoad:
 
 def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     """Predicted peak of a target rank: its share of the weights it runs (`weight_bytes` over the `tp_size`
-    ranks of its tensor-parallel group), one forward's activations, features in flight; with `topk` soft
+    ranks of its tensor-parallel group, but `unsharded_bytes` whole on each), one forward's activations, features in flight; with `topk` soft
     targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
     prefill in pieces, the activations of one piece (`prefill_tokens` positions over the batch's rows), the
     KV cache of the whole batch (DeepSeek V4's compressed keys beside it) and the mask its later pieces
@@ -82,7 +83,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # layers' tensors gone: the larger of the two moments
     after = (2 if pieces else 1) * features
     parts = {
-        "weights": load.weight_bytes // tp_size,
+        "weights": (load.weight_bytes - load.unsharded_bytes) // tp_size + load.unsharded_bytes,
         "activations": max(running * per_token * dtype_bytes, after),
         "tapped features": features,
         "sends in flight": inflight * tokens_per_batch * width * dtype_bytes,

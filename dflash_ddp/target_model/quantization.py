@@ -8,6 +8,7 @@ a run whose GPU keeps FP8 weights without the package that runs them stops befor
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 
 import torch
@@ -102,40 +103,79 @@ def truncated_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage
     device: every parameter in `dtype`, or where the release stays quantized with the modules transformers'
     quantizer swaps in (FP8: a byte a weight and its blocks' fp32 scales; the embedding, norms, routers and
     the modules the release leaves unconverted in `dtype`), counted on the meta device."""
+    return sum(_weight_bytes_by_name(info, layers, storage, dtype)[0].values())
+
+
+def unsharded_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage, dtype: torch.dtype) -> int:
+    """Of `truncated_weight_bytes`, those transformers' tensor-parallel plan for the model leaves whole on
+    every rank of a group: weights of modules it names no sharding for (the routed experts of most MoE
+    plans, the norms) and those it replicates. The input embedding is split by rows whatever the plan says
+    (transformers shards it as well)."""
+    plan = truncated_text_config(info.text_stack(), layers).base_model_tp_plan or {}
+    sizes, embedding = _weight_bytes_by_name(info, layers, storage, dtype)
+    return sum(size for name, size in sizes.items() if name != embedding and not _sharded_by(plan, name))
+
+
+# plan styles that keep a whole copy of the weights on each rank (they only reduce or split activations)
+REPLICATING_STYLES = {
+    "replicated_with_grad_allreduce",
+    "replicate",
+    "sequence_parallel",
+    "all_reduce",
+    "mla_kv_a_proj",  # latent attention's shared down-projection: whole on each rank, its output split
+}
+
+
+def _sharded_by(plan: dict[str, str], name: str) -> bool:
+    """Whether a parameter (`layers.3.self_attn.q_proj.weight`) is split by a tensor-parallel plan whose keys
+    name modules or parameters with layer numbers as `*`, as transformers matches them."""
+    wildcard = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+    style = plan.get(wildcard) or plan.get(wildcard.rsplit(".", 1)[0])
+    return style is not None and style not in REPLICATING_STYLES
+
+
+def _weight_bytes_by_name(
+    info: TargetInfo, layers: int, storage: WeightStorage, dtype: torch.dtype
+) -> tuple[dict[str, int], str]:
+    """{parameter name in the text model: its bytes on the device} (see `truncated_weight_bytes`), and the
+    name of the input embedding's weight."""
     config = truncated_text_config(info.text_stack(), layers)
     with torch.device("meta"):
         model = text_model_class(config)._from_config(config, dtype=dtype)
+        embedding = next(
+            f"{name}.weight" for name, m in model.named_modules() if m is model.get_input_embeddings()
+        )
         if storage.kept and storage.method == "mxfp4":
             skipped = release_quantizer(config.quantization_config).quantization_config.modules_to_not_convert
-            return mxfp4_bytes(model, skipped, dtype)
+            return mxfp4_bytes(model, skipped, dtype), embedding
         if storage.kept and storage.method in MODELLED:
             release_quantizer(config.quantization_config).preprocess_model(model, dtype=dtype)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return {name: p.numel() * p.element_size() for name, p in model.named_parameters()}, embedding
 
 
 MXFP4_BYTES_PER_WEIGHT = 17 / 32  # 32 weights share an 8-bit exponent beside their 16 bytes of 4-bit values
 
 
-def mxfp4_bytes(model: torch.nn.Module, skipped: list[str] | None, dtype: torch.dtype) -> int:
-    """Bytes of `model` as transformers holds gpt-oss's MXFP4 release: the experts of each MLP the release
-    converts (all but those `skipped` names) packed (`MXFP4_BYTES_PER_WEIGHT`) with fp32 biases, the rest in
-    `dtype`. Counted by rule, not with the quantizer's modules, whose construction fetches kernels from the
-    hub."""
+def mxfp4_bytes(model: torch.nn.Module, skipped: list[str] | None, dtype: torch.dtype) -> dict[str, int]:
+    """{parameter name: bytes} of `model` as transformers holds gpt-oss's MXFP4 release: the experts of each
+    MLP the release converts (all but those `skipped` names) packed (`MXFP4_BYTES_PER_WEIGHT`) with fp32
+    biases, the rest in `dtype`. Counted by rule, not with the quantizer's modules, whose construction
+    fetches kernels from the hub."""
     packed = {
         f"{name}.experts"
         for name, module in model.named_modules()
         if isinstance(module, GptOssMLP) and should_convert_module(f"{name}.experts", skipped)
     }
-    total = 0
+    sizes = {}
     for name, parameter in model.named_parameters():
         owner, kind = name.rsplit(".", 1)
         if owner not in packed:
-            total += parameter.numel() * dtype.itemsize
+            sizes[name] = parameter.numel() * dtype.itemsize
         elif kind.endswith("_bias"):
-            total += parameter.numel() * 4
+            sizes[name] = parameter.numel() * 4
         else:
-            total += round(parameter.numel() * MXFP4_BYTES_PER_WEIGHT)
-    return total
+            sizes[name] = round(parameter.numel() * MXFP4_BYTES_PER_WEIGHT)
+    return sizes
 
 
 def missing_kernel(storage: WeightStorage) -> str | None:

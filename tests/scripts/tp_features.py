@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dflash_ddp.parallel.topology import group_meshes
 from dflash_ddp.target_model.features import TargetFeatureExtractor, layer_output
 from dflash_ddp.target_model.info import inspect_target
+from dflash_ddp.target_model.quantization import NOT_QUANTIZED, truncated_weight_bytes, unsharded_weight_bytes
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -30,6 +31,13 @@ for target in sys.argv[2:] if rank < 2 else []:
     whole, _ = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32)(ids, mask)
     sharded_model = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32, meshes)
     q = sharded_model.model.layers[0].self_attn.q_proj.weight
+    local = sum(
+        (w.to_local() if isinstance(w, DTensor) else w).numel() * w.element_size()
+        for w in sharded_model.model.parameters()
+    )
+    layers = len(sharded_model.model.layers)
+    total = truncated_weight_bytes(info, layers, NOT_QUANTIZED, torch.float32)
+    whole_on_each = unsharded_weight_bytes(info, layers, NOT_QUANTIZED, torch.float32)
     sharded, _ = sharded_model(ids, mask)
     # soft targets: every layer and the LM head under the group's plan, against the whole target's
     _, whole_soft = TargetFeatureExtractor(info, taps, torch.device("cpu"), torch.float32, topk=4)(ids, mask)
@@ -48,6 +56,11 @@ for target in sys.argv[2:] if rank < 2 else []:
     found[target] = {
         "relative_differences": differences,
         "q_proj_rows": [(q.to_local() if isinstance(q, DTensor) else q).shape[0], q.shape[0]],
+        "weight_bytes": {
+            "local": local,
+            "planned": (total - whole_on_each) // 2 + whole_on_each,
+            "all": total,
+        },
         "sharded_output_gathered_exactly": torch.equal(gathered, whole),
         "soft_top1_equal": torch.equal(group_soft.ids[..., 0], whole_soft.ids[..., 0]),
         "soft_probs_max_difference": (group_soft.probs.float() - whole_soft.probs.float()).abs().max().item(),
