@@ -12,7 +12,13 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForMultimodalLM,
+    PreTrainedModel,
+)
 
 FULL_ATTENTION = "full_attention"
 
@@ -48,6 +54,14 @@ def text_model_class(config) -> type | None:
 def causal_lm_class(config) -> type | None:
     """The causal-LM class transformers maps `config` to, None where it maps none."""
     return _mapped_class(AutoModelForCausalLM, config)
+
+
+def generating_class(config) -> type | None:
+    """The class transformers maps `config` to that generates text: its causal LM, else its image-text-to-text
+    or multimodal LM (a wrapper whose config names an architecture the package spells otherwise: Kimi K2.5's
+    `KimiK25ForConditionalGeneration` is transformers' `Kimi_K25ForConditionalGeneration`)."""
+    autos = (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM)
+    return next((found for auto in autos if (found := _mapped_class(auto, config)) is not None), None)
 
 
 def _mapped_class(auto: type, config) -> type | None:

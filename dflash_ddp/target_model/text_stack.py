@@ -35,7 +35,7 @@ from transformers.conversion_mapping import (
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from dflash_ddp.hub import LAYER_OF_WEIGHT, TextWeights, check_safetensors
-from dflash_ddp.target_model.forward_code import causal_lm_class, text_model_class
+from dflash_ddp.target_model.forward_code import causal_lm_class, generating_class, text_model_class
 
 
 @dataclass(frozen=True)
@@ -152,13 +152,13 @@ def required_text_model_class(text: PretrainedConfig) -> type[PreTrainedModel]:
 
 
 def checkpoint_class(config: PretrainedConfig, path: Path) -> type[PreTrainedModel]:
-    """The class a checkpoint was saved from (config.json `architectures`), else the causal-LM class
-    transformers maps its config to."""
+    """The class a checkpoint was saved from (config.json `architectures`), else the class that generates
+    text transformers maps its config to (`generating_class`)."""
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
             return cls
-    found = causal_lm_class(config)
+    found = generating_class(config)
     if found is None:
         raise ValueError(
             f"--target_model {path}: model type '{config.model_type}' has no causal-LM class in transformers "
