@@ -741,6 +741,22 @@ def _glm4_moe(vocab_size: int) -> Built:
     return "Glm4MoeForCausalLM", config
 
 
+def _glm_moe_dsa(vocab_size: int) -> Built:
+    """GLM-5 as zai-org releases it (`GlmMoeDsaForCausalLM`): multi-head latent attention with DeepSeek Sparse
+    Attention's indexer, a dense first layer then MoE layers with a shared expert."""
+    config = _mla(
+        "GlmMoeDsaConfig",
+        vocab_size=vocab_size,
+        q_lora_rank=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        index_n_heads=2,
+        index_head_dim=16,
+        **MLA_WIDTHS,
+    )
+    return "GlmMoeDsaForCausalLM", config
+
+
 def _glm5_next_text(vocab_size: int) -> Any:
     """A GLM-5 text config: 4 hyper-connection residual streams, linear-attention layers then an indexed
     sparse MLA layer, dense then sparse MLPs."""
@@ -970,6 +986,7 @@ ZOO: dict[str, Callable[[int], Built]] = {
     "deepseek_v3": _deepseek_v3,
     "deepseek_v4": _deepseek_v4,
     "glm4_moe": _glm4_moe,
+    "glm_moe_dsa": _glm_moe_dsa,
     "glm5_next": _glm5_next,
     "minimax_m2": _minimax_m2,
     "minimax": _plain("MiniMaxConfig", "MiniMaxForCausalLM"),  # lightning attention; a cache of its own

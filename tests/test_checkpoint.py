@@ -110,6 +110,7 @@ def test_identity_changes_are_refused_naming_the_field(
     err = capsys.readouterr().err
     assert "belongs to a different run" in err and field in err
     assert "pass the settings it was trained with to resume it, or another --output_dir for a new run" in err
+    assert "(with --init_from " in err and "to start it from these weights, on other data" in err
 
 
 def test_other_target_or_tokenizer_is_refused(finished_run):
@@ -636,3 +637,15 @@ def test_the_rate_logged_after_a_schedule_override_is_the_one_the_step_used(
     lines = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
     rates = {r["step"]: r["lr"] for r in lines}
     assert rates[7] > rates[8] > 0, rates
+
+
+def test_resuming_a_drafter_from_elsewhere_names_init_from(tmp_path):
+    """A SpecForge checkpoint (config.json and weights, no manifest or trainer_state.json) given to --resume
+    is no checkpoint of this project; the refusal says --init_from starts a run from its weights."""
+    other = tmp_path / "epoch_0_step_10"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(
+        ValueError, match=r"no manifest.json .*a drafter from elsewhere, whose weights --init_from"
+    ):
+        find_checkpoint(tmp_path / "run", str(other), print)

@@ -794,7 +794,8 @@ def test_gpt_oss_as_released_in_mxfp4_is_read_as_transformers_reads_it_and_plann
 
 
 def deepseek_v4_release(zoo, tmp_path: Path) -> Path:
-    """The zoo's DeepSeek V4 (saved under its original names) as its releases ship: the routed experts in
+    """The zoo's DeepSeek V4 as its releases ship: its base model's original names at the files' top
+    (`embed.weight`, `layers.0.attn.wq_a.weight`, `hc_head_fn`; refused as incomplete before), the routed experts in
     FP4, two 4-bit values a byte (int8) under a power-of-two scale per 32 (`.scale`, e8m0), every other
     weight matrix of the layers in FP8 under one power-of-two scale (e8m0); `scale_fmt: ue8m0`,
     `expert_dtype: fp4`."""
@@ -811,8 +812,20 @@ def deepseek_v4_release(zoo, tmp_path: Path) -> Path:
             return {name: weight, f"{module}.scale": scale.reshape(1, 1).to(torch.float8_e8m0fnu)}
         return {name: tensor}
 
+    def released(name: str, tensor: torch.Tensor) -> dict:
+        """Under the release's names: its base model's at the top (`embed.weight`, `layers.*`, `hc_head_fn`),
+        where transformers saves `model.embed_tokens.weight`."""
+        top = {"embed_tokens.weight": "embed.weight", **{f"hc_head.hc_{k}": f"hc_head_{k}" for k in HC_HEAD}}
+        return {
+            top.get(k, k): v
+            for k, v in ((k.removeprefix("model."), v) for k, v in quantize(name, tensor).items())
+        }
+
     spec = FP8_RELEASE | {"scale_fmt": "ue8m0", "expert_dtype": "fp4"}
-    return as_release(zoo("deepseek_v4"), tmp_path / "deepseek_v4_release", spec, quantize)
+    return as_release(zoo("deepseek_v4"), tmp_path / "deepseek_v4_release", spec, released)
+
+
+HC_HEAD = ("fn", "base", "scale")
 
 
 def test_deepseek_v4_as_released_is_read_as_transformers_reads_it_and_planned_as_held(

@@ -101,18 +101,20 @@ def tensor_locations(path: Path) -> dict[str, Path]:
     return locations
 
 
-def _loaded_names(transforms: list, saved: list[str]) -> dict[str, str]:
-    """{saved name: the name it loads as} for the tensor names `saved`, renamed by `transforms` (transformers'
-    for the model the checkpoint loads into: gemma3 and mistral3 save their text model as
-    `language_model.model.*`, Nemotron-H as `backbone.*`)."""
+def _loaded_names(transforms: list, saved: list[str], model: nn.Module) -> dict[str, str]:
+    """{saved name: the name it loads as into `model`} for the tensor names `saved`, renamed by `transforms`
+    (transformers' for the model the checkpoint loads into: gemma3 and mistral3 save their text model as
+    `language_model.model.*`, Nemotron-H as `backbone.*`), and given or stripped of the model's base prefix
+    as transformers does (DeepSeek V4's release saves its base model's names, `embed.weight`, `layers.*`)."""
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    return {name: rename_source_key(name, renamings, converters)[0] for name in saved}
+    prefix, meta = model.base_model_prefix or None, model.state_dict()
+    return {name: rename_source_key(name, renamings, converters, prefix, meta)[0] for name in saved}
 
 
-def _saved_names(transforms: list, wanted: set[str], saved: list[str]) -> dict[str, str]:
+def _saved_names(transforms: list, wanted: set[str], saved: list[str], model: nn.Module) -> dict[str, str]:
     """{module name: saved name} for the parameter names `wanted` (`_loaded_names`)."""
-    loads = _loaded_names(transforms, [name for name in saved if name not in wanted])
+    loads = _loaded_names(transforms, [name for name in saved if name not in wanted], model)
     found = {}
     for name in saved:
         loaded = name if name in wanted else loads[name]
@@ -121,14 +123,16 @@ def _saved_names(transforms: list, wanted: set[str], saved: list[str]) -> dict[s
     return found
 
 
-def _read_prefixes(transforms: list, text_module: str, head: str, saved: list[str]) -> tuple[str, ...]:
+def _read_prefixes(
+    transforms: list, text_module: str, head: str, saved: list[str], model: nn.Module
+) -> tuple[str, ...]:
     """The shortest name prefixes that hold every saved tensor loading into the text model at `text_module` or
     into the LM head `head`, and no other: a wrapper's files may hold its vision tower under the text model's
     prefix (Ernie 4.5 VL's `model.vision_model.` beside `model.layers.`) or name the text model otherwise
     than the model does (Mistral Large 3's original names: `layers.`, `norm.`, `output.` and `tok_embeddings.`
     at the top level, beside `vision_encoder.`). Read from the names outside layers 1.. (they repeat layer 0)."""
     names = [name for name in saved if _outside_later_layers(name)]
-    loads = _loaded_names(transforms, names)
+    loads = _loaded_names(transforms, names, model)
     held = {name for name in names if loads[name] == head or loads[name].startswith(f"{text_module}.")}
     taken = {prefix for name in names if name not in held for prefix in _name_prefixes(name)}
     return tuple(sorted({next(p for p in _name_prefixes(name) if p not in taken) for name in held}))
@@ -381,13 +385,14 @@ def read_text_stack(path: str | Path) -> TextStack:
     locations = tensor_locations(path)
     files = list(locations)
     transforms = get_model_conversion_mapping(model)  # as transformers loads the checkpoint into `model`
-    saved = _saved_names(transforms, wanted, files) if files else {name: name for name in wanted}
+    saved = _saved_names(transforms, wanted, files, model) if files else {name: name for name in wanted}
     if embed_name not in saved:
         raise ValueError(
             f"--target_model {path}: no tensor in its safetensors files loads as {cls.__name__}'s input "
             f"embedding `{embed_name}`; is the checkpoint complete?"
         )
     inner = embed_name.removeprefix(f"{prefix}.")
+    saved_prefix = _saved_prefix(saved[embed_name], inner)
     own_class = causal_lm_class(text)
     with torch.device("meta"):
         # GLM-5's text config has no causal LM of its own: generation runs the checkpoint's class
@@ -397,7 +402,7 @@ def read_text_stack(path: str | Path) -> TextStack:
     return TextStack(
         config=text,
         architecture=cls.__name__,
-        prefix=_saved_prefix(saved[embed_name], inner),
+        prefix=saved_prefix,
         own_prefix=_owner_of(own, own.get_input_embeddings(), text_model_class(text))[0]
         if own_class
         else own.base_model_prefix,
@@ -419,8 +424,9 @@ def read_text_stack(path: str | Path) -> TextStack:
         head_module=head_name.removesuffix(".weight") if cls is not type(own) else "",
         generator=generator,
         wrapper_conversions=tuple(transforms) if cls is not type(own) else (),
-        text_prefixes=_read_prefixes(transforms, prefix, head_name, files)
-        if files and cls is not type(own)
+        # a wrapper's files, or files naming the text model's tensors at their top (DeepSeek V4's release)
+        text_prefixes=_read_prefixes(transforms, prefix, head_name, files, model)
+        if files and (cls is not type(own) or not saved_prefix)
         else (),
     )
 
