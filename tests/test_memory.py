@@ -250,6 +250,47 @@ def test_the_plan_puts_one_pass_beside_the_prefills_pieces_and_says_which_is_sma
     )
 
 
+def test_a_run_that_does_not_fit_names_the_tensor_parallel_group_that_would(tmp_path):
+    """A dense target's weights split across a group; a mixture of experts' routed experts stay whole on each
+    rank under transformers' plans, so no group of one node fits where they alone do not: said, not advised."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from dflash_ddp.parallel.machine import FitCheck
+    from dflash_ddp.setup.plan import fitting_tp_size
+    from dflash_ddp.target_model.info import target_info_from_config
+    from dflash_ddp.target_model.memory import TargetLoad
+    from dflash_ddp.target_model.quantization import (
+        NOT_QUANTIZED,
+        truncated_weight_bytes,
+        unsharded_weight_bytes,
+    )
+
+    def under(limit):
+        return lambda plan: FitCheck(plan.total, limit, "a test device")
+
+    shape = dict(num_hidden_layers=4, hidden_size=1024, vocab_size=1000)
+    infos = []
+    for name, config in (("dense", Qwen3Config(**shape)), ("moe", Qwen3MoeConfig(**shape, num_experts=64))):
+        config.save_pretrained(tmp_path / name)  # a config alone: planned as the benchmarks plan real targets
+        infos.append(target_info_from_config(config, tmp_path / name))
+    for info, expected in zip(infos, (4, None), strict=True):
+        weights = truncated_weight_bytes(info, 4, NOT_QUANTIZED, torch.bfloat16)
+        whole = unsharded_weight_bytes(info, 4, NOT_QUANTIZED, torch.bfloat16)
+        load = TargetLoad(weights, [1], 4, tokens_per_batch=16, dtype_bytes=2, unsharded_bytes=whole)
+        assert fitting_tp_size(info, load, under(weights // 3)) == expected
+    assert whole > weights * 0.9  # the experts: nearly all of the MoE's weights
+    from dflash_ddp.setup import plan
+
+    refused = plan.RunMemory(
+        MemoryPlan({}), MemoryPlan({"weights": weights}), FitCheck(weights, 1, "a GPU"), None, 0, 0
+    )
+    refused.unsharded_bytes = whole
+    assert plan.pieces_that_fit(refused).startswith("; no --target_tp_size up to 8 fits: ")
+    assert plan.pieces_that_fit(refused, short=True) == "; no --target_tp_size up to 8 fits"
+    refused.fitting_tp = 4
+    assert plan.pieces_that_fit(refused).startswith("; fits with --target_tp_size 4")
+
+
 def test_the_largest_fitting_prefill_piece_is_a_power_of_two_down_to_512():
     """Pieces halve from below the positions run at once now; none below 512."""
     from dflash_ddp.parallel.machine import FitCheck

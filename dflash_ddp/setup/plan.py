@@ -121,6 +121,9 @@ class RunMemory:
     target_storage: WeightStorage = NOT_QUANTIZED  # how a quantized release's weights sit on the device
     one_pass_target: MemoryPlan | None = None  # with the target prefilled in pieces: its plan in one pass
     unsharded_bytes: int = 0  # the target's weights a tensor-parallel plan leaves whole on each rank
+    fitting_tp: int | None = (
+        None  # where it does not fit even in pieces: the smallest --target_tp_size that does
+    )
 
     @property
     def checkpointing(self) -> bool:
@@ -200,8 +203,27 @@ def plan_memory(
     # beside a target in pieces, another of the drafter's executions may be the one that fits
     pieces = None if fit.fits else fitting_prefill(info, load, lambda t: run_fit(t)[2])
     one_pass = target_memory(info, dataclasses.replace(load, prefill_tokens=0)) if in_pieces(load) else None
+    group = None
+    if not (fit.fits or pieces):  # what a larger tensor-parallel group would hold
+        if not load.unsharded_bytes:
+            load = dataclasses.replace(
+                load, unsharded_bytes=unsharded_weight_bytes(info, layers, storage, dtype)
+            )
+        group = fitting_tp_size(info, load, lambda t: run_fit(t)[2])
     return RunMemory(
-        plan, target, fit, execution, params, whole, pieces, storage, one_pass, load.unsharded_bytes
+        plan, target, fit, execution, params, whole, pieces, storage, one_pass, load.unsharded_bytes, group
+    )
+
+
+TP_SIZES = (2, 4, 8)  # a tensor-parallel group stays on one node
+
+
+def fitting_tp_size(info: TargetInfo, load: TargetLoad, fit_of) -> int | None:
+    """The smallest tensor-parallel group (of TP_SIZES, above the run's) with which a run that does not fit
+    would: a target rank's weights shrink by the group's size, but for those its plan leaves whole."""
+    larger = (n for n in TP_SIZES if n > load.tp_size)
+    return next(
+        (n for n in larger if fit_of(target_memory(info, dataclasses.replace(load, tp_size=n))).fits), None
     )
 
 
@@ -284,9 +306,23 @@ def longest_fitting(plans: list[ContextPlan]) -> int | None:
     return max((p.length for p in plans if p.memory.fit.fits), default=None)
 
 
-def pieces_that_fit(memory: RunMemory) -> str:
-    """Where a run does not fit but would with its target prefilled in pieces, the setting that says so."""
-    return f"; fits with --target_prefill_tokens {memory.fitting_prefill}" if memory.fitting_prefill else ""
+def pieces_that_fit(memory: RunMemory, short: bool = False) -> str:
+    """Where a run does not fit but would with its target prefilled in pieces or in a larger tensor-parallel
+    group, the setting that says so; where no group fits because its plan leaves much whole, how much
+    (`short`: that it does not, for the lines of each context length)."""
+    if memory.fitting_prefill:
+        return f"; fits with --target_prefill_tokens {memory.fitting_prefill}"
+    if memory.fitting_tp:
+        return f"; fits with --target_tp_size {memory.fitting_tp} (if its heads and widths divide by it)"
+    if not memory.fit.fits and memory.unsharded_bytes > memory.target.total / 4:
+        if short:
+            return f"; no --target_tp_size up to {TP_SIZES[-1]} fits"
+        return (
+            f"; no --target_tp_size up to {TP_SIZES[-1]} fits: {memory.unsharded_bytes / GIB:.1f} GiB of its weights "
+            "stay whole on every rank of a group (transformers' plan does not split a mixture of experts' routed "
+            "experts)"
+        )
+    return ""
 
 
 def one_pass_beside_pieces(memory: RunMemory) -> str:

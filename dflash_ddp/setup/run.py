@@ -375,7 +375,7 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
             + (f" ({one_pass.total / GIB:.1f} in one pass)" if (one_pass := p.memory.one_pass_target) else "")
             + f", message {p.message_bytes / 2**20:.1f} MiB: {'fits' if p.memory.fit.fits else 'does NOT fit'} "
             f"{p.memory.fit.where}"
-            + pieces_that_fit(p.memory)
+            + pieces_that_fit(p.memory, short=True)
             + (
                 f"; past the target's max_position_embeddings {info.max_position_embeddings}"
                 if p.length > info.max_position_embeddings
