@@ -250,37 +250,35 @@ def test_the_plan_puts_one_pass_beside_the_prefills_pieces_and_says_which_is_sma
     )
 
 
-def test_a_run_that_does_not_fit_names_the_tensor_parallel_group_that_would(tmp_path):
-    """A dense target's weights split across a group; a mixture of experts' routed experts stay whole on each
-    rank under transformers' plans, so no group of one node fits where they alone do not: said, not advised."""
+def test_a_run_that_does_not_fit_names_the_tensor_parallel_group_that_would(tmp_path, monkeypatch):
+    """A dense target's weights split across a group, and a mixture of experts' too where its family has an
+    expert-parallel plan (each rank holds a share of the experts); without one the routed experts stay whole
+    on each rank, so no group of one node fits where they alone do not: said, not advised."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     from dflash_ddp.parallel.machine import FitCheck
+    from dflash_ddp.setup import plan
     from dflash_ddp.setup.plan import fitting_tp_size
     from dflash_ddp.target_model.info import target_info_from_config
     from dflash_ddp.target_model.memory import TargetLoad
-    from dflash_ddp.target_model.quantization import (
-        NOT_QUANTIZED,
-        truncated_weight_bytes,
-        unsharded_weight_bytes,
-    )
+    from dflash_ddp.target_model.quantization import NOT_QUANTIZED, truncated_weight_bytes
+    from dflash_ddp.target_model.tensor_parallel import unsharded_weight_bytes
 
-    def under(limit):
-        return lambda plan: FitCheck(plan.total, limit, "a test device")
-
-    shape = dict(num_hidden_layers=4, hidden_size=1024, vocab_size=1000)
-    infos = []
-    for name, config in (("dense", Qwen3Config(**shape)), ("moe", Qwen3MoeConfig(**shape, num_experts=64))):
+    def group_that_fits(config, name: str) -> tuple[int | None, int, int]:
         config.save_pretrained(tmp_path / name)  # a config alone: planned as the benchmarks plan real targets
-        infos.append(target_info_from_config(config, tmp_path / name))
-    for info, expected in zip(infos, (4, None), strict=True):
+        info = target_info_from_config(config, tmp_path / name)
         weights = truncated_weight_bytes(info, 4, NOT_QUANTIZED, torch.bfloat16)
         whole = unsharded_weight_bytes(info, 4, NOT_QUANTIZED, torch.bfloat16)
         load = TargetLoad(weights, [1], 4, tokens_per_batch=16, dtype_bytes=2, unsharded_bytes=whole)
-        assert fitting_tp_size(info, load, under(weights // 3)) == expected
-    assert whole > weights * 0.9  # the experts: nearly all of the MoE's weights
-    from dflash_ddp.setup import plan
+        fits = fitting_tp_size(info, load, lambda p: FitCheck(p.total, weights // 3, "a test device"))
+        return fits, weights, whole
 
+    shape = dict(num_hidden_layers=4, hidden_size=1024, vocab_size=1000)
+    assert group_that_fits(Qwen3Config(**shape), "dense")[0] == 4
+    assert group_that_fits(Qwen3MoeConfig(**shape, num_experts=64), "moe")[0] == 4
+    monkeypatch.setattr(Qwen3MoeConfig, "base_model_ep_plan", None)  # a family without expert parallelism
+    fits, weights, whole = group_that_fits(Qwen3MoeConfig(**shape, num_experts=64), "moe_without_ep")
+    assert fits is None and whole > weights * 0.9  # the experts: nearly all of the MoE's weights
     refused = plan.RunMemory(
         MemoryPlan({}), MemoryPlan({"weights": weights}), FitCheck(weights, 1, "a GPU"), None, 0, 0
     )

@@ -93,16 +93,30 @@ def test_either_key_reads_the_other_formats_turns_as_specforges_data_preparation
         read_conversations([str(write(tmp_path / "s2.jsonl", [json.dumps(mixed).encode()]))])
 
 
-def test_an_input_without_one_usable_row_is_refused_also_when_skipping_bad_rows(tmp_path):
+def test_an_input_without_one_usable_row_is_named_when_skipping_bad_rows(tmp_path):
     """--skip_bad_rows skips rows: a whole file in a format this does not read would otherwise vanish from
-    the data beside the good files, counted but unnoticed."""
+    the data beside the good files, counted but unnoticed; it is named in a warning (not refused: a hub
+    dataset's shard may hold only bad rows)."""
     good = write(tmp_path / "good.jsonl", [json.dumps(GOOD).encode()] * 3)
     other = write(tmp_path / "other.jsonl", [json.dumps({"prompt": "p", "completion": "c"}).encode()] * 2)
-    with pytest.raises(ValueError, match=r"--data .*other.jsonl: no usable rows \(2 read, 2 bad and skipped"):
-        read_conversations([str(good), str(other)], skip_bad_rows=True)
-    assert len(read_conversations([str(good)], skip_bad_rows=True)) == 3
+    stats = DataStats()
+    assert len(read_conversations([str(good), str(other)], skip_bad_rows=True, stats=stats)) == 3
+    assert stats.unusable_inputs == [
+        f"{other} (2 rows; the first: {other}:1: the row has neither 'messages' nor 'conversations')"
+    ]
+    assert stats.unusable_note().startswith("warning: --skip_bad_rows skipped every row of 1 input(s)")
+    stats = DataStats()
+    read_conversations([str(good)], skip_bad_rows=True, stats=stats)
+    assert not stats.unusable_inputs and stats.unusable_note() == ""
     with pytest.raises(BadRow, match=r"bad.jsonl:1: malformed JSON \(Expecting value at column 15\)"):
         read_conversations([str(write(tmp_path / "bad.jsonl", [b'{"messages": [} ']))])
+    # a row's system field read as its first turn is no turn of the row's own to point at
+    row = {
+        "system": "be brief",
+        "conversations": [{"speaker": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
+    }
+    with pytest.raises(BadRow, match=r"turn 1 has no 'from'$"):
+        read_conversations([str(write(tmp_path / "sys.jsonl", [json.dumps(row).encode()]))])
 
 
 def test_parquet_and_save_to_disk_inputs_give_the_same_rows_as_jsonl(tmp_path):

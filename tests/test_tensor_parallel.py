@@ -109,8 +109,8 @@ def test_features_of_a_tp2_group_equal_the_whole_targets(tiny_target, tiny_moe_t
             differences = found[target]["relative_differences"]
             assert len(differences) == 3 and max(differences.values()) < 1e-5, (rank, target, differences)
             assert found[target]["q_proj_rows"] == [32, 64]  # each rank holds its half, not a replica
-            # the plan's share of the weights is what the rank holds: what transformers' plan leaves whole
-            # (an MoE's routed experts, the embedding) counted whole
+            # the plan's share of the weights is what the rank holds: the MoE's experts split by its
+            # expert-parallel plan, the norms whole
             weights = found[target]["weight_bytes"]
             assert weights["local"] == weights["planned"] < weights["all"], (target, weights)
             assert found[target]["sharded_output_gathered_exactly"]
@@ -209,6 +209,7 @@ def test_a_target_whose_heads_cannot_be_split_is_refused_at_start(chat_data, tmp
     [
         (4, "qwen3", "--target_tp_size 2 does not divide the 3 target ranks"),
         (3, "gpt2", "transformers has no tensor-parallel plan for the model family 'gpt2'"),
+        (3, "qwen3_moe", "--target_tp_size 2 does not divide the target's 3 routed experts (each rank holds"),
     ],
 )
 def test_splits_and_families_tensor_parallelism_cannot_serve_are_refused(
@@ -223,6 +224,14 @@ def test_splits_and_families_tensor_parallelism_cannot_serve_are_refused(
         GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=4, n_head=2)).save_pretrained(
             target
         )
+    if family == "qwen3_moe":  # a group shares its experts out: 3 cannot go to 2 ranks
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        target = tmp_path / "moe"
+        tok = build_tokenizer(target)
+        shape = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2)
+        config = Qwen3MoeConfig(vocab_size=len(tok), num_experts=3, num_experts_per_tok=2, **shape)
+        Qwen3MoeForCausalLM(config).save_pretrained(target)
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world)}.items():
         monkeypatch.setenv(key, value)
     code = main(train_args(target, chat_data, tmp_path / "out", target_tp_size=2)[2:])

@@ -48,6 +48,8 @@ class DataStats:
     tokens: int = 0  # of the kept samples
     response_tokens: int = 0  # of the kept samples: tokens the loss covers
     bad_row_examples: list[str] = field(default_factory=list)
+    # inputs none of whose rows is usable, all skipped: a file in another format, most likely
+    unusable_inputs: list[str] = field(default_factory=list)
 
     def skip(self, error: BadRow) -> None:
         """Count a skipped row (--skip_bad_rows), keeping the first few reasons for data_stats.json."""
@@ -62,6 +64,15 @@ class DataStats:
             f"{self.overlength_dropped} dropped for --max_seq_len, {self.too_short} dropped with fewer than "
             f"2*block_size response tokens, {self.kept} kept ({self.tokens} tokens, "
             f"{self.response_tokens} in the loss)"
+        )
+
+    def unusable_note(self) -> str:
+        """The line that names inputs all of whose rows were skipped ('' when none was)."""
+        if not self.unusable_inputs:
+            return ""
+        return (
+            f"warning: --skip_bad_rows skipped every row of {len(self.unusable_inputs)} input(s), which add "
+            f"nothing to the data: {'; '.join(self.unusable_inputs)}; is the file in another format?"
         )
 
 
@@ -169,7 +180,7 @@ def _normalise_messages(row: dict, where: str, require_assistant: bool = True) -
         if not isinstance(turn, dict):
             raise BadRow(f"{where}: turn {i} must be a JSON object with '{role_key}' and '{text_key}'")
         if role_key not in turn:
-            first = " (the row's first turn has one)" if i else ""
+            first = " (the row's first turn has one)" if i > system_turn_added(row) else ""
             raise BadRow(f"{where}: turn {i} has no '{role_key}'{first}")
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
@@ -295,8 +306,9 @@ def _rows(path: Path):
 
 def _conversations(paths: list[str], skip_bad_rows: bool, stats: DataStats, require_assistant: bool):
     """(Conversation, the row as read) for every usable row of the --data inputs, in order. An input none of
-    whose rows is usable is refused also with `skip_bad_rows`: that is a whole file in a format this does not
-    read, not a few bad rows, and training on the other inputs alone would go unnoticed."""
+    whose rows is usable under `skip_bad_rows` is named in `stats.unusable_inputs`: most likely a whole file
+    in a format this does not read, whose loss would otherwise go unnoticed beside the other inputs (a
+    shard of a hub dataset may hold only bad rows too, so it is said, not refused)."""
     for path in data_files(paths):
         file_stats = DataStats()
         for where, row in _rows(path):
@@ -316,8 +328,8 @@ def _conversations(paths: list[str], skip_bad_rows: bool, stats: DataStats, requ
                 stats.skip(e)
                 file_stats.skip(e)
         if file_stats.rows and not file_stats.kept:
-            raise ValueError(
-                _no_rows([str(path)], file_stats) + "; --skip_bad_rows skips bad rows, not a whole input"
+            stats.unusable_inputs.append(
+                f"{path} ({file_stats.rows} rows; the first: {file_stats.bad_row_examples[0]})"
             )
 
 

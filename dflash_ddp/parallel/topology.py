@@ -319,13 +319,15 @@ def wait_for_key(store: dist.Store, key: str, timeout_s: float, message: Callabl
 
 def group_meshes(num_groups: int, tp_size: int, device_type: str):
     """The device meshes of the target groups, built on every rank of the job (their process groups are
-    created collectively); a rank outside the target ranks holds them without a coordinate."""
+    created collectively); a rank outside the target ranks holds them without a coordinate. A group's ranks
+    are its tensor-parallel ranks and, for a mixture of experts, its expert-parallel ones too (each holds a
+    share of the experts: `ep` spans the group)."""
     from torch.distributed.device_mesh import DeviceMesh
     from transformers.distributed.utils import TransformersDeviceMesh
 
-    ranks = torch.arange(num_groups * tp_size)
-    dense = DeviceMesh(device_type, ranks.reshape(1, num_groups, 1, tp_size), mesh_dim_names=DENSE_DIMS)
-    experts = DeviceMesh(device_type, ranks.reshape(1, num_groups, tp_size, 1), mesh_dim_names=EXPERT_DIMS)
+    ranks = torch.arange(num_groups * tp_size).reshape(1, num_groups, 1, tp_size)
+    dense = DeviceMesh(device_type, ranks, mesh_dim_names=DENSE_DIMS)
+    experts = DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_DIMS)
     return TransformersDeviceMesh(dense, experts)
 
 

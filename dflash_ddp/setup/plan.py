@@ -25,9 +25,9 @@ from dflash_ddp.target_model.quantization import (
     NOT_QUANTIZED,
     WeightStorage,
     truncated_weight_bytes,
-    unsharded_weight_bytes,
     weight_storage,
 )
+from dflash_ddp.target_model.tensor_parallel import unsharded_weight_bytes
 
 
 def run_device(cfg: TrainConfig) -> torch.device:
@@ -319,8 +319,7 @@ def pieces_that_fit(memory: RunMemory, short: bool = False) -> str:
             return f"; no --target_tp_size up to {TP_SIZES[-1]} fits"
         return (
             f"; no --target_tp_size up to {TP_SIZES[-1]} fits: {memory.unsharded_bytes / GIB:.1f} GiB of its weights "
-            "stay whole on every rank of a group (transformers' plan does not split a mixture of experts' routed "
-            "experts)"
+            "stay whole on every rank of a group (transformers' plans for the model do not split them)"
         )
     return ""
 

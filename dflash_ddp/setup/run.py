@@ -353,8 +353,8 @@ def print_plan(cfg: TrainConfig, setup: RunSetup, topology: Topology) -> None:
         + (
             f"; weights are 1/{topology.tp_size} of the truncated target's"
             + (
-                f", but {memory.unsharded_bytes / GIB:.2f} GiB of them whole on each rank (transformers' plan "
-                f"does not split them: a mixture of experts' routed experts)"
+                f", but {memory.unsharded_bytes / GIB:.2f} GiB of them whole on each rank (transformers' plans "
+                "for the model do not split them)"
                 if memory.unsharded_bytes > GIB / 100
                 else ""
             )

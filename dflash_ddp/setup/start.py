@@ -244,7 +244,7 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
             f"pass --target_model {current['config']['target_model'].partition('@')[0]}@{moved})"
             if moved and moved != _lookup(current, "fingerprints.target_commit")
             else "; pass the settings it was trained with to resume it, or another --output_dir for a new run "
-            f"(with --init_from {where} to start it from these weights, on other data or another target)"
+            f"(with --init_from {where} to start it from these weights, on other data)"
         )
         raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity) + hint)
     # optimisation settings: a change is refused unless the user names it in --resume_override

@@ -65,8 +65,8 @@ def load_text_model(
             model_class,
             path,
             f"its text model's first {layers} layers",
-            f"; read from '{stack.prefix}.' of {stack.architecture}. Is the checkpoint complete and saved by "
-            "transformers?",
+            "; read from " + (f"'{stack.prefix}.'" if stack.prefix else "the top of the files") + f" of "
+            f"{stack.architecture}. Is the checkpoint complete and saved by transformers?",
             config=truncated_text_config(stack, layers, with_head, dequantize),
             dtype=dtype,
             key_mapping=_key_mapping(stack, with_head),

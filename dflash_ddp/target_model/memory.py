@@ -48,8 +48,9 @@ class TargetLoad:
 
 def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     """Predicted peak of a target rank: its share of the weights it runs (`weight_bytes` over the `tp_size`
-    ranks of its tensor-parallel group, but `unsharded_bytes` whole on each), one forward's activations, features in flight; with `topk` soft
-    targets also the whole LM head on every rank, one chunk's fp32 logits and the top-k in flight. With a
+    ranks of its tensor-parallel group, but `unsharded_bytes` whole on each), one forward's activations,
+    features in flight; with `topk` soft targets also the whole LM head on every rank, one chunk's fp32
+    logits and the top-k in flight. With a
     prefill in pieces, the activations of one piece (`prefill_tokens` positions over the batch's rows), the
     KV cache of the whole batch (DeepSeek V4's compressed keys beside it) and the mask its later pieces
     attend through (`attention_mask_bytes`)."""

@@ -8,7 +8,6 @@ a run whose GPU keeps FP8 weights without the package that runs them stops befor
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 
 import torch
@@ -103,38 +102,10 @@ def truncated_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage
     device: every parameter in `dtype`, or where the release stays quantized with the modules transformers'
     quantizer swaps in (FP8: a byte a weight and its blocks' fp32 scales; the embedding, norms, routers and
     the modules the release leaves unconverted in `dtype`), counted on the meta device."""
-    return sum(_weight_bytes_by_name(info, layers, storage, dtype)[0].values())
+    return sum(weight_bytes_by_name(info, layers, storage, dtype)[0].values())
 
 
-def unsharded_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage, dtype: torch.dtype) -> int:
-    """Of `truncated_weight_bytes`, those transformers' tensor-parallel plan for the model leaves whole on
-    every rank of a group: weights of modules it names no sharding for (the routed experts of most MoE
-    plans, the norms) and those it replicates. The input embedding is split by rows whatever the plan says
-    (transformers shards it as well)."""
-    plan = truncated_text_config(info.text_stack(), layers).base_model_tp_plan or {}
-    sizes, embedding = _weight_bytes_by_name(info, layers, storage, dtype)
-    return sum(size for name, size in sizes.items() if name != embedding and not _sharded_by(plan, name))
-
-
-# plan styles that keep a whole copy of the weights on each rank (they only reduce or split activations)
-REPLICATING_STYLES = {
-    "replicated_with_grad_allreduce",
-    "replicate",
-    "sequence_parallel",
-    "all_reduce",
-    "mla_kv_a_proj",  # latent attention's shared down-projection: whole on each rank, its output split
-}
-
-
-def _sharded_by(plan: dict[str, str], name: str) -> bool:
-    """Whether a parameter (`layers.3.self_attn.q_proj.weight`) is split by a tensor-parallel plan whose keys
-    name modules or parameters with layer numbers as `*`, as transformers matches them."""
-    wildcard = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
-    style = plan.get(wildcard) or plan.get(wildcard.rsplit(".", 1)[0])
-    return style is not None and style not in REPLICATING_STYLES
-
-
-def _weight_bytes_by_name(
+def weight_bytes_by_name(
     info: TargetInfo, layers: int, storage: WeightStorage, dtype: torch.dtype
 ) -> tuple[dict[str, int], str]:
     """{parameter name in the text model: its bytes on the device} (see `truncated_weight_bytes`), and the

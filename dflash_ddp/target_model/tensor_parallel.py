@@ -5,17 +5,20 @@ with transformers' own tensor-parallel plans on the group's device mesh (built i
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import __version__ as transformers_version
 from transformers.distributed import DistributedConfig
+from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
 from dflash_ddp.parallel.topology import Topology, group_mesh
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import load_target_model
-from dflash_ddp.target_model.text_stack import read_config
+from dflash_ddp.target_model.quantization import WeightStorage, weight_bytes_by_name
+from dflash_ddp.target_model.text_stack import expert_parallel, read_config, truncated_text_config
 
 
 def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
@@ -47,6 +50,16 @@ def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
         "expert MLP width (moe_intermediate_size)": getattr(config, "moe_intermediate_size", None),
         "vocabulary (vocab_size; the embedding is split by rows)": config.vocab_size,
     }
+    if expert_parallel(config):  # each rank holds an equal share of the routed experts
+        experts = next(
+            (
+                getattr(config, k)
+                for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                if getattr(config, k, None)
+            ),
+            None,
+        )
+        sizes["routed experts (each rank holds its share)"] = experts
     for what, size in sizes.items():
         # a width given per layer (Gemma 3n) or per modality (Ernie 4.5 VL's experts): every one is split
         for one in size if isinstance(size, (list, tuple)) else [size]:
@@ -86,10 +99,13 @@ def load_sharded(
     """The target's first `layers` decoder layers, sharded across this rank's group by transformers'
     tensor-parallel plan; each rank reads only its shard of every weight."""
     tp_size = meshes.get_mesh("tp").size()
+    # a mixture of experts whose family has an expert-parallel plan: each rank of the group holds its share
+    # of the experts, runs them on the batch the group shares, and the group sums their outputs (transformers'
+    # tensor-parallel plans leave the experts whole on every rank)
+    ep_size = tp_size if expert_parallel(info.text_stack().config) else 1
+    distributed = DistributedConfig(tp_size=tp_size, ep_size=ep_size, ep_implementation="all_reduce")
     with group_mesh(meshes, device):
-        model = load_target_model(
-            info, layers, dtype, device, distributed_config=DistributedConfig(tp_size=tp_size)
-        )
+        model = load_target_model(info, layers, dtype, device, distributed_config=distributed)
     _check_plan_runs(model, info, tp_size)
     return model
 
@@ -108,3 +124,29 @@ def _check_plan_runs(model: nn.Module, info: TargetInfo, tp_size: int) -> None:
             f"does not run on {info.path} ({str(error).splitlines()[0]}); pass --target_tp_size 1 (each target "
             "rank holds a whole copy)"
         ) from None
+
+
+def unsharded_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage, dtype: torch.dtype) -> int:
+    """Of `truncated_weight_bytes`, those a tensor-parallel group leaves whole on every rank (`load_sharded`):
+    weights of modules transformers' plans for the model name no sharding for (the norms; the routed experts
+    of a family without an expert-parallel plan; Falcon-H1's layers, whose plan splits the embedding alone)
+    and those whose style keeps them whole. The input embedding is split by rows unless the plan names it,
+    as transformers does."""
+    config = truncated_text_config(info.text_stack(), layers)
+    sizes, embedding = weight_bytes_by_name(info, layers, storage, dtype)
+    plan = {
+        embedding.removesuffix(".weight"): "embedding_rowwise",
+        **(config.base_model_tp_plan or {}),
+        **(config.base_model_ep_plan if expert_parallel(config) else {}),
+    }
+    return sum(size for name, size in sizes.items() if not _sharded_by(plan, name))
+
+
+def _sharded_by(plan: dict[str, str], name: str) -> bool:
+    """Whether a parameter (`layers.3.self_attn.q_proj.weight`) is split by a plan whose keys name modules or
+    parameters with layer numbers as `*`, as transformers matches them: its style shards parameters (it has a
+    `shard_param` of its own; `replicate`, `mla_kv_a_proj` and the like keep them whole)."""
+    wildcard = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+    style = plan.get(wildcard) or plan.get(wildcard.rsplit(".", 1)[0])
+    layer = ALL_PARALLEL_STYLES.get(style) if style else None
+    return layer is not None and type(layer).shard_param is not TensorParallelLayer.shard_param

@@ -64,9 +64,10 @@ class TextStack:
     head_module: str = ""
     generator: str = ""
     wrapper_conversions: tuple = field(default=(), compare=False, repr=False)
-    # a wrapper's: the name prefixes of the saved tensors its text model and head load from and of nothing
-    # else (its files may hold a vision tower under the text model's prefix, as Ernie 4.5 VL's `model.`, or
-    # name the text model otherwise than the model does: `prefix` is then a guess, for messages only)
+    # a wrapper's, or a causal LM's whose files name its text model at their top (DeepSeek V4's release): the
+    # name prefixes of the saved tensors its text model and head load from and of nothing else (its files
+    # may hold a vision tower under the text model's prefix, as Ernie 4.5 VL's `model.`, or name the text
+    # model otherwise than the model does: `prefix` is then a guess, for messages only)
     text_prefixes: tuple[str, ...] = ()
 
     def weights_read(self) -> TextWeights:
@@ -327,6 +328,12 @@ def _saved_numbers(locations: dict[str, Path], modules: set[str]) -> int:
         with safe_open(file, framework="pt") as f:
             total += sum(math.prod(f.get_slice(name).get_shape()) for name in names)
     return total
+
+
+def expert_parallel(config: PretrainedConfig) -> bool:
+    """Whether a tensor-parallel group shards the experts of the text model of `config` across its ranks too:
+    where its family has transformers' expert-parallel plan (tensor_parallel.load_sharded)."""
+    return bool(getattr(config, "base_model_ep_plan", None))
 
 
 def read_config(path: str | Path) -> PretrainedConfig:

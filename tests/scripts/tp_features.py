@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor, Shard
 from dflash_ddp.parallel.topology import group_meshes
 from dflash_ddp.target_model.features import TargetFeatureExtractor, layer_output
 from dflash_ddp.target_model.info import inspect_target
-from dflash_ddp.target_model.quantization import NOT_QUANTIZED, truncated_weight_bytes, unsharded_weight_bytes
+from dflash_ddp.target_model.quantization import NOT_QUANTIZED, truncated_weight_bytes
+from dflash_ddp.target_model.tensor_parallel import unsharded_weight_bytes
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
