@@ -289,6 +289,22 @@ def test_a_run_that_does_not_fit_names_the_tensor_parallel_group_that_would(tmp_
     assert plan.pieces_that_fit(refused).startswith("; fits with --target_tp_size 4")
 
 
+def test_a_group_whose_plan_keeps_the_attention_whole_is_planned_with_it_whole():
+    """DeepSeek V4's plans leave its attention whole on every rank of a group: the attention's share of the
+    activations is not divided by the group's size (it was, and a group of 8 planned to fit)."""
+    import dataclasses
+
+    from dflash_ddp.target_model.info import target_info_from_config
+    from dflash_ddp.target_model.memory import TargetLoad, target_memory
+
+    info = target_info_from_config(DeepseekV32Config(num_hidden_layers=2), Path("unused"))
+    load = TargetLoad(0, [1], 2, tokens_per_batch=4096, dtype_bytes=2, max_seq_len=4096, tp_size=2)
+    split = target_memory(info, load).parts["activations"]
+    whole = target_memory(info, dataclasses.replace(load, attention_split=False)).parts["activations"]
+    colocated = target_memory(info, dataclasses.replace(load, tp_size=1)).parts["activations"]
+    assert split < whole < colocated
+
+
 def test_the_largest_fitting_prefill_piece_is_a_power_of_two_down_to_512():
     """Pieces halve from below the positions run at once now; none below 512."""
     from dflash_ddp.parallel.machine import FitCheck

@@ -282,3 +282,23 @@ def test_a_transformers_that_loads_sharded_models_differently_is_named(tiny_targ
     monkeypatch.delattr(mixin, "initialize_distributed_mesh")
     with pytest.raises(ValueError, match="install transformers 5.24 or pass --target_tp_size 1"):
         check_tensor_parallel(tiny_target, 2)
+
+
+def test_a_group_is_checked_for_the_sizes_its_plans_split(tmp_path):
+    """DeepSeek V4's plans split its experts (by count) and shared experts alone: its single KV head and its
+    heads stay whole on every rank and are no reason to refuse a group (it was refused at every size), and
+    the memory plan keeps its attention whole; Qwen3.5-MoE's 2 KV heads are split, so they cap its group."""
+    from transformers import DeepseekV4Config, Qwen3_5MoeTextConfig
+
+    from dflash_ddp.target_model.tensor_parallel import attention_split, check_tensor_parallel, split_sizes
+
+    v4 = DeepseekV4Config(num_key_value_heads=1, num_attention_heads=3, vocab_size=1024, n_routed_experts=8)
+    v4.save_pretrained(tmp_path / "v4")
+    check_tensor_parallel(tmp_path / "v4", 8)
+    assert not attention_split(v4) and "routed experts (each rank holds its share)" in split_sizes(v4)
+    qwen = Qwen3_5MoeTextConfig(num_key_value_heads=2, vocab_size=1024)
+    qwen.save_pretrained(tmp_path / "qwen")
+    check_tensor_parallel(tmp_path / "qwen", 2)
+    with pytest.raises(ValueError, match="--target_tp_size 4 does not divide the target's 2 KV heads"):
+        check_tensor_parallel(tmp_path / "qwen", 4)
+    assert attention_split(qwen)

@@ -27,7 +27,7 @@ from dflash_ddp.target_model.quantization import (
     truncated_weight_bytes,
     weight_storage,
 )
-from dflash_ddp.target_model.tensor_parallel import unsharded_weight_bytes
+from dflash_ddp.target_model.tensor_parallel import attention_split, splits_evenly, unsharded_weight_bytes
 
 
 def run_device(cfg: TrainConfig) -> torch.device:
@@ -172,6 +172,7 @@ def plan_memory(
     load = TargetLoad(
         weight_bytes=truncated_weight_bytes(info, layers, storage, dtype),
         unsharded_bytes=unsharded_weight_bytes(info, layers, storage, dtype) if topology.tp_size > 1 else 0,
+        attention_split=attention_split(info.text_stack().config),
         target_layer_ids=c.target_layer_ids,
         layers=layers,
         tokens_per_batch=batch_tokens,
@@ -219,9 +220,11 @@ TP_SIZES = (2, 4, 8)  # a tensor-parallel group stays on one node
 
 
 def fitting_tp_size(info: TargetInfo, load: TargetLoad, fit_of) -> int | None:
-    """The smallest tensor-parallel group (of TP_SIZES, above the run's) with which a run that does not fit
-    would: a target rank's weights shrink by the group's size, but for those its plan leaves whole."""
-    larger = (n for n in TP_SIZES if n > load.tp_size)
+    """The smallest tensor-parallel group (of TP_SIZES, above the run's, dividing every size its plans split)
+    with which a run that does not fit would: a target rank's weights shrink by the group's size, but for
+    those its plans leave whole."""
+    config = info.text_stack().config
+    larger = (n for n in TP_SIZES if n > load.tp_size and splits_evenly(config, n))
     return next(
         (n for n in larger if fit_of(target_memory(info, dataclasses.replace(load, tp_size=n))).fits), None
     )
@@ -313,10 +316,12 @@ def pieces_that_fit(memory: RunMemory, short: bool = False) -> str:
     if memory.fitting_prefill:
         return f"; fits with --target_prefill_tokens {memory.fitting_prefill}"
     if memory.fitting_tp:
-        return f"; fits with --target_tp_size {memory.fitting_tp} (if its heads and widths divide by it)"
-    if not memory.fit.fits and memory.unsharded_bytes > memory.target.total / 4:
+        return f"; fits with --target_tp_size {memory.fitting_tp}"
+    if not memory.fit.fits and memory.unsharded_bytes:  # no group of one node fits: why
         if short:
             return f"; no --target_tp_size up to {TP_SIZES[-1]} fits"
+        if memory.unsharded_bytes <= memory.target.total / 4:
+            return f"; no --target_tp_size up to {TP_SIZES[-1]} that its sizes allow fits"
         return (
             f"; no --target_tp_size up to {TP_SIZES[-1]} fits: {memory.unsharded_bytes / GIB:.1f} GiB of its weights "
             "stay whole on every rank of a group (transformers' plans for the model do not split them)"

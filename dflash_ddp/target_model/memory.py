@@ -40,6 +40,7 @@ class TargetLoad:
     inflight: int = 0  # batches sent and not yet received (0 colocated)
     tp_size: int = 1
     unsharded_bytes: int = 0  # of weight_bytes, those a tensor-parallel plan leaves whole on every rank
+    attention_split: bool = True  # a group splits the attention's heads (DeepSeek V4's plan does not)
     topk: int = 0  # soft targets: the whole LM head and the top-k of each position
     prefill_tokens: int = 0  # positions run at once (0: a sequence in one pass)
     max_seq_len: int = 0
@@ -66,14 +67,15 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     # streams each), normed input and the all-reduced output whole on every rank; the attention's tensors,
     # gate, up and their product split across the group (summed: a hybrid's mixers run side by side, and
     # an MoE layer's routed copies exceed its experts' widths)
-    mixers = attention_width(info) + 3 * info.mlp_width
+    attention_tp = tp_size if load.attention_split else 1
+    mixers = attention_width(info) * tp_size // attention_tp + 3 * info.mlp_width
     # Gemma 3n's AltUp layer holds four sets of its streams at once (its input, their predictions, the
     # correction's repeated innovation and the corrected streams) beside a few single-stream tensors
     residual = 4 + 4 * info.residual_streams if info.altup else 2 + 2 * info.residual_streams
     per_token = residual * info.hidden_size + mixers // tp_size
     # Gemma 3n's and 4's per-layer inputs and the keys and values their KV-shared layers reuse, held from
     # the first layer (from the layer that stores them) to the forward's end
-    per_token += info.per_layer_inputs + shared_keys_and_values(info, load.layers) // tp_size
+    per_token += info.per_layer_inputs + shared_keys_and_values(info, load.layers) // attention_tp
     piece, layers = load.prefill_tokens, load.layers
     indexed = indexed_layers(info, layers)
     pieces = in_pieces(load)
@@ -91,7 +93,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
     }
     # the pieces' keys and values (latent attention: the latent), kept until the batch's last piece
     if pieces:
-        width = mla.latent + mla.rope if mla else info.num_key_value_heads * info.head_dim // tp_size
+        width = mla.latent + mla.rope if mla else info.num_key_value_heads * info.head_dim // attention_tp
         # every position of the batch: a windowed layer keeps its window per row, which is every position
         # of a batch of rows shorter than it (DeepSeek V4's compressed keys beside them); keys and values
         # (one tensor in DeepSeek V4's compressed layers, latent attention's latent)
@@ -105,7 +107,7 @@ def target_memory(info: TargetInfo, load: TargetLoad) -> MemoryPlan:
             indexer_keys = tokens_per_batch // (indexer.pool if info.key_compression else 1)
             parts["KV cache"] += indexer_keys * indexed * indexer.width * dtype_bytes
         if mla:  # each layer expands the latent of every key so far for every query head
-            expanded = heads // tp_size * (mla.query_key + mla.nope + mla.value)
+            expanded = heads // attention_tp * (mla.query_key + mla.nope + mla.value)
             parts["expanded keys and values"] = tokens_per_batch * expanded * dtype_bytes
     parts.update(attention_mask_bytes(info, load, running))
     # the masks are built before the first layer runs, beside the embeddings only: the larger moment
@@ -282,7 +284,8 @@ def attention_mask_bytes(info: TargetInfo, load: TargetLoad, running: int) -> di
             unread -= set(WINDOWED_LAYER_TYPES)
     if not kinds | unread:
         return {}
-    dtype_bytes, heads = load.dtype_bytes, info.num_attention_heads // load.tp_size
+    dtype_bytes = load.dtype_bytes
+    heads = info.num_attention_heads // (load.tp_size if load.attention_split else 1)
     own = {kind: own_keys(info, load, kind, running) for kind in kinds}
     # the keys of each mask the layers read (DeepSeek V4's layers all read its sliding one), and of an unread
     # one the cache's

@@ -43,24 +43,7 @@ def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
             f"--target_tp_size {tp_size}: transformers has no tensor-parallel plan for the model family "
             f"'{config.model_type}' of {path}; pass --target_tp_size 1 (each target rank holds a whole copy)"
         )
-    sizes = {
-        "attention heads (num_attention_heads)": config.num_attention_heads,
-        "KV heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None),
-        "MLP width (intermediate_size)": getattr(config, "intermediate_size", None),
-        "expert MLP width (moe_intermediate_size)": getattr(config, "moe_intermediate_size", None),
-        "vocabulary (vocab_size; the embedding is split by rows)": config.vocab_size,
-    }
-    if expert_parallel(config):  # each rank holds an equal share of the routed experts
-        experts = next(
-            (
-                getattr(config, k)
-                for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                if getattr(config, k, None)
-            ),
-            None,
-        )
-        sizes["routed experts (each rank holds its share)"] = experts
-    for what, size in sizes.items():
+    for what, size in split_sizes(config).items():
         # a width given per layer (Gemma 3n) or per modality (Ernie 4.5 VL's experts): every one is split
         for one in size if isinstance(size, (list, tuple)) else [size]:
             if one is not None and one % tp_size:
@@ -75,6 +58,65 @@ def check_tensor_parallel(path: str | Path, tp_size: int) -> None:
             f"{path}/config.json), which transformers' plan splits across the group: each rank would cut its "
             "own share at its own statistics; pass --target_tp_size 1"
         )
+
+
+# module names whose split by a plan splits a size of the config (a plan's key ends with one of them)
+HEAD_PROJECTIONS = ("q_proj", "q_b_proj", "kv_b_proj", "o_proj", "qkv_proj")
+KV_PROJECTIONS = ("k_proj", "v_proj")
+MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "feed_forward.gate_proj", "feed_forward.up_proj")
+EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+EXPERT_PARALLEL_STYLES = ("grouped_gemm", "ep_dispatch_experts")  # split the experts by count, not width
+
+
+def _split_keys(config, by_width: bool = False) -> list[str]:
+    """The keys of the plans a group loads `config`'s text model with whose style splits parameters (by
+    width: not the expert-parallel styles)."""
+    plan = _group_plan(config)
+    return [
+        k
+        for k, style in plan.items()
+        if _shards(style) and not (by_width and style in EXPERT_PARALLEL_STYLES)
+    ]
+
+
+def attention_split(config) -> bool:
+    """Whether a group splits the attention's heads across its ranks (DeepSeek V4's plan splits its shared
+    experts alone: every rank runs the whole attention)."""
+    return any(key.endswith(HEAD_PROJECTIONS) for key in _split_keys(config))
+
+
+def split_sizes(config) -> dict[str, int | list | None]:
+    """The config's sizes a group splits across its ranks, by what its plans split: the heads where the
+    attention's projections are split, the KV heads where theirs are, the MLP's width, the experts' width
+    where a plan splits experts or shared experts by width, the routed experts' count under expert
+    parallelism, and the vocabulary (the embedding is split by rows)."""
+    keys = _split_keys(config)
+    splits = lambda names: any(key.endswith(names) for key in keys)  # noqa: E731
+    sizes = {"vocabulary (vocab_size; the embedding is split by rows)": config.vocab_size}
+    if splits(HEAD_PROJECTIONS):
+        sizes["attention heads (num_attention_heads)"] = config.num_attention_heads
+    if splits(KV_PROJECTIONS):
+        sizes["KV heads (num_key_value_heads)"] = getattr(config, "num_key_value_heads", None)
+    if splits(MLP_PROJECTIONS):
+        sizes["MLP width (intermediate_size)"] = getattr(config, "intermediate_size", None)
+    if any("expert" in key for key in _split_keys(config, by_width=True)):
+        sizes["expert MLP width (moe_intermediate_size)"] = getattr(config, "moe_intermediate_size", None)
+    if expert_parallel(config):  # each rank holds an equal share of the routed experts
+        counts = [getattr(config, name) for name in EXPERT_COUNTS if getattr(config, name, None)]
+        sizes["routed experts (each rank holds its share)"] = counts[0] if counts else None
+    return sizes
+
+
+def splits_evenly(config, tp_size: int) -> bool:
+    """Whether a group of `tp_size` ranks divides every size its plans split (`check_tensor_parallel`)."""
+    sizes = split_sizes(config).values()
+    return all(
+        one is None or one % tp_size == 0
+        for size in sizes
+        for one in (size if isinstance(size, (list, tuple)) else [size])
+    )
 
 
 def check_groups_within_nodes(topology: Topology) -> None:
@@ -134,19 +176,27 @@ def unsharded_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage
     as transformers does."""
     config = truncated_text_config(info.text_stack(), layers)
     sizes, embedding = weight_bytes_by_name(info, layers, storage, dtype)
-    plan = {
-        embedding.removesuffix(".weight"): "embedding_rowwise",
+    plan = {embedding.removesuffix(".weight"): "embedding_rowwise", **_group_plan(config)}
+    return sum(size for name, size in sizes.items() if not _sharded_by(plan, name))
+
+
+def _group_plan(config) -> dict[str, str]:
+    """The tensor-parallel plan of `config`'s family, and its expert-parallel one where a group uses it."""
+    return {
         **(config.base_model_tp_plan or {}),
         **(config.base_model_ep_plan if expert_parallel(config) else {}),
     }
-    return sum(size for name, size in sizes.items() if not _sharded_by(plan, name))
 
 
 def _sharded_by(plan: dict[str, str], name: str) -> bool:
     """Whether a parameter (`layers.3.self_attn.q_proj.weight`) is split by a plan whose keys name modules or
-    parameters with layer numbers as `*`, as transformers matches them: its style shards parameters (it has a
-    `shard_param` of its own; `replicate`, `mla_kv_a_proj` and the like keep them whole)."""
+    parameters with layer numbers as `*`, as transformers matches them."""
     wildcard = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
-    style = plan.get(wildcard) or plan.get(wildcard.rsplit(".", 1)[0])
+    return _shards(plan.get(wildcard) or plan.get(wildcard.rsplit(".", 1)[0]))
+
+
+def _shards(style: str | None) -> bool:
+    """Whether a plan's style splits parameters: it has a `shard_param` of its own (`replicate`,
+    `mla_kv_a_proj` and the like keep them whole)."""
     layer = ALL_PARALLEL_STYLES.get(style) if style else None
     return layer is not None and type(layer).shard_param is not TensorParallelLayer.shard_param
