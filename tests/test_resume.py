@@ -185,6 +185,25 @@ def test_fewer_drafter_ranks_keep_the_global_batch(tiny_target, chat_data, tmp_p
 
 
 @pytest.mark.processes
+def test_every_drafter_rank_resumes_from_a_run_directory_given_to_resume(tiny_target, chat_data, tmp_path):
+    """`--resume RUN_DIR` names the checkpoint its `latest` points at: the drafter ranks beside the leader
+    read that one too (they read the directory itself and refused to start)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    args = {"drafter_ranks": 2, "save_steps": 2}
+    done = subprocess.run(
+        torchrun(3, train_args(tiny_target, chat_data, first, max_steps=2, **args)),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    more = train_args(tiny_target, chat_data, second, max_steps=3, **args)
+    more += ["--resume", str(first), "--resume_override", "max_steps"]
+    resumed = subprocess.run(torchrun(3, more), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and (second / "checkpoints" / "step-00000003").is_dir()
+
+
+@pytest.mark.processes
 def test_a_second_ctrl_c_ends_the_process_at_once_a_second_sigterm_does_not():
     code = (
         "import os, signal, sys, time\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_ddp.checkpoint.layout import checkpoint_name
+from dflash_ddp.checkpoint.layout import checkpoint_name, resolve_checkpoint
 from dflash_ddp.checkpoint.resume import find_checkpoint
 from dflash_ddp.checkpoint.trainer_state import load_trainer_state
 from dflash_ddp.checkpoint.writer import set_aside_later
@@ -107,8 +107,11 @@ def share_start(ctx: DistributedContext, run: Run, error: str | None) -> None:
     run.start_step, run.first_batch = int(decision[0]), int(decision[3])
     if int(decision[4]) and not topo.is_leader:  # other drafter ranks read the same checkpoint
         resume = run.cfg.resume
-        root = Path(resume) if resume not in ("auto", "never") else Path(run.cfg.output_dir) / "checkpoints"
-        run.resume_from = root if resume not in ("auto", "never") else root / checkpoint_name(run.start_step)
+        run.resume_from = (
+            resolve_checkpoint(Path(resume))  # a run directory or its checkpoints/: the one `latest` names
+            if resume not in ("auto", "never")
+            else Path(run.cfg.output_dir) / "checkpoints" / checkpoint_name(run.start_step)
+        )
 
 
 def prune_metrics(output_dir: str, start_step: int) -> list[str]:
