@@ -31,7 +31,7 @@ from dflash_ddp.evaluation.in_job import (
     finish_watcher,
     start_watcher,
 )
-from dflash_ddp.files import SaveError
+from dflash_ddp.files import SaveError, atomic_write_text
 from dflash_ddp.observe.trackers import Trackers, close_trackers, resolve_report_to
 from dflash_ddp.parallel.channel import ChannelError, PeerLost
 from dflash_ddp.parallel.exits import fail, lost_peer, refuse
@@ -186,8 +186,9 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
         )
         for note in pruned:
             print(note)
-        (out / "data_stats.json").write_text(json.dumps(asdict(stats), indent=2) + "\n")
-        (out / "config.json").write_text(json.dumps(config_to_dict(run.cfg), indent=2) + "\n")
+        # replaced, not written through: a link planted in the run directory is not followed elsewhere
+        atomic_write_text(out / "data_stats.json", json.dumps(asdict(stats), indent=2) + "\n")
+        atomic_write_text(out / "config.json", json.dumps(config_to_dict(run.cfg), indent=2) + "\n")
         print(
             f"data: {stats.summary()}; "
             f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"

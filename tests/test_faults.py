@@ -357,3 +357,28 @@ def test_a_non_finite_loss_stops_the_run_with_one_line_and_no_checkpoint(
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("error: non-finite loss") and "Traceback" not in err
     assert not list((out / "checkpoints").glob("step-*"))
+
+
+def test_links_planted_in_the_output_directory_are_not_written_through(tmp_path, capsys):
+    """Whoever can plant links in a shared run directory cannot have a job overwrite the files they point at:
+    the lock file is opened without following a link (refused in one line), and the run's own small files
+    are replaced, not written through."""
+    from dflash_ddp.train import main
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / ".dflash_ddp.lock").symlink_to(victim)
+    with pytest.raises(ValueError, match="cannot create it or its lock file"):
+        OutputDirLock(locked).acquire()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").symlink_to(victim)
+    (out / "data_stats.json").symlink_to(victim)
+    assert main(["--output_dir", str(out), "--max_steps", "1", "--eval_data", ""]) == 0
+    assert victim.read_text() == "precious"
+    assert (
+        not (out / "config.json").is_symlink()
+        and json.loads((out / "config.json").read_text())["max_steps"] == 1
+    )

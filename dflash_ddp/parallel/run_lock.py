@@ -36,7 +36,9 @@ class OutputDirLock:
             self._made_dir = not self.path.parent.exists()
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                f = self.path.open("a+")
+                # O_NOFOLLOW: a link planted as the lock file would have this job truncate another file
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+                f = os.fdopen(fd, "a+")
             except FileNotFoundError:  # a job refused at start removed the directory it made meanwhile
                 continue
             except OSError as e:
