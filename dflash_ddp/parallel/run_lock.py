@@ -36,9 +36,11 @@ class OutputDirLock:
             self._made_dir = not self.path.parent.exists()
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                # O_NOFOLLOW: a link planted as the lock file would have this job truncate another file
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
-                f = os.fdopen(fd, "a+")
+                if (
+                    self.path.is_symlink()
+                ):  # a link planted as the lock file: this job would truncate its target
+                    raise OSError(f"{self.path} is a symbolic link; remove it")
+                f = self.path.open("a+")
             except FileNotFoundError:  # a job refused at start removed the directory it made meanwhile
                 continue
             except OSError as e:
