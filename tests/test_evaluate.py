@@ -491,6 +491,7 @@ def test_bad_inputs_exit_2_with_clear_messages(target_dir, data_file, tmp_path, 
 def test_a_drafter_is_checked_against_the_tokenizer_it_was_trained_with(target_dir, tmp_path):
     """A drafter whose stamp names another tokenizer is refused (its token ids mean other text); a run
     directory stands for its latest checkpoint."""
+    from dflash_ddp.checkpoint.manifest import write_manifest
     from dflash_ddp.files import fingerprint_files
 
     tokenizer = fingerprint_files(sorted(target_dir.glob("tokenizer*")))
@@ -505,6 +506,9 @@ def test_a_drafter_is_checked_against_the_tokenizer_it_was_trained_with(target_d
     (run / "checkpoints" / "step-00000002" / "trainer_state.json").write_text(
         json.dumps({"fingerprints": {"tokenizer": tokenizer}})
     )
+    for part in ("optimizer.pt", "scheduler.pt", "rng-rank0.pt"):  # a checkpoint's other files
+        torch.save({}, run / "checkpoints" / "step-00000002" / part)
+    write_manifest(run / "checkpoints" / "step-00000002", 2)
     (run / "checkpoints" / "latest").write_text("step-00000002\n")
     assert isinstance(load_checked_drafter(run, target_dir), DFlashDraftModel)
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.muse_glimmer_assistant import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
+from dflash_ddp.checkpoint.manifest import write_manifest
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.model import DFlashDraftModel
@@ -185,6 +186,9 @@ def fake_checkpoint(tmp_path, tiny_target, chat_data) -> tuple:
         },
     }
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    for part in ("optimizer.pt", "scheduler.pt", "rng-rank0.pt"):  # a checkpoint's other files
+        torch.save({}, ckpt / part)
+    write_manifest(ckpt, 7)  # written last, as a save does
     return tmp_path / "run", data, regeneration
 
 
@@ -494,3 +498,25 @@ def test_an_export_of_an_export_carries_only_the_sections_it_can(tmp_path):
     ]
     assert source_card_section(source, "## Acceptance") == []  # not its heading
     assert source_card_section(tmp_path / "none", "## Training") == []
+
+
+def test_a_checkpoint_is_exported_only_as_its_manifest_vouches_for_it(tmp_path, capsys):
+    """Export (and evaluate, through the same loader) read a checkpoint's weights against its manifest, as
+    resume does: a checkpoint without one, or with weights changed since, is refused in one line."""
+    from dflash_ddp.train import main as train_main
+
+    run = tmp_path / "run"
+    assert train_main(["--output_dir", str(run), "--max_steps", "1", "--eval_data", ""]) == 0
+    checkpoint = resolve_checkpoint(run)
+    assert main([str(run), str(tmp_path / "ok")]) == 0
+    changed = tmp_path / "changed"
+    shutil.copytree(checkpoint, changed)
+    weights = bytearray((changed / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (changed / "model.safetensors").write_bytes(bytes(weights))
+    capsys.readouterr()
+    assert main([str(changed), str(tmp_path / "out1")]) == 2
+    assert "model.safetensors" in capsys.readouterr().err
+    (changed / "manifest.json").unlink()
+    assert main([str(changed), str(tmp_path / "out2")]) == 2
+    assert "no manifest.json (the save did not complete)" in capsys.readouterr().err

@@ -17,10 +17,12 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from dflash_ddp.checkpoint.layout import resolve_checkpoint
-from dflash_ddp.checkpoint.reader import read_json, read_weights
+from dflash_ddp.checkpoint.manifest import read_verified
+from dflash_ddp.checkpoint.reader import parse_json, parse_weights, read_json, read_weights
 from dflash_ddp.data.chat_template import load_target_tokenizer
 from dflash_ddp.data.sources import data_files
 from dflash_ddp.drafter.config import DFlashDraftConfig
@@ -98,13 +100,19 @@ def check_trained_for(directory: Path, target: Path) -> None:
 
 
 def load_drafter(directory: str | Path, device: str | torch.device = "cpu") -> DFlashDraftModel:
-    """Load a drafter from an exported directory or a training checkpoint; keys must match exactly."""
+    """Load a drafter from an exported directory or a training checkpoint (its files checked against its
+    manifest, as every reader of a checkpoint does); keys must match exactly."""
     directory = Path(directory)
     for name in ("config.json", "model.safetensors"):
         if not (directory / name).is_file():
             raise ValueError(
                 f"{directory}: no {name} (expected an exported drafter or a checkpoint directory)"
             )
+    if (directory / "trainer_state.json").is_file():  # a checkpoint: the bytes its manifest vouches for
+        files = read_verified(directory, ("config.json", "model.safetensors"))
+        config = parse_json(files["config.json"], directory / "config.json")
+        weights = parse_weights(files["model.safetensors"], directory / "model.safetensors")
+        return drafter_from_state(config, weights, directory, device)
     config = read_json(directory, "config.json")
     return drafter_from_state(config, read_weights(directory), directory, device)
 
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         source, notes = export_checkpoint(args.checkpoint_dir, args.out_dir, args.dtype, args.target_model)
-    except (ValueError, OSError) as e:  # bad input, or a directory that cannot be written
+    except (ValueError, OSError, SafetensorError) as e:  # bad input, or a directory that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
     for note in notes:
