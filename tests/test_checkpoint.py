@@ -309,6 +309,7 @@ def test_a_refused_pickle_in_a_real_resume_is_one_line_exit_2(
     assert main(args(tiny_target, chat_data, finished_run, *more)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "optimizer.pt: refused to load" in err[0], err
+    assert "which this project never loads" in err[0] and "weights_only" not in err[0]  # not torch's offer
     assert not (tmp_path / "PWNED_MARKER").exists()
 
 

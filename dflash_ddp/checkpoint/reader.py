@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -50,7 +51,12 @@ def parse_tensor_file(data: bytes, where: Path):
     never arbitrary objects."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # an UnpicklingError for anything that would run code
+    except pickle.UnpicklingError:  # torch's message offers to load it with weights_only=False: never here
+        raise CheckpointReadError(
+            f"{where}: refused to load: it holds objects that loading would run as code (a pickle), which this "
+            "project never loads; its own checkpoints hold none, so the file was altered or comes from elsewhere"
+        ) from None
+    except Exception as e:
         raise CheckpointReadError(f"{where}: refused to load ({describe_error(e)})") from None
 
 
