@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from dflash_ddp.data import dataset
@@ -183,6 +185,18 @@ def test_a_damaged_cache_is_replaced_and_an_unusable_cache_dir_is_a_clear_error(
     assert not from_cache and again.fingerprint() == first.fingerprint()
     assert any("ignoring the unreadable cache file" in line for line in logs)
     assert load_or_tokenize(chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache, log=print)[2]
+    # tokens changed in a file that still reads (a shared --cache_dir rewritten, bits flipped on disk): the
+    # hash written with them, which a resume compares as the data fingerprint, no longer matches them
+    with safe_open(cached, framework="pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    tensors["input_ids"] = tensors["input_ids"].flip(0).contiguous()
+    save_file(tensors, cached, metadata=metadata)
+    logs.clear()
+    again, _, from_cache = load_or_tokenize(
+        chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache, log=logs.append
+    )
+    assert not from_cache and again.fingerprint() == first.fingerprint()
+    assert any("do not match the hash written with them" in line for line in logs), logs
     blocked = tmp_path / "a_file"
     blocked.write_text("not a directory")
     with pytest.raises(

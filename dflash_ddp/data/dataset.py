@@ -74,7 +74,7 @@ class TokenizedDataset:
     ):
         self.input_ids, self.loss_mask, self.offsets = input_ids, loss_mask, offsets
         self.lengths = (offsets[1:] - offsets[:-1]).tolist()
-        self._fingerprint = fingerprint  # known when read from the cache
+        self._fingerprint = fingerprint  # None: hashed when first asked for
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -97,8 +97,7 @@ class TokenizedDataset:
         return Batch(ids, attn, loss, torch.tensor(indices))
 
     def fingerprint(self) -> str:
-        """A content hash of ids and masks, stored with checkpoints; computed once (the cache file carries it,
-        so the ranks that read the cache do not hash gigabytes again)."""
+        """A content hash of ids and masks, stored with checkpoints and in the cache file; computed once."""
         if self._fingerprint is None:
             self._fingerprint = self._hash()
         return self._fingerprint
@@ -251,10 +250,18 @@ def _write_cache(path: Path, data: TokenizedDataset, stats: DataStats) -> None:
 
 
 def _read_cache(path: Path) -> tuple[TokenizedDataset, DataStats]:
+    """The cached data, its tensors checked against the content hash written with them: the hash is the
+    data fingerprint a resume compares, so a cache damaged on disk, or rewritten in a shared --cache_dir,
+    must not train (and resume) unnoticed. Hashing costs about a second per GB, once per process."""
     with safe_open(path, framework="pt") as f:
         stats = DataStats(**json.loads(f.metadata()["stats"]))
         tensors = [f.get_tensor(name) for name in ("input_ids", "loss_mask", "offsets")]
-        data = TokenizedDataset(*tensors, fingerprint=f.metadata().get("fingerprint"))
+        written = f.metadata().get("fingerprint")
+    data = TokenizedDataset(*tensors)
+    if data.fingerprint() != written:
+        raise ValueError(
+            f"its tensors do not match the hash written with them ({data.fingerprint()}, not {written})"
+        )
     return data, stats
 
 
