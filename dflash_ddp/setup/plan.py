@@ -25,9 +25,10 @@ from dflash_ddp.target_model.quantization import (
     NOT_QUANTIZED,
     WeightStorage,
     truncated_weight_bytes,
+    weight_bytes_by_name,
     weight_storage,
 )
-from dflash_ddp.target_model.tensor_parallel import attention_split, splits_evenly, unsharded_weight_bytes
+from dflash_ddp.target_model.tensor_parallel import attention_split, splits_evenly, unsharded_of
 
 
 def run_device(cfg: TrainConfig) -> torch.device:
@@ -169,9 +170,10 @@ def plan_memory(
         return drafter_memory(c, load)
 
     layers = layers_run(info.num_layers, c.target_layer_ids, cfg.target_topk)
+    sizes, embedding = weight_bytes_by_name(info, layers, storage, dtype)  # the model built once for both
     load = TargetLoad(
-        weight_bytes=truncated_weight_bytes(info, layers, storage, dtype),
-        unsharded_bytes=unsharded_weight_bytes(info, layers, storage, dtype) if topology.tp_size > 1 else 0,
+        weight_bytes=sum(sizes.values()),
+        unsharded_bytes=unsharded_of(info, layers, sizes, embedding),  # whole on each rank of a group
         attention_split=attention_split(info.text_stack().config),
         target_layer_ids=c.target_layer_ids,
         layers=layers,
@@ -206,10 +208,6 @@ def plan_memory(
     one_pass = target_memory(info, dataclasses.replace(load, prefill_tokens=0)) if in_pieces(load) else None
     group = None
     if not (fit.fits or pieces):  # what a larger tensor-parallel group would hold
-        if not load.unsharded_bytes:
-            load = dataclasses.replace(
-                load, unsharded_bytes=unsharded_weight_bytes(info, layers, storage, dtype)
-            )
         group = fitting_tp_size(info, load, lambda t: run_fit(t)[2])
     return RunMemory(
         plan, target, fit, execution, params, whole, pieces, storage, one_pass, load.unsharded_bytes, group

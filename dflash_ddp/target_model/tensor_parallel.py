@@ -174,8 +174,13 @@ def unsharded_weight_bytes(info: TargetInfo, layers: int, storage: WeightStorage
     of a family without an expert-parallel plan; Falcon-H1's layers, whose plan splits the embedding alone)
     and those whose style keeps them whole. The input embedding is split by rows unless the plan names it,
     as transformers does."""
+    return unsharded_of(info, layers, *weight_bytes_by_name(info, layers, storage, dtype))
+
+
+def unsharded_of(info: TargetInfo, layers: int, sizes: dict[str, int], embedding: str) -> int:
+    """`unsharded_weight_bytes` of the parameter sizes `weight_bytes_by_name` counted (and the name of the
+    input embedding's weight), without building the model again."""
     config = truncated_text_config(info.text_stack(), layers)
-    sizes, embedding = weight_bytes_by_name(info, layers, storage, dtype)
     plan = {embedding.removesuffix(".weight"): "embedding_rowwise", **_group_plan(config)}
     return sum(size for name, size in sizes.items() if not _sharded_by(plan, name))
 
