@@ -218,3 +218,25 @@ def test_a_sample_truncated_then_too_short_is_counted_once(tiny_target, tmp_path
         chat(tiny_target), [str(path)], TokenizeSettings(max_seq_len=100, block_size=4)
     )
     assert stats.too_short == 1 and stats.truncated == 1 and stats.kept == 1  # conversation(1) was cut
+
+
+def test_a_huge_row_is_cut_to_the_characters_its_first_tokens_can_span(tiny_target, tmp_path):
+    # a row of 200k characters (words, CJK, emoji, runs of spaces), its answer past the cut too
+    pieces = ["hello ", "数据", "🙂", " " * 9, "representation", "\n\n", "x=1;"]
+    text = "".join(pieces[(i * 7919) % len(pieces)] for i in range(20_000))
+    row = {"messages": [{"role": "user", "content": "say it"}, {"role": "assistant", "content": text}]}
+    path = write_rows(tmp_path / "huge.jsonl", [row])
+    settings = TokenizeSettings(max_seq_len=256, block_size=4)
+    tokenizer = chat(tiny_target)
+    whole_ids, whole_mask = tokenizer(row["messages"], "huge.jsonl:1")
+    bound = (256 + dataset.CUT_MARGIN_TOKENS) * dataset.longest_token_chars(tokenizer.tokenizer)
+    rows = [dataset.Conversation("huge.jsonl:1", row["messages"], {})]
+    dataset.cut_long_texts(rows, bound)
+    assert (
+        len(rows[0].messages[1]["content"]) == bound < len(text)
+        and rows[0].messages[0]["content"] == "say it"
+    )
+    data, stats = tokenize_dataset(tokenizer, [str(path)], settings)
+    ids, mask = data.sample(0)
+    assert ids.tolist() == whole_ids[:256] and mask.tolist() == whole_mask[:256]
+    assert stats.truncated == 1 and stats.kept == 1

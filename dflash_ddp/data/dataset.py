@@ -39,6 +39,11 @@ CHUNK_ROWS = 256  # rows per task of a tokenization worker
 PROGRESS_EVERY_S = 30.0
 
 
+# tokens past --max_seq_len kept in a text cut before tokenizing, so that the cut's edge (the last words'
+# merges) stays clear of the tokens a sample keeps
+CUT_MARGIN_TOKENS = 256
+
+
 CACHE_VERSION = 3  # bump when tokenization or masking changes, so that old caches are not reused
 
 
@@ -183,6 +188,7 @@ def tokenize_dataset(
     """Tokenize every row, apply --overlength, and drop samples with < 2*block_size response tokens."""
     stats = DataStats()
     rows = read_conversations(paths, settings.skip_bad_rows, stats)
+    cut_long_texts(rows, (settings.max_seq_len + CUT_MARGIN_TOKENS) * longest_token_chars(chat.tokenizer))
     samples = []
     for result in _tokenize_all(chat, rows, num_proc, log):
         if isinstance(result, BadRow):
@@ -210,6 +216,25 @@ def tokenize_dataset(
             f"tokens within --max_seq_len {settings.max_seq_len} ({stats.summary()})"
         )
     return TokenizedDataset.from_samples(samples), stats
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for: its vocabulary's longest entry (a byte-level vocabulary
+    spells each byte as one character, and a character is at least one byte)."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def cut_long_texts(rows: list[Conversation], max_chars: int) -> None:
+    """Cut, in place, every turn's text longer than `max_chars` characters to that many: a token stands for
+    at most `longest_token_chars`, so a sample's first --max_seq_len tokens lie within them, and a 100 MB
+    row no longer takes gigabytes to tokenize whole before it is cut to --max_seq_len tokens."""
+    for i, row in enumerate(rows):
+        if any(isinstance(v, str) and len(v) > max_chars for turn in row.messages for v in turn.values()):
+            messages = [
+                {k: v[:max_chars] if isinstance(v, str) else v for k, v in turn.items()}
+                for turn in row.messages
+            ]
+            rows[i] = row._replace(messages=messages)
 
 
 def _hash_file(h, path: Path) -> None:
