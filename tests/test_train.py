@@ -282,6 +282,19 @@ def test_a_max_seq_len_past_the_targets_positions_is_pointed_out(tiny_target, ch
     assert "note: --max_seq_len" not in capsys.readouterr().out
 
 
+def test_a_tokenizer_of_its_own_code_is_pointed_out_and_not_run(tiny_target, chat_data, tmp_path, capsys):
+    import shutil
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_own.OwnTokenizer", None]}
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    (target / "tokenization_own.py").write_text("raise SystemExit('the checkpoint's code ran')\n")
+    assert main(base_args(target, chat_data, tmp_path / "run") + ["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer_config.json names a tokenizer of its own code (tokenization_own.OwnTokenizer)" in out
+
+
 def test_ctrl_c_during_the_final_evaluation_ends_it_at_once_and_says_how_to_finish_it(tmp_path, monkeypatch):
     """After training there is no step to finish: a signal interrupts the evaluation at once (it had been
     caught and ignored, and the evaluation ran on for minutes), and the line says the same command evaluates."""

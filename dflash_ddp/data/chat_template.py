@@ -95,6 +95,24 @@ def load_target_tokenizer(target_dir: str | Path, template_file: str = ""):
     return tokenizer
 
 
+def tokenizer_code_note(target_dir: str | Path) -> str:
+    """A warning when the target's tokenizer_config.json names a tokenizer class of its own code (auto_map),
+    which transformers skips without running it, reading the tokenizer files instead ("" otherwise)."""
+    path = Path(target_dir) / "tokenizer_config.json"
+    try:
+        own = json.loads(path.read_text()).get("auto_map", {}).get("AutoTokenizer")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not own:
+        return ""
+    return (
+        f"note: {path} names a tokenizer of its own code ({', '.join(str(c) for c in own if c)}), which is "
+        "not run: the tokens come from its tokenizer files as transformers reads them; if the model's own "
+        "tokenizer splits text otherwise, the drafter learns other tokens than the server sends (compare "
+        "the two on a few rows, or pass a release whose tokenizer needs no code of its own)"
+    )
+
+
 def load_chat_template(tokenizer, template_file: str) -> None:
     """Replace the tokenizer's chat template with the jinja file `--chat_template` names (if any)."""
     if template_file:

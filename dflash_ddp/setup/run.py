@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from dflash_ddp.config import TrainConfig, config_to_dict
-from dflash_ddp.data.chat_template import ChatTokenizer, load_target_tokenizer
+from dflash_ddp.data.chat_template import ChatTokenizer, load_target_tokenizer, tokenizer_code_note
 from dflash_ddp.data.dataset import TokenizedDataset, TokenizeSettings, load_or_tokenize
 from dflash_ddp.data.schedule import BatchSchedule
 from dflash_ddp.data.sources import DataStats
@@ -93,6 +93,7 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
     check_tensor_parallel(source.path, topology.tp_size)
     info = inspect_target(source.path)
     tokenizer = load_target_tokenizer(info.path, cfg.chat_template)
+    tokenizer_note = tokenizer_code_note(info.path)  # here: info.path becomes a view of the weights below
     source_drafter = find_source(cfg.init_from, together) if cfg.init_from else None
     requested_taps, requested_mask = source_taps_and_mask(cfg, source_drafter)
     taps = resolve_target_layer_ids(info, requested_taps)
@@ -133,7 +134,11 @@ def prepare(cfg: TrainConfig, topology: Topology) -> RunSetup:
         check_source_target(cfg, warm, info.path, source.commit)
     planned = planned_device(cfg)
     memory = plan_memory(cfg, info, drafter_config, topology, planned, plan_gpu_bytes(cfg))
-    notes = [kernels_note(info, target_layers_run(cfg, info, taps), planned.type), positions_note(cfg, info)]
+    notes = [
+        kernels_note(info, target_layers_run(cfg, info, taps), planned.type),
+        positions_note(cfg, info),
+        tokenizer_note,
+    ]
     return RunSetup(source, info, tokenizer, drafter_config, memory, warm, [n for n in notes if n])
 
 
