@@ -5,9 +5,13 @@ import math
 import torch
 
 from dflash_ddp.drafter.weighting import (
+    POSITION_WEIGHTINGS,
+    LossSettings,
     dpace_weights,
+    label_weights,
     loss_gamma,
     position_weights,
+    reweighting,
     scheduled_gamma,
     until_fail_weights,
 )
@@ -46,3 +50,20 @@ def test_auf_weights_keep_each_block_up_to_its_first_wrong_position():
     scored = torch.tensor([1, 2, 3, 4, 6, 7, 8, 9, 11, 12])  # flat indices into [3 blocks, 5 positions]
     weights = until_fail_weights(correct, scored, 3, 5)
     assert weights.tolist() == [1, 1, 1, 0, 1, 0, 0, 0, 1, 1]
+
+
+def test_every_weighting_a_run_can_choose_weighs_the_scored_rows():
+    """Each --position_weighting choice is computed, none falls back to another's weights."""
+    scored = torch.tensor([1, 2, 3, 5, 6])
+    nll, correct = torch.tensor([0.1, 0.7, 1.5, 0.2, 2.0]), torch.tensor([True, False, True, True, True])
+    seen = {}
+    for name in POSITION_WEIGHTINGS:
+        settings = LossSettings(weighting=name)
+        weigh = reweighting(settings, scored, 2, 4)
+        if name == "decay":
+            assert weigh is None and not settings.reweighted
+            seen[name] = tuple(label_weights(4, settings).repeat(2)[scored].tolist())
+        else:
+            assert settings.reweighted and label_weights(4, settings).tolist() == [0, 1, 1, 1]
+            seen[name] = tuple(weigh(nll, correct).tolist())
+    assert len(set(seen.values())) == len(POSITION_WEIGHTINGS)

@@ -16,14 +16,37 @@ from __future__ import annotations
 
 import torch
 
-LOSSES = ("ce", "kl", "tv")
-
 
 def renormalised(probs: torch.Tensor) -> torch.Tensor:
     """Top-k probabilities [..., k] as a distribution over those k tokens (at least fp32; all-zero rows stay
     zero)."""
     probs = probs.to(torch.promote_types(probs.dtype, torch.float32))
     return probs / probs.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
+def _kl(soft_probs: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return (torch.xlogy(soft_probs, soft_probs) - soft_probs * log_q).sum(-1)
+
+
+def _tv(soft_probs: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    q = log_q.exp()
+    return 0.5 * ((soft_probs - q).abs().sum(-1) + 1.0 - q.sum(-1))
+
+
+def _kl_gradient(q: torch.Tensor, soft_ids: torch.Tensor, soft_probs: torch.Tensor) -> torch.Tensor:
+    return q.scatter_add(1, soft_ids, -soft_probs)
+
+
+def _tv_gradient(q: torch.Tensor, soft_ids: torch.Tensor, soft_probs: torch.Tensor) -> torch.Tensor:
+    # dTV/dq_v = sign(q_v - p_v) / 2, which is +1/2 outside the top-k (p = 0 < q); through the softmax
+    # d/dz_u = q_u (g_u - sum_v g_v q_v)
+    g = torch.full_like(q, 0.5).scatter(1, soft_ids, 0.5 * torch.sign(q.gather(1, soft_ids) - soft_probs))
+    return q * (g - (g * q).sum(-1, keepdim=True))
+
+
+# each soft loss with its gradient wrt the logits: a name is a --loss choice only with both
+SOFT_LOSSES = {"kl": (_kl, _kl_gradient), "tv": (_tv, _tv_gradient)}
+LOSSES = ("ce", *SOFT_LOSSES)
 
 
 def row_losses(
@@ -38,12 +61,7 @@ def row_losses(
     nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, labels[:, None]).squeeze(1)
     if loss == "ce":
         return nll, nll
-    log_q = torch.log_softmax(logits, dim=-1).gather(1, soft_ids)
-    if loss == "kl":
-        soft = (torch.xlogy(soft_probs, soft_probs) - soft_probs * log_q).sum(-1)
-    else:
-        q = log_q.exp()
-        soft = 0.5 * ((soft_probs - q).abs().sum(-1) + 1.0 - q.sum(-1))
+    soft = SOFT_LOSSES[loss][0](soft_probs, torch.log_softmax(logits, dim=-1).gather(1, soft_ids))
     return nll, (1.0 - ce_weight) * soft + ce_weight * nll if ce_weight else soft
 
 
@@ -61,13 +79,7 @@ def logit_gradients(
     if loss == "ce":
         q[rows, labels] -= 1.0
         return q
-    if loss == "kl":
-        grad = q.scatter_add(1, soft_ids, -soft_probs)
-    else:
-        # dTV/dq_v = sign(q_v - p_v) / 2, which is +1/2 outside the top-k (p = 0 < q); through the softmax
-        # d/dz_u = q_u (g_u - sum_v g_v q_v)
-        g = torch.full_like(q, 0.5).scatter(1, soft_ids, 0.5 * torch.sign(q.gather(1, soft_ids) - soft_probs))
-        grad = q * (g - (g * q).sum(-1, keepdim=True))
+    grad = SOFT_LOSSES[loss][1](q, soft_ids, soft_probs)
     if ce_weight:
         grad *= 1.0 - ce_weight
         grad[rows, labels] -= ce_weight

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-POSITION_WEIGHTINGS = ("decay", "dpace", "auf")
 # rows of an LM-head loss piece where the loss runs in pieces: on the CPU, or where memory requires (plan.py)
 LOSS_PIECE_ROWS = 1024
 
@@ -53,7 +52,7 @@ class LossSettings:
     def reweighted(self) -> bool:
         """Whether the loss sets the weights from the drafter's own outputs (D-PACE, AUF), the block
         inputs' weights only marking the labelled positions, rather than using the fixed decay."""
-        return self.weighting != "decay"
+        return self.weighting in REWEIGHTINGS
 
 
 # The paper's decay constants (appendix A.1); other block sizes interpolate (bs + 5) / 3, which hits all three.
@@ -125,10 +124,19 @@ def label_weights(block_size: int, settings: LossSettings) -> torch.Tensor:
 def reweighting(settings: LossSettings, scored: torch.Tensor, num_blocks: int, block_size: int):
     """The map from the scored rows' detached label CE and argmax-correct flags to their weights (D-PACE,
     AUF), or None for the fixed decay; `scored` are the rows' flat indices into [blocks, block_size]."""
-    if settings.weighting == "dpace":
-        return lambda nll, correct: dpace_weights(
-            nll, scored, num_blocks, block_size, settings.dpace_smoothing
-        )
-    if settings.weighting == "auf":
-        return lambda nll, correct: until_fail_weights(correct, scored, num_blocks, block_size)
-    return None
+    if not settings.reweighted:
+        return None
+    return REWEIGHTINGS[settings.weighting](settings, scored, num_blocks, block_size)
+
+
+# the weightings computed in the loss from its own rows: (settings, scored, blocks, block size) -> the map
+# from (nll, correct) to the rows' weights
+REWEIGHTINGS = {
+    "dpace": lambda settings, scored, blocks, size: (
+        lambda nll, correct: dpace_weights(nll, scored, blocks, size, settings.dpace_smoothing)
+    ),
+    "auf": lambda settings, scored, blocks, size: (
+        lambda nll, correct: until_fail_weights(correct, scored, blocks, size)
+    ),
+}
+POSITION_WEIGHTINGS = ("decay", *REWEIGHTINGS)
