@@ -193,8 +193,8 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
             f"data: {stats.summary()}; "
             f"{run.schedule.total_steps} steps of {run.schedule.batches_per_step} batches"
         )
-        if stats.unusable_inputs:
-            print(stats.unusable_note())
+        for note in stats.notes():
+            print(note)
         print(f"drafter execution: {run.setup.memory.execution.describe()}")
     start, split = time.perf_counter(), not topology.colocated
     steps = run.schedule.total_steps  # 0: the starting drafter is saved and evaluated, nothing trained

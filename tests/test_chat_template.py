@@ -47,7 +47,7 @@ def masked_spans(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
 
 def spans(tokenizer, messages, **options) -> list[str]:
     kwargs = options.pop("template_kwargs", {})
-    ids, mask = ChatTokenizer(tokenizer, kwargs, **options)(messages, "row 1")
+    ids, mask = ChatTokenizer(tokenizer, kwargs, **options)(messages, "row 1")[:2]
     assert (
         ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
     )
@@ -252,3 +252,75 @@ def test_tool_calls_the_template_drops_are_a_bad_row():
         "<tool_call>w</tool_call><|im_end|>",
         "the lazy dog<|im_end|>",
     ]
+
+
+def test_a_tool_call_ended_by_its_own_token_does_not_train_the_tools_output():
+    """Llama 3.1 ends a tool-calling turn with <|eom_id|>, not the <|eot_id|> after answers: the turn ends
+    there, and the tool's output after it stays out of the loss."""
+    template = (
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{% if m.tool_calls %}"
+        "{{ m.tool_calls[0].function.name }}<|eom_id|>{% else %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    )
+    tokenizer = build_tokenizer(None, (*LLAMA3_SPECIALS, "<|eom_id|>"), template, eos_token="<|eot_id|>")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        USER_1,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny and warm"},
+        {"role": "assistant", "content": "the lazy dog"},
+    ]
+    assert spans(tokenizer, messages) == ["get_weather<|eom_id|>", "the lazy dog<|eot_id|>"]
+
+
+def test_an_end_of_turn_quoted_in_the_reasoning_does_not_end_the_turn():
+    template = QWEN3_UNMARKED.replace(
+        "{%- set reasoning = '' -%}", "{%- set reasoning = m.get('reasoning_content', '') -%}"
+    )
+    assert template != QWEN3_UNMARKED
+    said = {
+        "role": "assistant",
+        "reasoning_content": "it ends with <|im_end|> then",
+        "content": "the lazy dog",
+    }
+    assert spans(qwen3_tokenizer(template), [USER_1, said]) == [
+        "<think>\nit ends with <|im_end|> then\n</think>\n\nthe lazy dog<|im_end|>"
+    ]
+
+
+def test_a_turn_marked_in_pieces_keeps_all_of_them_with_last_turn_only():
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{% generation %}<think>"
+        "{{ m.reasoning_content }}</think>{% endgeneration %}{{ '\\n' }}{% generation %}{{ m.content }}<|im_end|>"
+        "{% endgeneration %}\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    first = {"role": "assistant", "reasoning_content": "the file", "content": "each line of the file"}
+    last = {"role": "assistant", "reasoning_content": "lazy", "content": "the lazy dog"}
+    messages = [USER_1, first, USER_2, last]
+    assert spans(qwen3_tokenizer(template), messages, last_turn_only=True) == [
+        "<think>lazy</think>",
+        "the lazy dog<|im_end|>",
+    ]
+
+
+R1_STYLE = (
+    "{% for m in messages %}{% if m.role == 'user' %}<|User|>{{ m.content }}{% else %}<|Assistant|>"
+    "{{ m.content.split('</think>')[-1] }}<|eos|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}"
+)
+
+
+def test_a_turn_trained_after_other_text_than_its_generation_prompt_is_pointed_out(tmp_path):
+    """DeepSeek-R1's distilled models: the generation prompt opens <think>, the rendered history drops the
+    thinking: the answer would train in a context the target never generates it in."""
+    tokenizer = build_tokenizer(None, ("<|User|>", "<|Assistant|>", "<|eos|>"), R1_STYLE, eos_token="<|eos|>")
+    answer = {"role": "assistant", "content": "lazy\n</think>\n\nthe lazy dog"}
+    ids, mask, note = ChatTokenizer(tokenizer, {})([USER_1, answer], "d.jsonl:3")
+    assert note.startswith("d.jsonl:3: turn 1 is trained after ")
+    assert note.endswith("where the target generates it after 'parser read<|Assistant|><think>\\n'")
+    assert masked_spans(tokenizer, ids, mask) == ["\n\nthe lazy dog<|eos|>"]
+    # the Qwen3-style template keeps thinking on as served: nothing to say
+    assert (
+        ChatTokenizer(qwen3_tokenizer(QWEN3_UNMARKED), {})([USER_1, THINK_1], "d.jsonl:4").context_note == ""
+    )

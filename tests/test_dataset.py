@@ -228,7 +228,7 @@ def test_a_huge_row_is_cut_to_the_characters_its_first_tokens_can_span(tiny_targ
     path = write_rows(tmp_path / "huge.jsonl", [row])
     settings = TokenizeSettings(max_seq_len=256, block_size=4)
     tokenizer = chat(tiny_target)
-    whole_ids, whole_mask = tokenizer(row["messages"], "huge.jsonl:1")
+    whole_ids, whole_mask, _ = tokenizer(row["messages"], "huge.jsonl:1")
     bound = (256 + dataset.CUT_MARGIN_TOKENS) * dataset.longest_token_chars(tokenizer.tokenizer)
     rows = [dataset.Conversation("huge.jsonl:1", row["messages"], {})]
     dataset.cut_long_texts(rows, bound)
@@ -240,3 +240,21 @@ def test_a_huge_row_is_cut_to_the_characters_its_first_tokens_can_span(tiny_targ
     ids, mask = data.sample(0)
     assert ids.tolist() == whole_ids[:256] and mask.tolist() == whole_mask[:256]
     assert stats.truncated == 1 and stats.kept == 1
+
+
+def test_rows_trained_in_a_context_the_target_is_not_served_are_counted_and_said(tmp_path):
+    from test_chat_template import R1_STYLE
+
+    from conftest import build_tokenizer
+
+    tokenizer = build_tokenizer(None, ("<|User|>", "<|Assistant|>", "<|eos|>"), R1_STYLE, eos_token="<|eos|>")
+    thought = {"role": "assistant", "content": "the quick fox\n</think>\n\n" + "the lazy dog " * 8}
+    rows = [{"messages": [{"role": "user", "content": f"the fox {i}"}, thought]} for i in range(3)]
+    path = write_rows(tmp_path / "r1.jsonl", rows)
+    _, stats = tokenize_dataset(ChatTokenizer(tokenizer, {}), [str(path)], SETTINGS)
+    assert stats.context_differs == 3 and len(stats.context_examples) == 3
+    (note,) = stats.notes()
+    assert note.startswith(
+        "warning: 3 of 3 rows train an assistant turn after other text than the generation"
+    )
+    assert f"first: {path}:1: turn 1 is trained after " in note

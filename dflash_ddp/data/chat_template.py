@@ -7,11 +7,15 @@ and including its end-of-turn token. Two ways to find it:
 - it has none (the official Qwen3 and Llama-3 templates): each assistant turn i starts where the
   rendering of the conversation before it, with the generation prompt, stops matching the rendering of the
   whole conversation, and ends after the end-of-turn special token the template writes after an answer
-  (learned once from a probe conversation). A template that later rewrites the turn itself (Qwen3 drops
+  (learned once from a probe conversation), never past the turn's own rendering (Llama 3.1 ends a tool
+  call with <|eom_id|>). A template that later rewrites the turn itself (Qwen3 drops
   the thinking block of answers before the last user turn) is handled: both ends are found in the whole
   conversation's rendering. One that rewrites text BEFORE the turn (Mistral moves the system prompt to
   the last user turn; Qwen3 drops the thinking of an earlier tool-calling turn) is refused for that row,
   never mis-masked: add {% generation %} markers to such a template.
+
+Either way, a trained turn whose context is not its generation prompt (R1's distilled models open <think> in
+the prompt and drop it from the history) is reported with the row (`context_note`), not refused.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from jinja2 import TemplateError
 
@@ -189,15 +194,23 @@ class ChatTokenizer:
 
     def __call__(
         self, messages: list[dict], where: str, row_kwargs: dict | None = None
-    ) -> tuple[list[int], list[int]]:
+    ) -> MaskedConversation:
         """Token ids and the 0/1 assistant mask of one conversation (rendered with the row's own template
-        arguments over the run's); BadRow when it cannot be masked."""
+        arguments over the run's), and a note when a trained turn follows other text than the generation
+        prompt the target is served with; BadRow when it cannot be masked."""
         kwargs = row_template_kwargs(self.template_kwargs, row_kwargs or {}, where)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if self.last_turn_only:
+            turns = turns[-1:]
         try:
+            text = self.render(messages, kwargs=kwargs)
+            prompts = {
+                i: self.render(messages[:i], add_generation_prompt=True, kwargs=kwargs) for i in turns if i
+            }
             if self.has_generation_markers:
-                ids, mask = self._marked(messages, kwargs)
+                ids, mask = self._marked(messages, kwargs, prompts.get(turns[-1]) if turns else None)
             else:
-                ids, mask = self._by_prefixes(messages, where, kwargs)
+                ids, mask = self._by_prefixes(messages, where, kwargs, text, turns, prompts)
         except BadRow:
             raise
         except (
@@ -209,59 +222,100 @@ class ChatTokenizer:
         if not any(mask):
             raise BadRow(f"{where}: the loss mask is all zeros: the chat template marks no assistant tokens")
         check_tool_calls_rendered(lambda m: self.render(m, kwargs=kwargs), messages, where)
-        return ids, mask
+        return MaskedConversation(ids, mask, context_note(text, prompts, where))
 
-    def _marked(self, messages: list[dict], kwargs: dict) -> tuple[list[int], list[int]]:
+    def _marked(
+        self, messages: list[dict], kwargs: dict, last_prompt: str | None
+    ) -> tuple[list[int], list[int]]:
         out = self.tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
         )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        if self.last_turn_only and any(mask):
-            last_start = max(i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
-            mask = [m if i >= last_start else 0 for i, m in enumerate(mask)]
+        if self.last_turn_only and last_prompt is not None:
+            # the last turn starts where its generation prompt's tokens end (a template may mark a turn in
+            # several pieces: a reasoning channel, then the answer)
+            prompt_ids = self.tokenizer(last_prompt, add_special_tokens=False)["input_ids"]
+            start = next(
+                (k for k, (a, b) in enumerate(zip(prompt_ids, ids, strict=False)) if a != b), len(prompt_ids)
+            )
+            mask = [m if k >= start else 0 for k, m in enumerate(mask)]
         return ids, mask
 
-    def _by_prefixes(self, messages: list[dict], where: str, kwargs: dict) -> tuple[list[int], list[int]]:
-        text = self.render(messages, kwargs=kwargs)
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if self.last_turn_only:
-            turns = turns[-1:]
-        spans = [self._span(messages, i, text, where, kwargs) for i in turns]
+    def _by_prefixes(
+        self, messages: list[dict], where: str, kwargs: dict, text: str, turns: list[int], prompts: dict
+    ) -> tuple[list[int], list[int]]:
+        spans = [self._span(messages, i, text, where, kwargs, prompts) for i in turns]
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         # a token overlapping a span is the model's to predict (as transformers' generation masks do)
         mask = [int(any(start < e and end > s for s, e in spans)) for start, end in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
 
-    def _span(self, messages: list[dict], i: int, text: str, where: str, kwargs: dict) -> tuple[int, int]:
+    def _span(
+        self, messages: list[dict], i: int, text: str, where: str, kwargs: dict, prompts: dict
+    ) -> tuple[int, int]:
         """Character span of assistant turn i inside `text`, the rendering of the whole conversation."""
         if i == 0:
             raise BadRow(f"{where}: turn 0 is an assistant turn: nothing precedes it")
         before = self.render(messages[:i], kwargs=kwargs)
-        prompt = self.render(messages[:i], add_generation_prompt=True, kwargs=kwargs)
-        start = common_prefix(prompt, text)
-        if start < common_prefix(before, prompt):
+        start = common_prefix(prompts[i], text)
+        if start < common_prefix(before, prompts[i]):
             raise BadRow(
                 f"{where}: turn {i}: the chat template renders the turns before it differently once the "
                 "conversation goes on (it moves or rewrites earlier text), so its span cannot be derived: "
                 "add {% generation %} markers to the template (--chat_template FILE)"
             )
+        upto = self.render(messages[: i + 1], kwargs=kwargs)
+        # where the turn's own rendering ends, when it renders alike as the last turn and followed
+        own_end = len(upto.rstrip()) if text.startswith(upto) else None
         if self.end_of_turn:
             # the first end-of-turn after the turn's start and after those its own text quotes (the template
             # writes the content verbatim: the probe checked)
-            end = text.find(self.end_of_turn, start)
-            for _ in range(str(messages[i].get("content", "")).count(self.end_of_turn)):
-                end = text.find(self.end_of_turn, end + 1) if end >= 0 else end
-            if end < 0:
-                raise BadRow(f"{where}: turn {i}: no '{self.end_of_turn}' after the assistant's text")
-            return start, end + len(self.end_of_turn)
-        upto = self.render(messages[: i + 1], kwargs=kwargs)
-        if not text.startswith(upto):
-            raise BadRow(
-                f"{where}: turn {i}: the chat template renders this turn differently inside the whole "
-                "conversation and writes no end-of-turn token: add {% generation %} markers to it "
-                "(--chat_template FILE)"
+            quoted = sum(
+                v.count(self.end_of_turn)
+                for k, v in messages[i].items()
+                if k != "role" and isinstance(v, str)
             )
-        return start, len(upto.rstrip())
+            end = text.find(self.end_of_turn, start)
+            for _ in range(quoted):
+                end = text.find(self.end_of_turn, end + 1) if end >= 0 else end
+            if end >= 0 and (own_end is None or end + len(self.end_of_turn) <= own_end):
+                return start, end + len(self.end_of_turn)
+            if own_end is None:
+                raise BadRow(f"{where}: turn {i}: no '{self.end_of_turn}' after the assistant's text")
+        if own_end is not None:
+            # a turn ended by another token (Llama 3.1 ends a tool call with <|eom_id|>), or a template
+            # without one: the turn ends where its own rendering does
+            return start, own_end
+        raise BadRow(
+            f"{where}: turn {i}: the chat template renders this turn differently inside the whole conversation "
+            "than as its last turn, and writes no end-of-turn token that is the same after every answer (gpt-oss "
+            "ends the last answer with <|return|>, the others with <|end|>): pass --train_last_turn_only, or add "
+            "{% generation %} markers to the template (--chat_template FILE)"
+        )
+
+
+class MaskedConversation(NamedTuple):
+    """A conversation's token ids, its 0/1 loss mask, and `context_note` ('' or why a trained turn's context
+    is not what the target is served: `context_note`)."""
+
+    ids: list[int]
+    mask: list[int]
+    context_note: str
+
+
+def context_note(text: str, prompts: dict[int, str], where: str) -> str:
+    """'' when the rendering of the whole conversation `text` starts with the generation prompt of each
+    trained turn (`prompts`: turn -> the conversation before it with the generation prompt); else where the
+    first one parts from it: that turn is trained after text the target does not see when it generates it
+    (an earlier turn without its thinking, a system prompt moved, R1's `<think>` left out)."""
+    for i in sorted(prompts):
+        if not text.startswith(prompts[i]):
+            at = common_prefix(prompts[i], text)
+            return (
+                f"{where}: turn {i} is trained after {text[max(0, at - 24) : at + 24]!r} where the target "
+                f"generates it after {prompts[i][max(0, at - 24) : at + 24]!r}"
+            )
+    return ""
 
 
 def check_tool_calls_rendered(render, messages: list[dict], where: str) -> None:

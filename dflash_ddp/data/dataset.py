@@ -44,7 +44,7 @@ PROGRESS_EVERY_S = 30.0
 CUT_MARGIN_TOKENS = 256
 
 
-CACHE_VERSION = 3  # bump when tokenization or masking changes, so that old caches are not reused
+CACHE_VERSION = 4  # bump when tokenization or masking changes, so that old caches are not reused
 
 
 TOKENIZER_FILES = (
@@ -142,8 +142,8 @@ def _tokenize_rows(rows: list[Conversation]) -> list[tuple[array, array] | BadRo
     out = []
     for where, messages, row_kwargs in rows:
         try:
-            ids, mask = _worker(messages, where, row_kwargs)
-            out.append((array("i", ids), array("B", mask)))
+            ids, mask, note = _worker(messages, where, row_kwargs)
+            out.append((array("i", ids), array("B", mask), note))
         except BadRow as e:
             out.append(e)
     return out
@@ -196,7 +196,8 @@ def tokenize_dataset(
                 raise result
             stats.skip(result)
             continue
-        ids, mask = result
+        ids, mask, note = result
+        stats.note_context(note)
         cut = len(ids) > settings.max_seq_len
         if cut and settings.overlength == "drop":
             stats.overlength_dropped += 1

@@ -50,12 +50,22 @@ class DataStats:
     bad_row_examples: list[str] = field(default_factory=list)
     # inputs none of whose rows is usable, all skipped: a file in another format, most likely
     unusable_inputs: list[str] = field(default_factory=list)
+    # rows with a turn trained after other text than its generation prompt (chat_template.context_note)
+    context_differs: int = 0
+    context_examples: list[str] = field(default_factory=list)
 
     def skip(self, error: BadRow) -> None:
         """Count a skipped row (--skip_bad_rows), keeping the first few reasons for data_stats.json."""
         self.bad_rows += 1
         if len(self.bad_row_examples) < 10:
             self.bad_row_examples.append(str(error))
+
+    def note_context(self, note: str) -> None:
+        """Count a row whose trained turn follows other text than the target's generation prompt."""
+        if note:
+            self.context_differs += 1
+            if len(self.context_examples) < 5:
+                self.context_examples.append(note)
 
     def summary(self) -> str:
         """One line with every count, as printed at start."""
@@ -64,6 +74,25 @@ class DataStats:
             f"{self.overlength_dropped} dropped for --max_seq_len, {self.too_short} dropped with fewer than "
             f"2*block_size response tokens, {self.kept} kept ({self.tokens} tokens, "
             f"{self.response_tokens} in the loss)"
+        )
+
+    def notes(self) -> list[str]:
+        """The warnings printed at start beside the summary."""
+        return [note for note in (self.unusable_note(), self.context_note()) if note]
+
+    def context_note(self) -> str:
+        """The line that counts rows trained in a context the target does not meet when serving ('' when
+        none is)."""
+        if not self.context_differs:
+            return ""
+        return (
+            f"warning: {self.context_differs} of {self.rows} rows train an assistant turn after other text than "
+            "the generation prompt the target is served with (the chat template renders the turn's context "
+            "otherwise once the conversation goes on: an earlier turn's thinking dropped, a system prompt moved, "
+            f"a generation prompt's <think> left out); first: {self.context_examples[0]}; the drafter learns "
+            "those answers in a context it does not meet when serving: pass --train_last_turn_only where the "
+            "last turn renders as served, or a --chat_template that renders each turn as the target generates "
+            "it (examples in data_stats.json)"
         )
 
     def unusable_note(self) -> str:

@@ -515,8 +515,8 @@ def regenerate(cfg: RegenerateConfig) -> Summary | None:
                     f"regenerating {len(rows)} rows ({stats.bad_rows} unreadable rows skipped{first}; "
                     f"{len(run.done)} already done) with {where}"
                 )
-                if stats.unusable_inputs:
-                    print(stats.unusable_note())
+                for note in stats.notes():
+                    print(note)
             if cfg.engine == "vllm":
                 run_served(cfg, rows, run, chat, clients)
             else:
