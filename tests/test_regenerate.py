@@ -4,6 +4,7 @@ output, every row exactly once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import pytest
 import torch
 from regenerated_rows import assert_fields_kept, messages_of, with_fields
 
-from dflash_ddp.data.chat_template import load_target_tokenizer
+from dflash_ddp.data.chat_template import ChatTokenizer, load_target_tokenizer
 from dflash_ddp.data.sources import BadRow
 from dflash_ddp.regeneration import regenerate as rg
 from dflash_ddp.regeneration.parts import settings_path
@@ -25,7 +26,7 @@ from dflash_ddp.regeneration.turns import Answer
 from dflash_ddp.target_model.info import inspect_target
 from dflash_ddp.target_model.loading import load_causal_lm
 
-from conftest import CHATML_TEMPLATE
+from conftest import CHATML_TEMPLATE, build_tokenizer
 from helpers import kill_job, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +155,64 @@ def test_rounds_use_the_regenerated_earlier_turns():
     # without it the batch stops at the row, naming it and the flag
     with pytest.raises(BadRow, match="^f:1: the chat template failed .* Pass --skip_bad_rows"):
         rg.regenerate_batch(StubGenerator(refuse={(0, 4)}), rows, seed=0)
+
+
+HARMONY_SPECIALS = (
+    "<|start|>",
+    "<|message|>",
+    "<|end|>",
+    "<|channel|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+)
+# gpt-oss's harmony format, as its template renders a conversation (the final answer's reasoning kept)
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{% else %}{% if m.thinking and loop.last %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}"
+    "<|end|>{% endif %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}"
+    "{% if loop.last %}<|return|>{% else %}<|end|>{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_an_answer_in_channels_is_stored_as_reasoning_and_answer_and_trains_as_generated():
+    """gpt-oss writes its reasoning and its answer in channels marked by special tokens: both are kept (its
+    reasoning as reasoning_content), and the stored row renders back to exactly the generated tokens."""
+    tokenizer = build_tokenizer(None, HARMONY_SPECIALS, HARMONY_TEMPLATE, eos_token="<|return|>")
+    chat = rg.ChatTurns(tokenizer, {}, {tokenizer.convert_tokens_to_ids("<|return|>")})
+    messages = [{"role": "user", "content": "the quick fox"}]
+    prompt = chat.prompt_ids(rg.plan_row(0, "h.jsonl:1", messages), messages)
+    generated = tokenizer(
+        "<|channel|>analysis<|message|>the lazy dog<|end|><|start|>assistant<|channel|>final<|message|>"
+        "the fox<|return|>",
+        add_special_tokens=False,
+    )["input_ids"]
+    answer = chat.answer(generated)
+    assert (answer.text, answer.reasoning, answer.lost) == ("the fox", "the lazy dog", ())
+    ids, mask, note = ChatTokenizer(tokenizer, {})([*messages, answer.turn()], "h.jsonl:1")
+    assert ids == prompt + generated and mask == [0] * len(prompt) + [1] * len(generated) and note == ""
+    # a tool call in the model's own tokens cannot be stored as text: named, and the row is bad
+    call = tokenizer(
+        "<|channel|>commentary to=functions.w <|constrain|>json<|message|>{}<|call|>",
+        add_special_tokens=False,
+    )["input_ids"]
+    assert chat.answer(call).lost == ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")
+
+    class Calls(StubGenerator):
+        def __call__(self, prompts):
+            return [dataclasses.replace(Answer("x", 3, False), lost=("<|call|>",)) for _ in prompts]
+
+    rows = [rg.plan_row(0, "h.jsonl:1", messages)]
+    assert rg.regenerate_batch(Calls(), rows, seed=0, skip_bad_rows=True) == [
+        {
+            "row": 0,
+            "bad": "h.jsonl:1: turn 1: the target answered with special tokens (<|call|>) that structure "
+            "its answer (a tool call in its own format) and that a stored text cannot keep",
+        }
+    ]
+    with pytest.raises(BadRow, match="cannot keep. Pass --skip_bad_rows"):
+        rg.regenerate_batch(Calls(), rows, seed=0)
 
 
 def test_tool_calls_are_kept_and_the_answers_around_them_regenerated():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,7 +86,8 @@ def output_row(row: Row, messages: list[dict]) -> dict:
     they were; each regenerated assistant turn (and an appended answer) written in the row's own format,
     `messages` ({role, content}) or ShareGPT `conversations` ({from, value}; or {role, content} as
     SpecForge writes them), the assistant named as the row's own assistant turns name it. A regenerated turn
-    is replaced whole: its other keys (reasoning_content ...) belonged to the answer it replaces."""
+    is replaced whole: its other keys (reasoning_content ...) belonged to the answer it replaces; the
+    reasoning a model wrote in a channel of its own (gpt-oss) is its `reasoning_content`."""
     key, role_key, text_key = row_format(row.fields)
     turns = list(row.fields[key])
     speaker = next(
@@ -95,6 +97,8 @@ def output_row(row: Row, messages: list[dict]) -> dict:
     added = int(system_turn_added(row.fields))  # the row's `system` field, read as its first turn
     for position in row.targets:
         turn = {role_key: speaker, text_key: messages[position]["content"]}
+        if "reasoning_content" in messages[position]:
+            turn["reasoning_content"] = messages[position]["reasoning_content"]
         if position - added == len(turns):
             turns.append(turn)
         else:
@@ -109,6 +113,33 @@ class Answer:
     text: str
     new_tokens: int  # generated tokens, EOS included
     hit_max_new_tokens: bool  # stopped by --max_new_tokens before any EOS
+    reasoning: str = ""  # the reasoning the model wrote in a channel of its own (gpt-oss's analysis)
+    # special tokens that structure the answer (a tool call in the model's own format) and that a stored
+    # text cannot keep: the turn is a bad row
+    lost: tuple[str, ...] = ()
+
+    def turn(self) -> dict:
+        """The answer as the assistant turn written back."""
+        turn = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            turn["reasoning_content"] = self.reasoning
+        return turn
+
+
+# one message of gpt-oss's harmony format: its channel (any header after it), its text, its end
+HARMONY_MESSAGE = re.compile(r"<\|channel\|>(\w+)[^<]*<\|message\|>(.*?)(?:<\|end\|>)?", re.S)
+
+
+def harmony_answer(text: str) -> tuple[str, str] | None:
+    """(reasoning, answer) of text generated in gpt-oss's harmony format (decoded with its special tokens),
+    or None where it is not that format or holds more than analysis and final messages (a tool call)."""
+    reasoning, final = [], []
+    for message in text.split("<|start|>assistant"):
+        match = HARMONY_MESSAGE.fullmatch(message)
+        if match is None or match[1] not in ("analysis", "final"):
+            return None
+        (reasoning if match[1] == "analysis" else final).append(match[2])
+    return "\n".join(reasoning).strip(), "".join(final).strip()
 
 
 class ChatTurns:
@@ -116,6 +147,9 @@ class ChatTurns:
 
     def __init__(self, tokenizer, template_kwargs: dict, eos: set[int]):
         self.tokenizer, self.template_kwargs, self.eos = tokenizer, template_kwargs, eos
+        # the ids a decode without special tokens leaves out: the named ones and every added token marked special
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        self.special_ids = set(tokenizer.all_special_ids) | {i for i, t in decoder.items() if t.special}
 
     def prompt_ids(self, row: Row, messages: list[dict]) -> list[int]:
         """Prompt ids ending in the generation prompt, with the row's template arguments over the run's;
@@ -134,11 +168,20 @@ class ChatTurns:
         return list(rendered["input_ids"])
 
     def answer(self, generated: list[int]) -> Answer:
-        """The text up to the first EOS; without one the turn never finished (cut by max_new_tokens)."""
+        """The text up to the first EOS; without one the turn never finished (cut by max_new_tokens). Special
+        tokens inside it structure the answer: gpt-oss's channels are read into reasoning and answer; others
+        (a tool call in the model's own tokens) are named as `lost`."""
         end = next((i for i, t in enumerate(generated) if t in self.eos), None)
         tokens = generated if end is None else generated[:end]
+        length, unfinished = len(generated) if end is None else end + 1, end is None
+        specials = [t for t in tokens if t in self.special_ids]
+        if specials:
+            harmony = harmony_answer(self.tokenizer.decode(tokens, skip_special_tokens=False))
+            if harmony is not None:
+                return Answer(harmony[1], length, unfinished, reasoning=harmony[0])
         text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        return Answer(text, len(generated) if end is None else end + 1, end is None)
+        lost = tuple(dict.fromkeys(self.tokenizer.convert_ids_to_tokens(specials)))
+        return Answer(text, length, unfinished, lost=lost)
 
 
 class TurnGenerator(Protocol):
@@ -168,6 +211,16 @@ def regenerate_batch(
     messages = [[dict(m) for m in row.messages] for row in rows]
     hit, new_tokens = [False] * len(rows), [0] * len(rows)
     bad: dict[int, str] = {}  # batch position -> the reason
+
+    def refuse(b: int, reason: str) -> None:
+        if not skip_bad_rows:  # the reason may name --skip_bad_rows itself already
+            said = "--skip_bad_rows" in reason
+            raise BadRow(
+                f"{reason}{'' if said else '. Pass --skip_bad_rows to skip and count such rows'}; the "
+                "finished rows are kept, so the same command with --skip_bad_rows continues this run"
+            ) from None
+        bad[b] = reason
+
     for j in range(max(len(row.targets) for row in rows)):
         prompts = {}  # batch position -> prompt ids, for the rows taking part in round j
         for b, row in enumerate(rows):
@@ -176,21 +229,23 @@ def regenerate_batch(
             try:
                 prompts[b] = generate.prompt_ids(row, messages[b][: row.targets[j]])
             except BadRow as e:
-                if not skip_bad_rows:  # the reason may name --skip_bad_rows itself already
-                    said = "--skip_bad_rows" in str(e)
-                    raise BadRow(
-                        f"{e}{'' if said else '. Pass --skip_bad_rows to skip and count such rows'}; the "
-                        "finished rows are kept, so the same command with --skip_bad_rows continues this run"
-                    ) from None
-                bad[b] = str(e)
+                refuse(b, str(e))
         if not prompts:  # every row left is bad
             continue
         for b, answer in zip(prompts, generate(list(prompts.values())), strict=True):
-            position, turn = rows[b].targets[j], {"role": "assistant", "content": answer.text}
+            if answer.lost:
+                refuse(
+                    b,
+                    f"{rows[b].where}: turn {rows[b].targets[j]}: the target answered with special tokens "
+                    f"({', '.join(answer.lost)}) that structure its answer (a tool call in its own format) and "
+                    "that a stored text cannot keep",
+                )
+                continue
+            position = rows[b].targets[j]
             if position == len(messages[b]):
-                messages[b].append(turn)
+                messages[b].append(answer.turn())
             else:
-                messages[b][position] = turn
+                messages[b][position] = answer.turn()
             hit[b] |= answer.hit_max_new_tokens
             new_tokens[b] += answer.new_tokens
     return [
