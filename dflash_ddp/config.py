@@ -125,7 +125,7 @@ class TrainConfig:
         "",
         "model",
         "start the drafter from an existing one: an export, a checkpoint or run directory of this project "
-        "(weights only), or a DFlash/DFlash2/DSpark drafter in the serving layout; optimizer, schedule, step "
+        "(weights only), or a DFlash/DFlash2/DSpark/LiLiCorr drafter in the serving layout; optimizer, schedule, step "
         "and data order start fresh. Another --drafter grows the source (new parts start as a no-op) or drops "
         "its extra parts",
         allowed="a directory, org/name[@revision] (through the hub cache), or empty: random weights",

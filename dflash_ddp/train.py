@@ -151,13 +151,14 @@ def train(ctx: DistributedContext, run: Run, stats, lock: OutputDirLock | None, 
             try:
                 for note in remove_leftovers(cfg.output_dir) + decide_start(run, topology):
                     print(note)
-                if not finished(run):
-                    run.trackers = start_trackers(cfg, run.start_step)
+                if not finished(run):  # run.cfg: the start may have changed the accumulation
+                    run.trackers = start_trackers(run.cfg, run.start_step)
             # any failure (a hand-edited trainer_state.json can raise anything) is a refusal on every rank:
             # a leader dying here would leave the others waiting in the broadcast below
             except Exception as e:
                 error = str(e) if isinstance(e, ValueError) else f"cannot resume: {type(e).__name__}: {e}"
         share_start(ctx, run, error)
+        cfg = run.cfg
     except ValueError as e:  # the same on every rank, decided by the leader: the leader says it
         shutdown()
         return refuse(f"error{where}: {e}", first=leader, split=not topology.colocated, lock=lock)

@@ -16,7 +16,7 @@ from dflash_ddp.drafter.attention import block_layout
 from dflash_ddp.drafter.blocks import build_block_inputs
 from dflash_ddp.drafter.config import DFlashDraftConfig
 from dflash_ddp.drafter.dflash2 import DFlash2DraftConfig
-from dflash_ddp.drafter.families import build_model
+from dflash_ddp.drafter.families import FAMILIES, build_model
 from dflash_ddp.drafter.memory import saved_per_context_token, saved_per_position
 from dflash_ddp.parallel.machine import MemoryPlan
 from dflash_ddp.train import main
@@ -71,7 +71,7 @@ def saved_bytes(
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["qkv_mlp", "none"])
-@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_saved_tensors_per_layer_match_the_plan(family, recompute):
     for context in (64, 128):  # the per-position and per-context-token counts apart
         one, config = saved_bytes(1, anchors=40, context=context, family=family, recompute=recompute)

@@ -5,6 +5,7 @@ import torch
 
 from dflash_ddp.drafter.attention import block_layout, dense_block_mask
 from dflash_ddp.drafter.blocks import build_block_inputs
+from dflash_ddp.drafter.families import FAMILIES
 from dflash_ddp.drafter.flex import flex_block_mask
 from dflash_ddp.drafter.model import DFlashDraftModel
 
@@ -223,7 +224,7 @@ def outputs_and_gradients(drafter, contexts=(SEQ,)):
     return outs, {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_keeping_every_activation_gives_the_recomputing_outputs_and_gradients(family):
     """--recompute none (plain autograd, nothing recomputed, norms' backward whole) against qkv_mlp (today's
     path, the reference): the same outputs and, to fp32 rounding, the same gradients."""
@@ -271,7 +272,7 @@ def test_compiled_regions_train_as_eager_and_compile_once_for_every_chunk_shape(
     assert counter.frame_count == graphs
 
 
-@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("path", sorted(MASKS))
 def test_the_sliding_window_in_training_is_the_window_in_decoding(family, path):
     """A drafter whose first layer slides (window 6) and second does not: each training block's output (its

@@ -1,4 +1,4 @@
-"""Resuming: which checkpoint, and restoring every stateful part from it.
+"""Resuming: which checkpoint, and its RNG states (trainer_state.py restores the trainer's other parts).
 
 `--resume auto` (default) takes the newest checkpoint whose manifest verifies, reporting and skipping
 corrupt or half-written ones; `never` refuses an output directory that already holds checkpoints

@@ -1,7 +1,7 @@
 """The drafter families `--drafter` chooses from: each is a config class and a model class, the model carrying
 its own loss (`loss_terms`) and its own way of drafting a block (`draft_tokens`). The trainer, the decoding,
-the checkpoints and the export read a drafter through these alone, so a family is one more module and one more
-entry here.
+the checkpoints and the export read a drafter through these alone; a family's settings, metrics and serving
+layout are the other places it touches (docs/design.md, "Adding to it").
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ class LossTerms:
     count_per_pos: torch.Tensor  # [bs] scored predictions at block position k
     accepted_sum: torch.Tensor  # sum over blocks of the estimated accepted length (bonus included)
     num_blocks: torch.Tensor
-    # a candidate selector's share (DFlash2, selector.py); zeros for a drafter without one
+    # a candidate selector's share (DFlash2's selector.py, LiLiCorr's correlator); zeros for a drafter without one
     selector_loss_sum: torch.Tensor  # detached: loss_sum already holds it, times its weight
     selector_rows: torch.Tensor  # scored positions the selector chose for
     candidate_hits: torch.Tensor  # of those, the ones whose label was among the candidates

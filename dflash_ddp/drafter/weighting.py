@@ -20,8 +20,9 @@ LOSS_PIECE_ROWS = 1024
 @dataclass(frozen=True)
 class LossSettings:
     """What the loss scores against and how it weighs block positions (--loss, --ce_weight,
-    --position_weighting, --loss_gamma, --dpace_smoothing, --loss_chunk_size, --selector_loss_alpha, and
-    DSpark's --dspark_ce_alpha, --dspark_l1_alpha, --confidence_alpha)."""
+    --position_weighting, --loss_gamma, --dpace_smoothing, --loss_chunk_size, --selector_loss_alpha,
+    DSpark's --dspark_ce_alpha, --dspark_l1_alpha, --confidence_alpha, and LiLiCorr's --lilicorr_ce_alpha,
+    --lilicorr_margin_alpha, --lilicorr_margin, --lilicorr_penalty_alpha)."""
 
     weighting: str = "decay"  # decay | dpace | auf
     gamma: float | None = None  # the decay's constant; None: the paper's for the block size

@@ -1,3 +1,3 @@
 """The loop each rank runs, picked once by train.py: a target rank, a drafter rank, both in one process
-(colocated), the split calibration, and the drafter leader's evaluations around training.
+(colocated), and every rank's loop of a run that trains no step (step_zero.py).
 """

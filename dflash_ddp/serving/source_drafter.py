@@ -1,5 +1,5 @@
 """A drafter that already exists, as `--init_from` names it: an export of this project, a drafter in the
-z-lab / vLLM serving layout (DFlash, DFlash2, DSpark), or a checkpoint of this project (its weights only),
+z-lab / vLLM serving layout (DFlash, DFlash2, DSpark, LiLiCorr), or a checkpoint of this project (its weights only),
 from a local path or a hub name. Read here: where its files are, its config, how it was trained (the
 stamp, where it has one), the digest of its weights, and the weights themselves. Every file read goes
 through the checkpoints' verified read (checkpoint/reader.py), so a damaged one is one line naming it and
@@ -145,7 +145,7 @@ def locate_source_drafter(name: str, commit: str | None = None) -> SourceDrafter
     try:
         config = from_zlab_config(data, f"--init_from {name}: {path}/config.json")
     except ValueError as e:
-        raise ValueError(f"{e}; --init_from takes a DFlash, DFlash2 or DSpark drafter") from None
+        raise ValueError(f"{e}; --init_from takes a DFlash, DFlash2, DSpark or LiLiCorr drafter") from None
     if state is not None:
         fingerprints, settings = state.get("fingerprints", {}), state.get("config", {})
         stamp = {
