@@ -400,9 +400,7 @@ class DFlashDraftModel(PreTrainedModel):
                 f"position_ids covers {position_ids.shape[-1]} positions, expected context "
                 f"{context_hidden_states.shape[1]} + block {noise_embeds.shape[1]}"
             )
-        masks = self._layer_masks(
-            _padding_mask_to_visibility(attention_mask), position_ids, cache, noise_embeds
-        )
+        masks = self._layer_masks(_padding_mask_to_visibility(attention_mask), position_ids, noise_embeds)
         features = context_hidden_states
         # under autocast fc reads bf16 features as they are; otherwise they take the weights' dtype
         if not torch.is_autocast_enabled(features.device.type):
@@ -426,7 +424,7 @@ class DFlashDraftModel(PreTrainedModel):
         """The target's input embedding, for a family whose head reads candidates' embeddings (LiLiCorr);
         DFlash reads its block's embeddings from its input alone."""
 
-    def _layer_masks(self, mask, position_ids: torch.Tensor, cache, noise_embeds: torch.Tensor) -> list:
+    def _layer_masks(self, mask, position_ids: torch.Tensor, noise_embeds: torch.Tensor) -> list:
         """Each layer's mask: `mask` for every layer without sliding windows; with them, a training chunk's
         LayerMasks are split by layer kind, and in decoding a sliding layer adds its window to `mask`
         (a DecodeWindow, resolved once the cache has added the keys)."""

@@ -2,7 +2,7 @@
 sums that logging and global normalisation add up (`LossTerms`).
 
 Full-vocabulary logits for every block position never exist at once, and each chunk's are computed once: the
-gradient is taken with the loss (`chunked_weighted_ce`, a fused linear cross-entropy). The weights come with
+gradient is taken with the loss (`_FusedLMHeadLoss`, a fused linear cross-entropy, behind `scored_rows`). The weights come with
 the block inputs (blocks.py) or, for D-PACE and AUF, from the rows' own CE and argmax (weighting.py).
 """
 

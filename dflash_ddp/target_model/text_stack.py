@@ -232,7 +232,7 @@ def decoder_layer_count(text: PretrainedConfig) -> int:
     return text.num_hidden_layers // attention_layers_per_decoder_layer(text)
 
 
-def _refuse_unsupported_layers(config: PretrainedConfig, text: PretrainedConfig, path: Path) -> None:
+def _refuse_unsupported_layers(config: PretrainedConfig, path: Path) -> None:
     """One line, before anything is built, for decoder layers that read more than the text before them (an
     encoder-decoder's cross-attention): the drafter is given a layer's output and nothing else; and for
     masked-LM encoders, which do not generate."""
@@ -363,7 +363,7 @@ def read_text_stack(path: str | Path) -> TextStack:
         # a quantized wrapper's (Qwen3.5's FP8 releases) is its text model's too: loaded alone without it, its
         # FP8 weights were read as numbers, their block scales left unread
         text.quantization_config = quantized
-    _refuse_unsupported_layers(config, text, path)
+    _refuse_unsupported_layers(config, path)
     _restore_nested_rope_theta(text)
     cls = checkpoint_class(config, path)
     with torch.device("meta"), _towers_left_out(text):
