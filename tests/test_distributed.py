@@ -370,15 +370,15 @@ def test_a_slow_first_drafter_step_does_not_time_out_the_channel(tiny_target, ch
 def test_ranks_share_a_gpu_only_through_the_gloo_channel(monkeypatch):
     """Two local ranks on a one-GPU node: refused under NCCL with a line saying what to do, sharing cuda:0
     with --channel_backend gloo (the one-GPU check of a split job)."""
-    from dflash_ddp.parallel import topology
+    from dflash_ddp.parallel import devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    assert topology.select_device("cuda", 0) == torch.device("cuda", 0)
+    assert devices.select_device("cuda", 0) == torch.device("cuda", 0)
     with pytest.raises(ValueError, match="local rank 1: this node has 1 GPU.*--channel_backend gloo"):
-        topology.select_device("cuda", 1)
-    assert topology.select_device("cuda", 1, share_gpus=True) == torch.device("cuda", 0)
+        devices.select_device("cuda", 1)
+    assert devices.select_device("cuda", 1, share_gpus=True) == torch.device("cuda", 0)
     # the run's set-up picks its device (for the memory plan) the same way, before any process group
     from dflash_ddp.config import parse_config
     from dflash_ddp.setup.plan import run_device

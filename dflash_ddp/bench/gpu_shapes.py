@@ -48,8 +48,9 @@ from dflash_ddp.drafter.config import (
     resolve_attention,
 )
 from dflash_ddp.drafter.trainer import DrafterTrainer, build_drafter
+from dflash_ddp.parallel.devices import compute_dtype, select_device
 from dflash_ddp.parallel.machine import GIB, peak_resident_bytes, process_baseline
-from dflash_ddp.parallel.topology import Topology, compute_dtype, select_device
+from dflash_ddp.parallel.topology import Topology
 from dflash_ddp.setup.calibrate import Measurement, Rates, recommend, report, warmup_steps
 from dflash_ddp.setup.plan import Execution, plan_memory
 from dflash_ddp.setup.trainer import configure_execution, optimizer_settings, step_settings

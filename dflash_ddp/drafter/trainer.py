@@ -23,7 +23,7 @@ from dflash_ddp.drafter.objective import LossTerms
 from dflash_ddp.drafter.optimizer import DEFAULT_ORTHOGONALISATION, build_optimizer
 from dflash_ddp.drafter.step_timer import StepTimer
 from dflash_ddp.drafter.weighting import LossSettings, loss_gamma, scheduled_gamma
-from dflash_ddp.parallel.topology import compute_dtype
+from dflash_ddp.parallel.devices import compute_dtype
 from dflash_ddp.target_model.head import SharedTargetHead
 
 

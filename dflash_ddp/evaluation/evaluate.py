@@ -60,7 +60,7 @@ from dflash_ddp.evaluation.row_notes import (
 from dflash_ddp.evaluation.sampling import Sampling
 from dflash_ddp.evaluation.ties import ULPS, cache_divergence, logit_gap
 from dflash_ddp.hub import resolve_data
-from dflash_ddp.parallel.topology import resolve_device
+from dflash_ddp.parallel.devices import resolve_device
 from dflash_ddp.serving.export import check_trained_for, load_drafter
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target

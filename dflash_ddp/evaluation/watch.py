@@ -46,7 +46,7 @@ from dflash_ddp.evaluation.decoding import (
 from dflash_ddp.evaluation.evaluate import check_compatibility, load_prompts
 from dflash_ddp.files import atomic_write_text, describe_error
 from dflash_ddp.hub import named_target
-from dflash_ddp.parallel.topology import resolve_device
+from dflash_ddp.parallel.devices import resolve_device
 from dflash_ddp.serving.export import drafter_from_state
 from dflash_ddp.target_model.loading import eos_token_ids, load_causal_lm, whole_target
 

@@ -10,23 +10,22 @@ W = 1 is the colocated case: one process does both.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 
+from dflash_ddp.parallel.devices import select_device
+from dflash_ddp.parallel.meshes import group_meshes
+
 # The mesh transformers expects (distributed/utils.py): dense layers on (pp, dp_replicate, fsdp, tp),
 # experts on (pp, dp_replicate, efsdp, ep). The G groups are the replicas, the N ranks of a group its tp
 # axis; experts are sharded by the tp plan (ep = 1), so their efsdp axis is the group.
-DENSE_DIMS = ("pp", "dp_replicate", "fsdp", "tp")
-EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 
 
 @dataclass(frozen=True)
@@ -166,23 +165,6 @@ def env_world() -> tuple[int, int, int]:
     )
 
 
-def select_device(device_request: str, local_rank: int, share_gpus: bool = False) -> torch.device:
-    """This process's device for --device auto|cpu|cuda: the GPU of its local rank, or the CPU. With
-    `share_gpus` (a channel through host memory) more local ranks than GPUs take the GPUs in turn."""
-    use_cuda = torch.cuda.is_available() if device_request == "auto" else device_request == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    if use_cuda and local_rank >= torch.cuda.device_count() and not share_gpus:
-        raise ValueError(
-            f"local rank {local_rank}: this node has {torch.cuda.device_count()} GPU(s) and NCCL needs one per "
-            "rank; start fewer processes per node, or share GPUs with --channel_backend gloo"
-        )
-    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    return device
-
-
 def init_distributed(
     num_drafters: int,
     device_request: str,
@@ -315,51 +297,3 @@ def wait_for_key(store: dist.Store, key: str, timeout_s: float, message: Callabl
         if time.monotonic() > deadline:
             raise TimeoutError(message())
         time.sleep(BARRIER_POLL_S)
-
-
-def group_meshes(num_groups: int, tp_size: int, device_type: str):
-    """The device meshes of the target groups, built on every rank of the job (their process groups are
-    created collectively); a rank outside the target ranks holds them without a coordinate. A group's ranks
-    are its tensor-parallel ranks and, for a mixture of experts, its expert-parallel ones too (each holds a
-    share of the experts: `ep` spans the group)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from transformers.distributed.utils import TransformersDeviceMesh
-
-    ranks = torch.arange(num_groups * tp_size).reshape(1, num_groups, 1, tp_size)
-    dense = DeviceMesh(device_type, ranks, mesh_dim_names=DENSE_DIMS)
-    experts = DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_DIMS)
-    return TransformersDeviceMesh(dense, experts)
-
-
-def tp_group(meshes):
-    """This rank's tensor-parallel process group."""
-    return meshes.get_mesh("tp").get_group()
-
-
-@contextlib.contextmanager
-def group_mesh(meshes, device: torch.device):
-    """While loading: transformers takes `meshes` (this group's) instead of one over the whole world."""
-    from transformers.distributed import mixin
-
-    with mock.patch.object(mixin, "initialize_distributed_mesh", lambda _config: (device, meshes)):
-        yield
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: use auto, cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available")
-    return device
-
-
-def compute_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA; fp32 on the CPU (exact, and what the parity tests compare)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -82,8 +82,9 @@ from dflash_ddp.data.sources import (
 from dflash_ddp.engines import EngineClient, EngineServer, SamplingRequest
 from dflash_ddp.files import file_sha256
 from dflash_ddp.hub import ModelSource, hub_dataset_name, named_target
+from dflash_ddp.parallel.devices import resolve_device
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
-from dflash_ddp.parallel.topology import env_world, resolve_device
+from dflash_ddp.parallel.topology import env_world
 from dflash_ddp.regeneration.parts import (
     PartWriter,
     Summary,

@@ -18,8 +18,9 @@ from dflash_ddp.drafter.trainer import DrafterTrainer
 from dflash_ddp.observe.progress import TrainingMonitor
 from dflash_ddp.observe.window import LoggingWindow
 from dflash_ddp.parallel.channel import ChannelError, ChannelReceiver, Message
+from dflash_ddp.parallel.devices import compute_dtype
 from dflash_ddp.parallel.signals import GracefulStop
-from dflash_ddp.parallel.topology import DistributedContext, Topology, compute_dtype, job_barrier
+from dflash_ddp.parallel.topology import DistributedContext, Topology, job_barrier
 from dflash_ddp.roles.batch_source import BatchSource, ChannelSource
 from dflash_ddp.setup.run import Run
 from dflash_ddp.setup.trainer import build_trainer

@@ -8,8 +8,9 @@ import torch.distributed as dist
 
 from dflash_ddp.data.batch import padding_id
 from dflash_ddp.parallel.channel import ChannelSender
+from dflash_ddp.parallel.meshes import tp_group
 from dflash_ddp.parallel.signals import GracefulStop, StopFlag
-from dflash_ddp.parallel.topology import DistributedContext, job_barrier, tp_group
+from dflash_ddp.parallel.topology import DistributedContext, job_barrier
 from dflash_ddp.setup.run import Run
 from dflash_ddp.setup.target import build_extractor
 

@@ -13,14 +13,8 @@ import torch
 from dflash_ddp.config import TrainConfig
 from dflash_ddp.data.batch import padding_id
 from dflash_ddp.drafter.trainer import DrafterTrainer
-from dflash_ddp.parallel.topology import (
-    Topology,
-    compute_dtype,
-    init_distributed,
-    job_barrier,
-    job_store,
-    shutdown,
-)
+from dflash_ddp.parallel.devices import compute_dtype
+from dflash_ddp.parallel.topology import Topology, init_distributed, job_barrier, job_store, shutdown
 from dflash_ddp.setup.calibrate import (
     RandomFeatures,
     Rates,

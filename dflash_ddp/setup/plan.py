@@ -17,8 +17,9 @@ from dflash_ddp.drafter.families import build_model
 from dflash_ddp.drafter.memory import DrafterLoad, drafter_memory
 from dflash_ddp.drafter.optimizer import optimizer_state_bytes
 from dflash_ddp.drafter.weighting import LOSS_PIECE_ROWS
+from dflash_ddp.parallel.devices import compute_dtype, select_device
 from dflash_ddp.parallel.machine import GIB, FitCheck, MemoryPlan, check_fit, device_capacity
-from dflash_ddp.parallel.topology import Topology, compute_dtype, env_world, select_device
+from dflash_ddp.parallel.topology import Topology, env_world
 from dflash_ddp.target_model.info import TargetInfo, layers_run
 from dflash_ddp.target_model.memory import TargetLoad, in_pieces, target_memory
 from dflash_ddp.target_model.quantization import (

@@ -27,9 +27,10 @@ from dflash_ddp.drafter.zlab import to_zlab_config
 from dflash_ddp.files import fingerprint_files
 from dflash_ddp.hub import ModelSource, TextWeights, weights_summary
 from dflash_ddp.observe.trackers import Trackers
+from dflash_ddp.parallel.devices import compute_dtype
 from dflash_ddp.parallel.downloads import fetch_target_weights, resolve_data_files, resolve_target
 from dflash_ddp.parallel.machine import GIB
-from dflash_ddp.parallel.topology import Topology, compute_dtype
+from dflash_ddp.parallel.topology import Topology
 from dflash_ddp.setup.plan import (
     CONTEXT_LENGTHS,
     RunMemory,

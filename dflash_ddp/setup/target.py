@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dflash_ddp.config import TrainConfig
-from dflash_ddp.parallel.topology import compute_dtype
+from dflash_ddp.parallel.devices import compute_dtype
 from dflash_ddp.setup.run import RunSetup
 from dflash_ddp.target_model.features import TargetFeatureExtractor
 

@@ -11,7 +11,7 @@ from dflash_ddp.drafter.config import resolve_attention
 from dflash_ddp.drafter.model import DFlashDraftModel
 from dflash_ddp.drafter.trainer import DrafterTrainer, OptimizerSettings, StepSettings, build_drafter
 from dflash_ddp.drafter.weighting import LossSettings
-from dflash_ddp.parallel.topology import compute_dtype
+from dflash_ddp.parallel.devices import compute_dtype
 from dflash_ddp.setup.plan import Execution
 from dflash_ddp.setup.run import RunSetup
 from dflash_ddp.setup.warm_start import load_warm_start

@@ -14,7 +14,8 @@ from transformers import __version__ as transformers_version
 from transformers.distributed import DistributedConfig
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
-from dflash_ddp.parallel.topology import Topology, group_mesh
+from dflash_ddp.parallel.meshes import group_mesh
+from dflash_ddp.parallel.topology import Topology
 from dflash_ddp.target_model.info import TargetInfo
 from dflash_ddp.target_model.loading import load_target_model
 from dflash_ddp.target_model.quantization import WeightStorage, weight_bytes_by_name

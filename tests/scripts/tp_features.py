@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from dflash_ddp.parallel.topology import group_meshes
+from dflash_ddp.parallel.meshes import group_meshes
 from dflash_ddp.target_model.features import TargetFeatureExtractor, layer_output
 from dflash_ddp.target_model.info import inspect_target
 from dflash_ddp.target_model.quantization import NOT_QUANTIZED, truncated_weight_bytes
