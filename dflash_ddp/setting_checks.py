@@ -91,7 +91,14 @@ def check_loss(cfg) -> None:
             )
         return
     if cfg.drafter == "dspark":
-        if cfg.loss != "ce" or not cfg.target_topk:
+        reads_distribution = bool(cfg.dspark_l1_alpha or cfg.confidence_alpha)
+        if not reads_distribution and cfg.target_topk:
+            raise ValueError(
+                f"--dspark_l1_alpha 0 and --confidence_alpha 0 with --target_topk {cfg.target_topk} (the family's "
+                "default unless given): DSpark then trains on its CE alone, and the target ranks would run every "
+                "layer and send a distribution that nothing trains on; pass --target_topk 0 with them"
+            )
+        if cfg.loss != "ce" or (reads_distribution and not cfg.target_topk):
             raise ValueError(
                 f"--drafter dspark (--loss {cfg.loss}, --target_topk {cfg.target_topk}): DSpark's loss is its "
                 "own (--dspark_ce_alpha, --dspark_l1_alpha, --confidence_alpha) against the target's "

@@ -114,6 +114,25 @@ def test_dspark_settings_are_checked_before_anything_loads(tiny_target, chat_dat
     assert "--markov_rank 16 sets the dspark drafter" in capsys.readouterr().err
 
 
+def test_dspark_on_its_ce_alone_sends_no_distribution_and_trains(tiny_target, chat_data, tmp_path, capsys):
+    """Both distillation weights 0 (an ablation of the Markov head): the top-64 would cost the target ranks
+    every layer for nothing, so --target_topk 0 is asked for, and the run trains on the CE alone."""
+    from dflash_ddp.train import main as train_main
+
+    ce_only = {
+        "drafter": "dspark",
+        "dspark_l1_alpha": 0,
+        "confidence_alpha": 0,
+        "max_steps": 2,
+        "save_steps": 2,
+    }
+    assert train_main(train_flags(tiny_target, chat_data, tmp_path / "run", **ce_only)) == 2
+    assert "pass --target_topk 0 with them" in capsys.readouterr().err
+    assert train_main(train_flags(tiny_target, chat_data, tmp_path / "run", target_topk=0, **ce_only)) == 0
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["loss"] > 0 and "distill_l1" not in last
+
+
 def test_dspark_alone_sends_the_targets_top_64_and_plan_says_what_it_costs(
     tiny_target, chat_data, tmp_path, capsys
 ):

@@ -95,6 +95,11 @@ def test_the_final_tau_stands_at_the_step_it_measured_and_the_loss_is_named_as_t
     assert loss_name(run) == "the run's weighted objective"  # no config.json
     (run / "config.json").write_text(json.dumps({"position_weighting": "dpace", "loss": "ce"}))
     assert loss_name(run) == "dpace-weighted ce"
+    # each family's own objective, not DFlash's
+    (run / "config.json").write_text(json.dumps({"position_weighting": "dpace", "drafter": "dflash2"}))
+    assert loss_name(run) == "dpace-weighted ce + the selector's CE"
+    (run / "config.json").write_text(json.dumps({"position_weighting": "dpace", "drafter": "dspark"}))
+    assert loss_name(run) == "dpace-weighted DSpark: 0.1 CE + 0.9 L1 + 1.0 confidence BCE"
 
 
 @pytest.mark.parametrize("targets", [2, 0])

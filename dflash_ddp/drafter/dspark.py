@@ -248,6 +248,8 @@ def _dspark_chunk(drafter, hidden, head_weight, features, previous, targets, alp
     log_q = torch.log_softmax(logits, dim=-1)
     ce = -log_q.gather(1, labels[:, None]).squeeze(1)
     loss = ce_alpha * ce
+    if soft is None:  # --dspark_l1_alpha 0 and --confidence_alpha 0: the CE alone, nothing to distil
+        return (loss * weights).sum(), logits.argmax(dim=-1) == labels, torch.zeros(3, device=hidden.device)
     soft_ids, soft_probs = soft
     q = log_q.exp().gather(1, soft_ids)
     l1 = (q - renormalised(soft_probs)).abs().sum(-1) + (1.0 - q.sum(-1)).clamp(min=0)  # p is 0 outside top-k
@@ -274,7 +276,8 @@ def dspark_terms(
     """DSpark's loss sums for one chunk's output `last_hidden` [B, A*bs, H] (module docstring), the token
     before each position teacher-forced to the data's; D-PACE and AUF weigh the rows from the biased
     logits' own CE and argmax, as DFlash's from its logits."""
-    if inputs.soft_ids is None:
+    distils = bool(settings.dspark_l1_alpha or settings.confidence_alpha)
+    if inputs.soft_ids is None and distils:
         raise ValueError("DSpark's distillation term needs the target's distribution: pass --target_topk K")
     bs = inputs.block_size
     blocks = last_hidden.view(*inputs.labels.shape, -1)  # [B, A, bs, H]
@@ -284,7 +287,7 @@ def dspark_terms(
     hidden = blocks.flatten(0, 2).index_select(0, flat)
     rows_features = None if features is None else features.flatten(0, 2).index_select(0, flat)
     rows_previous, labels = previous.flatten()[flat], inputs.labels.flatten()[flat]
-    soft = tuple(t.flatten(0, 2)[flat] for t in (inputs.soft_ids, inputs.soft_probs))
+    soft = tuple(t.flatten(0, 2)[flat] for t in (inputs.soft_ids, inputs.soft_probs)) if distils else None
     weights = inputs.weights.flatten()[flat]
     step = settings.chunk_rows
     parts = [slice(start, start + step) for start in range(0, hidden.shape[0], step)]
@@ -310,7 +313,7 @@ def dspark_terms(
             head_weight,
             _part(rows_features, part),
             rows_previous[part],
-            (labels[part], tuple(t[part] for t in soft), weights[part]),
+            (labels[part], None if soft is None else tuple(t[part] for t in soft), weights[part]),
             alphas,
             use_reentrant=False,
             preserve_rng_state=False,
@@ -320,7 +323,8 @@ def dspark_terms(
         sums = sums + chunk_sums
     empty = torch.empty(hidden.shape[0], 0, dtype=torch.long, device=hidden.device)
     rows = ScoredRows(hidden, flat, labels, weights, correct, empty, loss_sum)
-    count = torch.tensor(float(flat.numel()), device=hidden.device)
+    # rows the distribution scored: none without it (no distillation metrics to report)
+    count = torch.tensor(float(flat.numel() if distils else 0), device=hidden.device)
     return loss_terms(
         inputs,
         rows,

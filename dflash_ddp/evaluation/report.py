@@ -130,8 +130,8 @@ def print_report(report: dict, console=None) -> None:
 
 
 def family_label(family: str) -> str:
-    """A drafter family's name as people write it (dflash2 -> DFlash2, dspark -> DSpark)."""
-    return family.replace("dflash", "DFlash").replace("dspark", "DSpark")
+    """A drafter family's name as people write it (dflash2 -> DFlash2, dspark -> DSpark, lilicorr -> LiLiCorr)."""
+    return family.replace("dflash", "DFlash").replace("dspark", "DSpark").replace("lilicorr", "LiLiCorr")
 
 
 def method_label(name: str, family: str) -> str:

@@ -95,7 +95,15 @@ def loss_name(run_dir: Path) -> str:
         config = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
         return "the run's weighted objective"
-    return f"{config.get('position_weighting', 'decay')}-weighted {config.get('loss', 'ce')}"
+    weighted = f"{config.get('position_weighting', 'decay')}-weighted"
+    family = config.get("drafter", "dflash")
+    if family == "dspark":
+        return (
+            f"{weighted} DSpark: {config.get('dspark_ce_alpha', 0.1)} CE + {config.get('dspark_l1_alpha', 0.9)} L1 "
+            f"+ {config.get('confidence_alpha', 1.0)} confidence BCE"
+        )
+    own = {"dflash2": " + the selector's CE", "lilicorr": " + the correlator's terms"}.get(family, "")
+    return f"{weighted} {config.get('loss', 'ce')}{own}"
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list]:

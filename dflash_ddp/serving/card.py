@@ -515,7 +515,8 @@ def model_card(
         "",
         "vLLM"
         + (
-            " (v0.28.0 or later, Model Runner V2: the V1 runner silently drafts as DFlash instead):"
+            " (v0.28.0 or later, Model Runner V2; the V1 runner refuses it in 0.32 and drafted it as plain"
+            " DFlash before):"
             if dflash2
             else ":"
         ),
