@@ -475,7 +475,9 @@ def test_an_export_never_overwrites_a_checkpoint_a_run_or_a_model(tmp_path, tiny
     assert "a training checkpoint or run" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main([str(run), str(tmp_path / "empty")]) == 0
+    assert "held an earlier export" not in capsys.readouterr().err
     assert main([str(run), str(tmp_path / "empty"), "--dtype", "float32"]) == 0  # an earlier export: again
+    assert "held an earlier export (DFlashDraftModel of step 7): replaced" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("x")
     assert main([str(run), str(tmp_path / "a_file")]) == 2
     assert "a file; name a new directory" in capsys.readouterr().err

@@ -227,17 +227,18 @@ def training_stamp(
 EXPORT_FILES = ("config.json", "model.safetensors", "README.md")
 
 
-def check_export_dir(out: Path, source: Path) -> None:
+def check_export_dir(out: Path, source: Path) -> str:
     """Refuse an output directory whose files an export would overwrite or mix with: the source itself or a
     directory holding it, a training run or checkpoint, a model or any folder that is not an earlier export.
-    An empty or new directory, or an earlier export (written again), is fine."""
+    An empty or new directory is fine, and so is an earlier export, written again: the note then says what
+    it held ("" otherwise)."""
     out, source = out.resolve(), source.resolve()
     if out.is_file():
         raise ValueError(f"{out}: a file; name a new directory to export into")
     if out == source or out in source.parents:
         raise ValueError(f"{out}: holds the checkpoint being exported, {source}; name a new directory")
     if not out.is_dir() or not any(out.iterdir()):
-        return
+        return ""
     if (
         (out / "manifest.json").exists()
         or (out / "trainer_state.json").exists()
@@ -254,6 +255,10 @@ def check_export_dir(out: Path, source: Path) -> None:
             f"{out}: not empty and not an earlier export ({shown}); exporting there would overwrite or mix with "
             "its files: name an empty or new directory"
         )
+    config = read_json(out, "config.json")
+    held = ", ".join(config.get("architectures") or ["a drafter"])
+    step = (config.get("dflash_ddp") or {}).get("global_step")
+    return f"note: {out} held an earlier export ({held}{f' of step {step}' if step is not None else ''}): replaced"
 
 
 def export_checkpoint(
@@ -267,7 +272,7 @@ def export_checkpoint(
     if dtype not in SERVING_DTYPES:
         raise ValueError(f"--dtype {dtype}: choose one of {', '.join(SERVING_DTYPES)}")
     ckpt = resolve_checkpoint(Path(checkpoint_dir))
-    check_export_dir(Path(out_dir), ckpt)
+    replaced = check_export_dir(Path(out_dir), ckpt)
     model = load_drafter(ckpt)
     if (ckpt / "trainer_state.json").is_file():
         stamp, mask_token, notes, source = training_stamp(ckpt, target_model, model.config.mask_token_id)
@@ -279,6 +284,7 @@ def export_checkpoint(
             [] if stamp else [f"note: {ckpt} has no trainer_state.json: exported without a dflash_ddp stamp"]
         )
         target_name, target_dir = target_model or (stamp or {}).get("target_model"), None
+    notes += [replaced] if replaced else []
     save_drafter(model, out_dir, dtype, stamp, mask_token)
     config = json.loads((Path(out_dir) / "config.json").read_text())
     card = Path(out_dir) / "README.md"
