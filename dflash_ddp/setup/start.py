@@ -234,6 +234,13 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
 
     Both dicts have the trainer_state layout; `current["config"]` also carries `global_batch`.
     """
+    family, now = saved["config"].get("drafter", "dflash"), current["config"].get("drafter", "dflash")
+    if family != now:  # said as the flag, before the drafter configs' field by field differences
+        raise ValueError(
+            f"{where}: --drafter: checkpoint {family!r}, now {now!r}; a drafter cannot resume as another family: "
+            f"pass --drafter {family} to resume it, or start a new run in another --output_dir with --init_from "
+            f"{where} (it grows the drafter into the new family, or drops the parts the family lacks)"
+        )
     identity = [
         difference
         for key in IDENTITY
