@@ -254,6 +254,21 @@ def test_optimisation_change_needs_an_override(finished_run, tiny_target, chat_d
         == 0
     )
     assert "resume override accepted: learning_rate: 0.0006 -> 0.01" in capsys.readouterr().out
+    # trained on with the change: its checkpoints, and the card of their export, say the first 6 steps
+    # trained with the old rate
+    more = ("--learning_rate", "1e-2", "--max_steps", "8", "--save_steps", "2", "--resume_override")
+    assert main(args(tiny_target, chat_data, finished_run, *more, "learning_rate,max_steps")) == 0
+    state = json.loads((finished_run / "checkpoints" / "step-00000008" / "trainer_state.json").read_text())
+    changes = ["max_steps: 6 -> 8", "learning_rate: 0.0006 -> 0.01"]
+    assert state["overrides"] == [{"step": 6, "changes": changes}]
+    from dflash_ddp.serving.export import main as export_main
+
+    assert export_main([str(finished_run), str(finished_run.parent / "export")]) == 0
+    card = (finished_run.parent / "export" / "README.md").read_text()
+    assert (
+        "- the steps before step 6 trained with other settings, changed on resume: " + "; ".join(changes)
+        in card
+    )
 
 
 def test_missing_trainer_state_field_is_an_error(finished_run):

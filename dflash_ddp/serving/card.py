@@ -456,6 +456,11 @@ def model_card(
                     f"- objective: {scored_against(cfg)} at each block position after randomly drawn anchors on "
                     f"response tokens, weighted by {weighted_by(cfg, block)}"
                     + (f"; {objective}" if objective else ""),
+                    *(
+                        f"- the steps before step {change['step']} trained with other settings, changed on resume: "
+                        + "; ".join(change["changes"])
+                        for change in state.get("overrides", [])
+                    ),
                 ]
                 if state.get("global_step")
                 else [untrained_line(state, cfg)]

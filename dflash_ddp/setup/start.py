@@ -46,6 +46,11 @@ def decide_start(run: Run, topology: Topology) -> list[str]:
         )
     accepted = check_same_run(saved, run.identity, run.cfg.resume_override, path)
     notes += [f"resume override accepted: {change}" for change in accepted]
+    # kept in every later checkpoint: the steps before a change trained with the old values (the card says so)
+    history = list(saved.get("overrides", []))
+    if accepted and saved["global_step"]:
+        history.append({"step": int(saved["global_step"]), "changes": accepted})
+    run.identity = run.identity | {"overrides": history}
     notes += keep_the_start(saved.get("init_from"), run, path)
     if saved["global_step"] > run.schedule.total_steps:
         raise ValueError(
