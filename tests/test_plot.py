@@ -116,3 +116,30 @@ def test_the_pipeline_plot_calls_a_colocated_wait_the_targets_forward(tmp_path, 
     assert draw("pipeline", records, tmp_path, figure)
     colocated = "target forward (colocated: the drafter waits its turn)"
     assert figure.axes[0].get_title() == ("drafter waiting for batches" if targets else colocated)
+
+
+def test_runs_of_two_recipes_are_put_side_by_side(tmp_path, capsys):
+    """Two recipes' runs: a table of each one's recipe and last figures (real tau where measured) and the
+    comparison PNGs; their losses, different objectives, are not compared."""
+    dpace = write_run(tmp_path / "dpace_muon")
+    (dpace / "config.json").write_text(
+        json.dumps(
+            {"drafter": "dflash", "position_weighting": "dpace", "optimizer": "muon", "learning_rate": 0.008}
+        )
+    )
+    (dpace / "eval.jsonl").write_text(json.dumps({"step": 10, "tau": 1.94}) + "\n")
+    dspark = write_run(tmp_path / "dspark", steps=range(1, 7))
+    (dspark / "config.json").write_text(json.dumps({"drafter": "dspark", "optimizer": "adamw"}))
+    with pytest.raises(SystemExit) as refused:  # one directory for the comparison
+        main([str(dpace), str(dspark)])
+    assert refused.value.code == 2
+    assert "pass --out DIR" in capsys.readouterr().err
+    assert main([str(dpace), str(dspark), "--out", str(tmp_path / "compared")]) == 0
+    captured = capsys.readouterr()
+    table = captured.out.splitlines()
+    assert table[0].split() == ["run", "recipe", "step", "accuracy", "tau~", "real", "tau", "(at", "step)"]
+    assert table[1].split()[:6] == ["dpace_muon", "dflash,", "dpace,", "ce,", "muon", "0.008"]
+    assert table[1].split()[-2:] == ["1.94", "(10)"] and table[2].split()[-2:] == ["not", "measured"]
+    assert "losses are not compared" in captured.err
+    for name in ("accuracy", "tau", "throughput"):
+        assert (tmp_path / "compared" / f"compare_{name}.png").read_bytes().startswith(b"\x89PNG")

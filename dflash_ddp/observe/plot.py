@@ -17,9 +17,7 @@ matplotlib is an optional extra: `pip install -e ".[plot]"`.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 PLOTS = ("loss", "accuracy", "tau", "throughput", "pipeline", "tau_by_context")
@@ -222,24 +220,3 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[li
         else:
             notes.append(f"note: {metrics} holds nothing for {name}.png; skipped")
     return written, notes
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI: 0 when the plots are written, 1 on unreadable input or without matplotlib, 2 on bad arguments."""
-    parser = argparse.ArgumentParser(prog="python -m dflash_ddp.plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a run's --output_dir (holds metrics.jsonl)")
-    parser.add_argument("--out", default=None, help="where the PNGs go (default: RUN_DIR)")
-    args = parser.parse_args(argv)
-    try:
-        written, notes = plot_run(args.run_dir, args.out)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    for note in notes:
-        print(note, file=sys.stderr)
-    print("wrote " + ", ".join(str(p) for p in written))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
