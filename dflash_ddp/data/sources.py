@@ -90,9 +90,10 @@ class DataStats:
             "the generation prompt the target is served with (the chat template renders the turn's context "
             "otherwise once the conversation goes on: an earlier turn's thinking dropped, a system prompt moved, "
             f"a generation prompt's <think> left out); first: {self.context_examples[0]}; the drafter learns "
-            "those answers in a context it does not meet when serving: pass --train_last_turn_only where the "
-            "last turn renders as served, or a --chat_template that renders each turn as the target generates "
-            "it (examples in data_stats.json)"
+            "those answers after text it does not meet when serving (a few tokens such as an empty thinking "
+            "block matter little, a whole reasoning left out does): pass a --chat_template that renders each "
+            "turn as the target generates it, or --train_last_turn_only where the last turn renders as served "
+            "(examples in data_stats.json)"
         )
 
     def unusable_note(self) -> str:
