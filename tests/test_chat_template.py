@@ -324,3 +324,48 @@ def test_a_turn_trained_after_other_text_than_its_generation_prompt_is_pointed_o
     assert (
         ChatTokenizer(qwen3_tokenizer(QWEN3_UNMARKED), {})([USER_1, THINK_1], "d.jsonl:4").context_note == ""
     )
+
+
+def test_an_end_of_turn_quoted_in_reasoning_the_template_drops_is_not_counted():
+    """Qwen3 drops the thinking of an answer before the last user turn: a quote inside it (in its
+    reasoning_content, or in <think> inside its content) is not in the rendering, and the turn still ends at
+    its own end-of-turn, not the next user turn's."""
+    template = QWEN3_UNMARKED.replace(
+        "{%- set reasoning = '' -%}", "{%- set reasoning = m.get('reasoning_content', '') -%}"
+    )
+    last = {"role": "assistant", "content": "the lazy dog"}
+    for first in (
+        {"role": "assistant", "reasoning_content": "it ends with <|im_end|> then", "content": "each line"},
+        {"role": "assistant", "content": "<think>it ends with <|im_end|> then</think>each line"},
+    ):
+        assert spans(qwen3_tokenizer(template), [USER_1, first, USER_2, last]) == [
+            "each line<|im_end|>",
+            "<think>\n\n</think>\n\nthe lazy dog<|im_end|>",
+        ]
+
+
+def test_a_marked_template_refusing_a_part_of_the_conversation_still_masks_the_whole():
+    """The generation prompts only check the context: Qwen3-2507 raises on a conversation with no user turn
+    (the part before an opening assistant turn), and the whole conversation, which it renders, is masked."""
+    refusing = QWEN3.replace(
+        "{%- for m in messages -%}\n{%- if m.role == 'assistant'",
+        "{%- if ns.last_user < 0 -%}{{- raise_exception('No user query found in messages.') -}}{%- endif -%}\n"
+        "{%- for m in messages -%}\n{%- if m.role == 'assistant'",
+        1,
+    )
+    assert refusing != QWEN3
+    messages = [SYSTEM, {"role": "assistant", "content": "each line"}, USER_1, PLAIN_2]
+    tokenizer = qwen3_tokenizer(refusing)
+    assert spans(tokenizer, messages) == [
+        "each line<|im_end|>",
+        "<think>\n\n</think>\n\nthe lazy dog<|im_end|>",
+    ]
+    assert spans(tokenizer, messages, last_turn_only=True) == [
+        "<think>\n\n</think>\n\nthe lazy dog<|im_end|>"
+    ]
+
+
+def test_last_turn_only_with_markers_keeps_the_last_turn_where_earlier_text_counts_the_turns():
+    counting = qwen3_tokenizer("<|im_start|>system\nturns={{ messages|length }}<|im_end|>\n" + QWEN3)
+    messages = [USER_1, PLAIN_1, USER_2, PLAIN_2]
+    assert spans(counting, messages, last_turn_only=True) == ["<think>\n\n</think>\n\nthe lazy dog<|im_end|>"]

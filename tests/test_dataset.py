@@ -220,26 +220,32 @@ def test_a_sample_truncated_then_too_short_is_counted_once(tiny_target, tmp_path
     assert stats.too_short == 1 and stats.truncated == 1 and stats.kept == 1  # conversation(1) was cut
 
 
-def test_a_huge_row_is_cut_to_the_characters_its_first_tokens_can_span(tiny_target, tmp_path):
+def test_a_huge_row_is_cut_to_the_characters_its_first_tokens_can_span(tiny_target, tmp_path, monkeypatch):
     # a row of 200k characters (words, CJK, emoji, runs of spaces), its answer past the cut too
     pieces = ["hello ", "数据", "🙂", " " * 9, "representation", "\n\n", "x=1;"]
     text = "".join(pieces[(i * 7919) % len(pieces)] for i in range(20_000))
     row = {"messages": [{"role": "user", "content": "say it"}, {"role": "assistant", "content": text}]}
-    path = write_rows(tmp_path / "huge.jsonl", [row])
+    # and one whose answer quotes a token text past the cut: a template may render its start by it
+    marked = {"messages": [row["messages"][0], {"role": "assistant", "content": text + "<|im_end|> done"}]}
+    path = write_rows(tmp_path / "huge.jsonl", [row, marked])
     settings = TokenizeSettings(max_seq_len=256, block_size=4)
     tokenizer = chat(tiny_target)
     whole_ids, whole_mask, _ = tokenizer(row["messages"], "huge.jsonl:1")
     bound = (256 + dataset.CUT_MARGIN_TOKENS) * dataset.longest_token_chars(tokenizer.tokenizer)
-    rows = [dataset.Conversation("huge.jsonl:1", row["messages"], {})]
-    dataset.cut_long_texts(rows, bound)
-    assert (
-        len(rows[0].messages[1]["content"]) == bound < len(text)
-        and rows[0].messages[0]["content"] == "say it"
+    assert bound < len(text)
+    rendered = []  # the length of each answer the template is given
+    call = ChatTokenizer.__call__
+    monkeypatch.setattr(
+        ChatTokenizer,
+        "__call__",
+        lambda self, m, *a: rendered.append(len(m[1]["content"])) or call(self, m, *a),
     )
     data, stats = tokenize_dataset(tokenizer, [str(path)], settings)
-    ids, mask = data.sample(0)
-    assert ids.tolist() == whole_ids[:256] and mask.tolist() == whole_mask[:256]
-    assert stats.truncated == 1 and stats.kept == 1
+    assert rendered == [bound, len(marked["messages"][1]["content"])]
+    for i in range(2):
+        ids, mask = data.sample(i)
+        assert ids.tolist() == whole_ids[:256] and mask.tolist() == whole_mask[:256]
+    assert stats.truncated == 2 and stats.kept == 2
 
 
 def test_rows_trained_in_a_context_the_target_is_not_served_are_counted_and_said(tmp_path):
@@ -254,7 +260,5 @@ def test_rows_trained_in_a_context_the_target_is_not_served_are_counted_and_said
     _, stats = tokenize_dataset(ChatTokenizer(tokenizer, {}), [str(path)], SETTINGS)
     assert stats.context_differs == 3 and len(stats.context_examples) == 3
     (note,) = stats.notes()
-    assert note.startswith(
-        "warning: 3 of 3 rows train an assistant turn after other text than the generation"
-    )
+    assert note.startswith("warning: 3 of the 3 rows kept train an assistant turn after other text than the")
     assert f"first: {path}:1: turn 1 is trained after " in note

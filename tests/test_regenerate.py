@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -192,6 +193,22 @@ def test_an_answer_in_channels_is_stored_as_reasoning_and_answer_and_trains_as_g
     assert (answer.text, answer.reasoning, answer.lost) == ("the fox", "the lazy dog", ())
     ids, mask, note = ChatTokenizer(tokenizer, {})([*messages, answer.turn()], "h.jsonl:1")
     assert ids == prompt + generated and mask == [0] * len(prompt) + [1] * len(generated) and note == ""
+    # cut by --max_new_tokens inside its final message: the reasoning and the answer so far, counted as cut
+    cut = chat.answer(generated[:-3])
+    assert (cut.reasoning, cut.hit_max_new_tokens, cut.lost) == ("the lazy dog", True, ())
+    # through a server (vLLM's token ids): the same answer, with the server's counts
+    from dflash_ddp.engines import Completion, SamplingRequest
+    from dflash_ddp.regeneration.served import ServedRow, ServedSettings
+
+    class Server:
+        max_model_len = None
+
+        def complete(self, prompt, max_tokens, sampling):
+            return Completion(generated, "(its own text)", False, len(generated))
+
+    served = ServedRow(chat, threading.Lock(), Server(), ServedSettings(64, SamplingRequest(), False))
+    served.prompt_ids(rg.plan_row(0, "h.jsonl:1", messages), messages)
+    assert served([prompt]) == [answer]
     # a tool call in the model's own tokens cannot be stored as text: named, and the row is bad
     call = tokenizer(
         "<|channel|>commentary to=functions.w <|constrain|>json<|message|>{}<|call|>",
@@ -208,7 +225,7 @@ def test_an_answer_in_channels_is_stored_as_reasoning_and_answer_and_trains_as_g
         {
             "row": 0,
             "bad": "h.jsonl:1: turn 1: the target answered with special tokens (<|call|>) that structure "
-            "its answer (a tool call in its own format) and that a stored text cannot keep",
+            "its answer (a tool call or a channel in its own tokens) and that a stored text cannot keep",
         }
     ]
     with pytest.raises(BadRow, match="cannot keep. Pass --skip_bad_rows"):

@@ -105,10 +105,13 @@ def tokenizer_code_note(target_dir: str | Path) -> str:
     which transformers skips without running it, reading the tokenizer files instead ("" otherwise)."""
     path = Path(target_dir) / "tokenizer_config.json"
     try:
-        own = json.loads(path.read_text()).get("auto_map", {}).get("AutoTokenizer")
+        auto_map = json.loads(path.read_text()).get("auto_map")
     except (OSError, ValueError, AttributeError):
         return ""
-    if not own:
+    # {"AutoTokenizer": [slow, fast]} or one name; an older form is the [slow, fast] list itself
+    own = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    own = [own] if isinstance(own, str) else own if isinstance(own, list) else []
+    if not any(own):
         return ""
     return (
         f"note: {path} names a tokenizer of its own code ({', '.join(str(c) for c in own if c)}), which is "
@@ -204,12 +207,17 @@ class ChatTokenizer:
             turns = turns[-1:]
         try:
             text = self.render(messages, kwargs=kwargs)
-            prompts = {
-                i: self.render(messages[:i], add_generation_prompt=True, kwargs=kwargs) for i in turns if i
-            }
             if self.has_generation_markers:
+                # the prompts serve the context check alone: a template that refuses a part of the
+                # conversation (Qwen3-2507's "No user query found") still masks the whole by its markers
+                prompts = self._prompts(messages, turns, kwargs)
                 ids, mask = self._marked(messages, kwargs, prompts.get(turns[-1]) if turns else None)
             else:
+                prompts = {
+                    i: self.render(messages[:i], add_generation_prompt=True, kwargs=kwargs)
+                    for i in turns
+                    if i
+                }
                 ids, mask = self._by_prefixes(messages, where, kwargs, text, turns, prompts)
         except BadRow:
             raise
@@ -224,6 +232,15 @@ class ChatTokenizer:
         check_tool_calls_rendered(lambda m: self.render(m, kwargs=kwargs), messages, where)
         return MaskedConversation(ids, mask, context_note(text, prompts, where))
 
+    def _prompts(self, messages: list[dict], turns: list[int], kwargs: dict) -> dict[int, str]:
+        """Each trained turn's generation prompt, or none where the template refuses one of them."""
+        try:
+            return {
+                i: self.render(messages[:i], add_generation_prompt=True, kwargs=kwargs) for i in turns if i
+            }
+        except (TemplateError, ValueError, TypeError):
+            return {}
+
     def _marked(
         self, messages: list[dict], kwargs: dict, last_prompt: str | None
     ) -> tuple[list[int], list[int]]:
@@ -231,15 +248,24 @@ class ChatTokenizer:
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
         )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        if self.last_turn_only and last_prompt is not None:
-            # the last turn starts where its generation prompt's tokens end (a template may mark a turn in
-            # several pieces: a reasoning channel, then the answer)
+        if self.last_turn_only and any(mask):
+            mask = self._last_turn(ids, mask, last_prompt)
+        return ids, mask
+
+    def _last_turn(self, ids: list[int], mask: list[int], last_prompt: str | None) -> list[int]:
+        """The marked tokens of the last turn: from where its generation prompt's tokens end (a template may
+        mark a turn in pieces: a reasoning channel, then the answer); the last marked run where the prompt
+        parts from the conversation before its end (a system prompt that counts the turns)."""
+        runs = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
+        start = runs[-1]
+        if last_prompt is not None:
             prompt_ids = self.tokenizer(last_prompt, add_special_tokens=False)["input_ids"]
-            start = next(
+            agree = next(
                 (k for k, (a, b) in enumerate(zip(prompt_ids, ids, strict=False)) if a != b), len(prompt_ids)
             )
-            mask = [m if k >= start else 0 for k, m in enumerate(mask)]
-        return ids, mask
+            if agree >= len(prompt_ids) - 1:  # the prompt's last token may merge with the answer's first
+                start = agree
+        return [m if k >= start else 0 for k, m in enumerate(mask)]
 
     def _by_prefixes(
         self, messages: list[dict], where: str, kwargs: dict, text: str, turns: list[int], prompts: dict
@@ -249,6 +275,14 @@ class ChatTokenizer:
         # a token overlapping a span is the model's to predict (as transformers' generation masks do)
         mask = [int(any(start < e and end > s for s, e in spans)) for start, end in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
+
+    def _quoted(self, turn: dict, text: str, start: int) -> int:
+        """How many end-of-turn texts the turn's rendering quotes: those in the part of each of its texts
+        (content, reasoning) that the rendering writes after `start`, each text once (transformers gives
+        the reasoning under two names). A template may drop a text, or its start (Qwen3 drops the thinking
+        of an answer before the last user turn): only the longest end of it found in `text` counts."""
+        texts = {v for k, v in turn.items() if k != "role" and isinstance(v, str) and self.end_of_turn in v}
+        return sum(written_end(v, text, start).count(self.end_of_turn) for v in texts)
 
     def _span(
         self, messages: list[dict], i: int, text: str, where: str, kwargs: dict, prompts: dict
@@ -270,11 +304,7 @@ class ChatTokenizer:
         if self.end_of_turn:
             # the first end-of-turn after the turn's start and after those its own text quotes (the template
             # writes the content verbatim: the probe checked)
-            quoted = sum(
-                v.count(self.end_of_turn)
-                for k, v in messages[i].items()
-                if k != "role" and isinstance(v, str)
-            )
+            quoted = self._quoted(messages[i], text, start)
             end = text.find(self.end_of_turn, start)
             for _ in range(quoted):
                 end = text.find(self.end_of_turn, end + 1) if end >= 0 else end
@@ -339,6 +369,19 @@ def check_tool_calls_rendered(render, messages: list[dict], where: str) -> None:
             "would train an empty answer there): pass a template that renders tool_calls (--chat_template "
             "FILE), or --skip_bad_rows to skip and count such rows"
         )
+
+
+def written_end(part: str, text: str, start: int) -> str:
+    """The longest end of `part` that `text` holds at or after `start` ('' for none): a binary search, as
+    every end of a held end is held too."""
+    lo, hi = 0, len(part)  # part[hi:] is held; find the smallest such index
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if text.find(part[mid:], start) >= 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    return part[lo:]
 
 
 def common_prefix(a: str, b: str) -> int:

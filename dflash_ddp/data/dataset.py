@@ -13,6 +13,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import socket
 import time
 from array import array
@@ -137,8 +138,8 @@ def _start_worker(chat: ChatTokenizer) -> None:
     _worker = chat
 
 
-def _tokenize_rows(rows: list[Conversation]) -> list[tuple[array, array] | BadRow]:
-    """Runs in a worker process (or inline): (ids, mask) arrays or one BadRow per row, in order."""
+def _tokenize_rows(rows: list[Conversation]) -> list[tuple[array, array, str] | BadRow]:
+    """Runs in a worker process (or inline): (ids, mask, context note) or one BadRow per row, in order."""
     out = []
     for where, messages, row_kwargs in rows:
         try:
@@ -188,7 +189,8 @@ def tokenize_dataset(
     """Tokenize every row, apply --overlength, and drop samples with < 2*block_size response tokens."""
     stats = DataStats()
     rows = read_conversations(paths, settings.skip_bad_rows, stats)
-    cut_long_texts(rows, (settings.max_seq_len + CUT_MARGIN_TOKENS) * longest_token_chars(chat.tokenizer))
+    bound = (settings.max_seq_len + CUT_MARGIN_TOKENS) * longest_token_chars(chat.tokenizer)
+    cut_long_texts(rows, bound, token_texts(chat.tokenizer))
     samples = []
     for result in _tokenize_all(chat, rows, num_proc, log):
         if isinstance(result, BadRow):
@@ -197,7 +199,6 @@ def tokenize_dataset(
             stats.skip(result)
             continue
         ids, mask, note = result
-        stats.note_context(note)
         cut = len(ids) > settings.max_seq_len
         if cut and settings.overlength == "drop":
             stats.overlength_dropped += 1
@@ -207,6 +208,7 @@ def tokenize_dataset(
             stats.too_short += 1  # counted once: a truncated sample dropped here is not also "truncated"
             continue
         stats.truncated += cut
+        stats.note_context(note)  # of the rows that train
         samples.append((ids, mask))
         stats.tokens += len(ids)
         stats.response_tokens += sum(mask[1:])
@@ -225,17 +227,27 @@ def longest_token_chars(tokenizer) -> int:
     return max(map(len, tokenizer.get_vocab()))
 
 
-def cut_long_texts(rows: list[Conversation], max_chars: int) -> None:
+def cut_long_texts(rows: list[Conversation], max_chars: int, markers: re.Pattern) -> None:
     """Cut, in place, every turn's text longer than `max_chars` characters to that many: a token stands for
     at most `longest_token_chars`, so a sample's first --max_seq_len tokens lie within them, and a 100 MB
-    row no longer takes gigabytes to tokenize whole before it is cut to --max_seq_len tokens."""
+    row no longer takes gigabytes to tokenize whole before it is cut to --max_seq_len tokens. A text
+    holding one of the tokenizer's own token texts (`markers`) past the cut is kept whole: a template may
+    render its start by them (Qwen3 drops the thinking up to an answer's `</think>`)."""
+
+    def cut(value):
+        if not isinstance(value, str) or len(value) <= max_chars or markers.search(value, max_chars):
+            return value
+        return value[:max_chars]
+
     for i, row in enumerate(rows):
         if any(isinstance(v, str) and len(v) > max_chars for turn in row.messages for v in turn.values()):
-            messages = [
-                {k: v[:max_chars] if isinstance(v, str) else v for k, v in turn.items()}
-                for turn in row.messages
-            ]
-            rows[i] = row._replace(messages=messages)
+            rows[i] = row._replace(messages=[{k: cut(v) for k, v in turn.items()} for turn in row.messages])
+
+
+def token_texts(tokenizer) -> re.Pattern:
+    """A pattern of the tokenizer's added and special tokens' texts (`</think>`, `<|im_end|>`)."""
+    texts = set(tokenizer.get_added_vocab()) | set(tokenizer.all_special_tokens)
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True) if t) or "(?!)")
 
 
 def _hash_file(h, path: Path) -> None:

@@ -50,7 +50,7 @@ class DataStats:
     bad_row_examples: list[str] = field(default_factory=list)
     # inputs none of whose rows is usable, all skipped: a file in another format, most likely
     unusable_inputs: list[str] = field(default_factory=list)
-    # rows with a turn trained after other text than its generation prompt (chat_template.context_note)
+    # kept rows with a turn trained after other text than its generation prompt (chat_template.context_note)
     context_differs: int = 0
     context_examples: list[str] = field(default_factory=list)
 
@@ -86,7 +86,7 @@ class DataStats:
         if not self.context_differs:
             return ""
         return (
-            f"warning: {self.context_differs} of {self.rows} rows train an assistant turn after other text than "
+            f"warning: {self.context_differs} of the {self.kept} rows kept train an assistant turn after other text than "
             "the generation prompt the target is served with (the chat template renders the turn's context "
             "otherwise once the conversation goes on: an earlier turn's thinking dropped, a system prompt moved, "
             f"a generation prompt's <think> left out); first: {self.context_examples[0]}; the drafter learns "

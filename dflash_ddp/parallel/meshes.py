@@ -11,6 +11,9 @@ from unittest import mock
 
 import torch
 
+# The mesh transformers expects (distributed/utils.py): dense layers on (pp, dp_replicate, fsdp, tp),
+# experts on (pp, dp_replicate, efsdp, ep). The G groups are the replicas, the N ranks of a group both its
+# tp and its ep axis: a mixture of experts' routed experts are spread over the group.
 DENSE_DIMS = ("pp", "dp_replicate", "fsdp", "tp")
 EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 

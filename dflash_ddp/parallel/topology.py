@@ -23,10 +23,6 @@ import torch.distributed as dist
 from dflash_ddp.parallel.devices import select_device
 from dflash_ddp.parallel.meshes import group_meshes
 
-# The mesh transformers expects (distributed/utils.py): dense layers on (pp, dp_replicate, fsdp, tp),
-# experts on (pp, dp_replicate, efsdp, ep). The G groups are the replicas, the N ranks of a group its tp
-# axis; experts are sharded by the tp plan (ep = 1), so their efsdp axis is the group.
-
 
 @dataclass(frozen=True)
 class Topology:

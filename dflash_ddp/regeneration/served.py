@@ -64,8 +64,13 @@ class ServedRow:
         if done.token_ids is None:  # a server without token ids (not vLLM): its own detokenized text
             return [Answer(done.text.strip(), done.completion_tokens, done.hit_max_tokens)]
         with self.lock:
-            text = self.chat.answer(done.token_ids).text
-        return [Answer(text, done.completion_tokens, done.hit_max_tokens)]
+            answer = self.chat.answer(done.token_ids)
+        # the server's counts: its token ids may stop short of what it counted (a stop token it left out)
+        return [
+            dataclasses.replace(
+                answer, new_tokens=done.completion_tokens, hit_max_new_tokens=done.hit_max_tokens
+            )
+        ]
 
 
 def served_records(

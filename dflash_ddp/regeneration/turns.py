@@ -128,14 +128,24 @@ class Answer:
 
 # one message of gpt-oss's harmony format: its channel (any header after it), its text, its end
 HARMONY_MESSAGE = re.compile(r"<\|channel\|>(\w+)[^<]*<\|message\|>(.*?)(?:<\|end\|>)?", re.S)
+HARMONY_CUT_MESSAGE = re.compile(r"<\|channel\|>(\w+)[^<]*<\|message\|>(.*)", re.S)  # its text cut anywhere
 
 
-def harmony_answer(text: str) -> tuple[str, str] | None:
+def harmony_answer(text: str, cut: bool = False) -> tuple[str, str] | None:
     """(reasoning, answer) of text generated in gpt-oss's harmony format (decoded with its special tokens),
-    or None where it is not that format or holds more than analysis and final messages (a tool call)."""
+    or None where it is not that format or holds more than analysis and final messages (a tool call).
+    `cut`: generation stopped at --max_new_tokens, so the last message may have been cut anywhere."""
     reasoning, final = [], []
-    for message in text.split("<|start|>assistant"):
+    head, start, tail = text.rpartition("<|start|>")
+    if cut and start and "assistant".startswith(tail):  # a next message cut before its channel: nothing yet
+        text = head
+    messages = text.split("<|start|>assistant")
+    for position, message in enumerate(messages):
         match = HARMONY_MESSAGE.fullmatch(message)
+        if match is None and cut and position == len(messages) - 1:
+            if "<|message|>" not in message:  # cut in its header: none of its text yet
+                continue
+            match = HARMONY_CUT_MESSAGE.fullmatch(message)
         if match is None or match[1] not in ("analysis", "final"):
             return None
         (reasoning if match[1] == "analysis" else final).append(match[2])
@@ -176,7 +186,7 @@ class ChatTurns:
         length, unfinished = len(generated) if end is None else end + 1, end is None
         specials = [t for t in tokens if t in self.special_ids]
         if specials:
-            harmony = harmony_answer(self.tokenizer.decode(tokens, skip_special_tokens=False))
+            harmony = harmony_answer(self.tokenizer.decode(tokens, skip_special_tokens=False), unfinished)
             if harmony is not None:
                 return Answer(harmony[1], length, unfinished, reasoning=harmony[0])
         text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
@@ -237,8 +247,8 @@ def regenerate_batch(
                 refuse(
                     b,
                     f"{rows[b].where}: turn {rows[b].targets[j]}: the target answered with special tokens "
-                    f"({', '.join(answer.lost)}) that structure its answer (a tool call in its own format) and "
-                    "that a stored text cannot keep",
+                    f"({', '.join(answer.lost)}) that structure its answer (a tool call or a channel in its own "
+                    "tokens) and that a stored text cannot keep",
                 )
                 continue
             position = rows[b].targets[j]

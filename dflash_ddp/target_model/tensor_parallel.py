@@ -1,5 +1,5 @@
 """Tensor-parallel target groups: refusing targets that N ranks cannot shard, and loading a group's shards
-with transformers' own tensor-parallel plans on the group's device mesh (built in parallel/topology.py).
+with transformers' own tensor-parallel plans on the group's device mesh (built in parallel/meshes.py).
 """
 
 from __future__ import annotations
