@@ -350,10 +350,8 @@ def _add_terms(a: LossTerms, b: LossTerms) -> LossTerms:
 
 def soft_rows(soft: SoftTargets | None, rows: list[int], context_len: int) -> SoftTargets:
     """The soft targets of a chunk's rows, cut to its context length."""
-    if soft is None:
-        raise ValueError(
-            "--loss kl and tv train on the target's soft targets, but this batch came without them"
-        )
+    if soft is None:  # the settings' checks make a run that reads them ask for them (--target_topk)
+        raise ValueError("this run's loss reads the target's soft targets, but this batch came without them")
     return SoftTargets(soft.ids[rows, :context_len], soft.probs[rows, :context_len])
 
 
