@@ -247,7 +247,13 @@ class TrainConfig:
     cache_dir: str = setting(
         "", "data", "tokenized-data cache; unset: OUTPUT_DIR/cache", allowed="a directory"
     )
-    num_proc: int = setting(1, "data", "tokenization processes", minimum=1)
+    num_proc: int = setting(
+        0,
+        "data",
+        "tokenization processes; 0: one per CPU core this process may use (at most 8) for data of 20,000 rows "
+        "or more, else 1",
+        minimum=0,
+    )
     # optimisation
     num_anchors: int = setting(
         512, "optimisation", "draft blocks sampled per conversation and step", minimum=1, overridable=True

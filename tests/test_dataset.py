@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from dflash_ddp.data import dataset
 from dflash_ddp.data.chat_template import ChatTokenizer
 from dflash_ddp.data.dataset import TokenizeSettings, load_or_tokenize, tokenize_dataset
+from dflash_ddp.data.sources import BadRow
 
 from conftest import conversation
 
@@ -84,7 +85,10 @@ def test_several_processes_give_the_same_data(tiny_target, tmp_path, monkeypatch
     two, two_stats = tokenize_dataset(
         chat(tiny_target), [str(path)], settings, num_proc=2, log=progress.append
     )
-    assert [line.split(" (")[0] for line in progress] == [f"tokenized {n}/599 rows" for n in (256, 512, 599)]
+    assert progress[0] == "tokenizing 599 rows with 2 process(es)"
+    assert [line.split(" (")[0] for line in progress[1:]] == [
+        f"tokenized {n}/599 rows" for n in (256, 512, 599)
+    ]
     assert one.fingerprint() == two.fingerprint() and one_stats == two_stats
     assert one_stats.bad_rows == 1 and len(one) == 599
 
@@ -109,6 +113,7 @@ def test_the_cache_is_reused_only_when_nothing_changed(tiny_target, chat_data, t
     again, again_stats, from_cache = load()
     assert from_cache and again.fingerprint() == first.fingerprint() and again_stats == stats
     assert torch.equal(again.offsets, first.offsets)
+    assert load(TokenizeSettings(256, 4, skip_bad_rows=True))[2]  # clean data: the same tokens either way
     monkeypatch.setattr(dataset, "tokenize_dataset", tokenize)
 
     assert not load(TokenizeSettings(max_seq_len=128, block_size=4))[2]  # a setting
@@ -123,6 +128,14 @@ def test_the_cache_is_reused_only_when_nothing_changed(tiny_target, chat_data, t
     assert not from_cache and len(changed) == len(first) + 1
     assert load()[2]
     assert not list(cache.glob("*.tmp*"))  # no half-written cache left behind
+    # a bad row, skipped into a cache by one run: a run without --skip_bad_rows is refused as its data would
+    with data_file.open("a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
+    assert not load(TokenizeSettings(256, 4, skip_bad_rows=True))[2]
+    with pytest.raises(
+        BadRow, match=r"chat.jsonl:\d+: .*\(1 bad rows in all, skipped by an earlier run with"
+    ):
+        load()
 
 
 CONCURRENT = """
@@ -262,3 +275,41 @@ def test_rows_trained_in_a_context_the_target_is_not_served_are_counted_and_said
     (note,) = stats.notes()
     assert note.startswith("warning: 3 of the 3 rows kept train an assistant turn after other text than the")
     assert f"first: {path}:1: turn 1 is trained after " in note
+
+
+def test_tokenizing_processes_follow_the_data_and_the_cores(monkeypatch):
+    monkeypatch.setattr(dataset.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert dataset.tokenizing_processes(3, 10) == 3  # as asked
+    assert dataset.tokenizing_processes(0, 19_999) == 1  # small data: starting workers costs more
+    assert dataset.tokenizing_processes(0, 400_000) == 8  # one a core, at most 8
+    monkeypatch.setattr(dataset.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert dataset.tokenizing_processes(0, 400_000) == 2
+
+
+def test_a_cache_without_room_is_refused_before_tokenizing_and_a_wait_is_said(
+    tiny_target, chat_data, tmp_path, monkeypatch
+):
+    import fcntl
+    import threading
+    from collections import namedtuple
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(dataset.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1000))
+    monkeypatch.setattr(dataset, "tokenize_dataset", lambda *a, **k: pytest.fail("tokenized on a full disk"))
+    with pytest.raises(
+        ValueError, match=f"--cache_dir {cache}: 0.00 GiB free, and the tokenized data of these"
+    ):
+        load_or_tokenize(chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache)
+    monkeypatch.undo()
+    # another process holds the lock: the wait is said, then the data is tokenized once it is free
+    key = dataset.cache_key(chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS)
+    holder = (cache / f"tokenized-{key}.lock").open("a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    lines = []
+    threading.Timer(0.5, holder.close).start()
+    _, _, from_cache = load_or_tokenize(
+        chat(tiny_target), tiny_target, [str(chat_data)], SETTINGS, cache, log=lines.append
+    )
+    assert not from_cache and lines[0].startswith(f"waiting for the tokenized-data cache {cache}")

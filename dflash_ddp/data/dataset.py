@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import socket
 import time
 from array import array
@@ -35,6 +36,13 @@ from dflash_ddp.data.sources import BadRow, Conversation, DataStats, data_file_c
 from dflash_ddp.files import describe_error, file_sha256
 
 CHUNK_ROWS = 256  # rows per task of a tokenization worker
+# --num_proc 0: worker processes for data of this many rows or more (below, starting them costs more than
+# they save), one per CPU core this process may use, at most MAX_AUTO_PROCESSES
+AUTO_PROCESSES_FROM_ROWS = 20_000
+MAX_AUTO_PROCESSES = 8
+# the cache takes about 5 bytes per token, about 1.6 times the inputs' bytes: free space below twice the
+# inputs' size is refused before tokenizing, which a full disk would otherwise throw away at the end
+CACHE_BYTES_PER_INPUT_BYTE = 2
 
 
 PROGRESS_EVERY_S = 30.0
@@ -60,7 +68,10 @@ TOKENIZER_FILES = (
 
 @dataclass(frozen=True)
 class TokenizeSettings:
-    """The settings that decide the tokenized data besides the ChatTokenizer (all part of the cache key)."""
+    """The settings that decide the tokenized data besides the ChatTokenizer (part of the cache key, but
+    skip_bad_rows: a cache exists only where no bad row stopped the tokenization, so its tokens are the
+    same either way where it was made without it, and a cache holding skipped rows refuses a run without
+    it when read)."""
 
     max_seq_len: int
     block_size: int
@@ -150,6 +161,16 @@ def _tokenize_rows(rows: list[Conversation]) -> list[tuple[array, array, str] | 
     return out
 
 
+def tokenizing_processes(num_proc: int, rows: int) -> int:
+    """--num_proc, or for 0 (auto) one per usable CPU core (at most MAX_AUTO_PROCESSES) where the data is
+    large enough to gain from them, else 1."""
+    if num_proc:
+        return num_proc
+    if rows < AUTO_PROCESSES_FROM_ROWS:
+        return 1
+    return max(1, min(MAX_AUTO_PROCESSES, len(os.sched_getaffinity(0))))
+
+
 def _tokenize_all(chat: ChatTokenizer, rows: list, num_proc: int, log) -> Iterator:
     """Results of every row, in order; a progress line every PROGRESS_EVERY_S seconds."""
     chunks = (rows[i : i + CHUNK_ROWS] for i in range(0, len(rows), CHUNK_ROWS))
@@ -191,8 +212,10 @@ def tokenize_dataset(
     rows = read_conversations(paths, settings.skip_bad_rows, stats)
     bound = (settings.max_seq_len + CUT_MARGIN_TOKENS) * longest_token_chars(chat.tokenizer)
     cut_long_texts(rows, bound, token_texts(chat.tokenizer))
+    processes = tokenizing_processes(num_proc, len(rows))
+    log(f"tokenizing {len(rows)} rows with {processes} process(es)")
     samples = []
-    for result in _tokenize_all(chat, rows, num_proc, log):
+    for result in _tokenize_all(chat, rows, processes, log):
         if isinstance(result, BadRow):
             if not settings.skip_bad_rows:
                 raise result
@@ -266,7 +289,8 @@ def cache_key(chat: ChatTokenizer, tokenizer_dir: Path, paths: list[str], settin
             _hash_file(h, f)
     h.update(chat.tokenizer.chat_template.encode())
     chat_settings = {"template_kwargs": chat.template_kwargs, "last_turn_only": chat.last_turn_only}
-    h.update(json.dumps([asdict(settings), chat_settings], sort_keys=True).encode())
+    keyed = {k: v for k, v in asdict(settings).items() if k != "skip_bad_rows"}
+    h.update(json.dumps([keyed, chat_settings], sort_keys=True).encode())
     return h.hexdigest()[:20]
 
 
@@ -309,7 +333,7 @@ def load_or_tokenize(
     paths: list[str],
     settings: TokenizeSettings,
     cache_dir: Path,
-    num_proc: int = 1,
+    num_proc: int = 0,
     log=print,
 ) -> tuple[TokenizedDataset, DataStats, bool]:
     """The tokenized data from the cache, or tokenized now and cached. Returns (data, stats, from_cache).
@@ -322,7 +346,7 @@ def load_or_tokenize(
     path = cache_dir / f"tokenized-{key}.safetensors"
     cached = _try_read_cache(path, log)
     if cached is not None:
-        return *cached, True
+        return *_strict(cached, settings), True
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         lock = (cache_dir / f"tokenized-{key}.lock").open("a")
@@ -332,11 +356,18 @@ def load_or_tokenize(
             "--cache_dir DIR (it defaults to OUTPUT_DIR/cache)"
         ) from None
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process tokenizes the same data: this rank's peer, or another job
+            log(
+                f"waiting for the tokenized-data cache {path}: another process holds {lock.name} while it tokenizes"
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _try_read_cache(path, log)
         if cached is not None:
-            return *cached, True
-        log(f"tokenizing {' '.join(paths)} with {num_proc} process(es) (cached as {path})")
+            return *_strict(cached, settings), True
+        check_cache_space(cache_dir, data_file_contents(paths))
+        log(f"tokenizing {' '.join(paths)} (cached as {path})")
         start = time.perf_counter()
         data, stats = tokenize_dataset(chat, paths, settings, num_proc, log)
         try:
@@ -349,6 +380,29 @@ def load_or_tokenize(
             ) from None
         log(f"tokenized {stats.rows} rows in {time.perf_counter() - start:.1f} s")
     return data, stats, False
+
+
+def _strict(cached: tuple[TokenizedDataset, DataStats], settings: TokenizeSettings):
+    """A cache made with --skip_bad_rows that skipped rows refuses a run without it, as its data would."""
+    stats = cached[1]
+    if stats.bad_rows and not settings.skip_bad_rows:
+        raise BadRow(
+            f"{stats.bad_row_examples[0]} ({stats.bad_rows} bad rows in all, skipped by an earlier run with "
+            "--skip_bad_rows): pass --skip_bad_rows to skip and count them"
+        )
+    return cached
+
+
+def check_cache_space(cache_dir: Path, inputs: list[Path]) -> None:
+    """Refuse, before tokenizing, a cache directory without room for the cache the inputs make."""
+    needed = CACHE_BYTES_PER_INPUT_BYTE * sum(p.stat().st_size for p in inputs)
+    free = shutil.disk_usage(cache_dir).free
+    if free < needed:
+        raise ValueError(
+            f"--cache_dir {cache_dir}: {free / 2**30:.2f} GiB free, and the tokenized data of these inputs "
+            f"takes up to about {needed / 2**30:.2f} GiB (about 5 bytes a token): free space there or pass "
+            "another --cache_dir"
+        )
 
 
 def _try_read_cache(path: Path, log) -> tuple[TokenizedDataset, DataStats] | None:
