@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             check_eval_prompts(cfg, setup.tokenizer)
         data, stats = load_data(cfg, setup, where)
         schedule = build_schedule(cfg, data, topology)
-        run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, topology))
+        run = Run(cfg, setup, data, schedule, run_identity(cfg, setup, data, stats, topology))
         ctx = init_distributed(
             cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend, cfg.target_tp_size
         )

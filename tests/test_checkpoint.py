@@ -86,6 +86,19 @@ def test_half_written_temporary_directory_is_ignored(finished_run):
     assert any(".tmp-step-00000009" in n and "never completed" in n for n in notes)
 
 
+def test_a_data_file_changed_since_the_checkpoint_is_named(tiny_target, chat_data, tmp_path, capsys):
+    data = tmp_path / "chat.jsonl"
+    shutil.copy(chat_data, data)
+    out = tmp_path / "run"
+    assert main(args(tiny_target, data, out, "--max_steps", "2", "--save_steps", "2")) == 0
+    before = data.stat().st_size
+    with data.open("a") as f:
+        f.write(data.read_text().splitlines()[0] + "\n")
+    assert main(args(tiny_target, data, out, "--max_steps", "4", "--save_steps", "2")) == 2
+    err = capsys.readouterr().err
+    assert f"(data files changed: {data} {before} -> {data.stat().st_size} bytes)" in err
+
+
 def test_no_valid_checkpoint_is_an_error(finished_run):
     for ckpt in (finished_run / "checkpoints").glob("step-*"):
         (ckpt / "manifest.json").unlink()

@@ -208,7 +208,7 @@ def tokenize_dataset(
     chat: ChatTokenizer, paths: list[str], settings: TokenizeSettings, num_proc: int = 1, log=print
 ) -> tuple[TokenizedDataset, DataStats]:
     """Tokenize every row, apply --overlength, and drop samples with < 2*block_size response tokens."""
-    stats = DataStats()
+    stats = DataStats(inputs={str(f): f.stat().st_size for f in data_file_contents(paths)})
     rows = read_conversations(paths, settings.skip_bad_rows, stats)
     bound = (settings.max_seq_len + CUT_MARGIN_TOKENS) * longest_token_chars(chat.tokenizer)
     cut_long_texts(rows, bound, token_texts(chat.tokenizer))

@@ -50,6 +50,7 @@ class DataStats:
     bad_row_examples: list[str] = field(default_factory=list)
     # inputs none of whose rows is usable, all skipped: a file in another format, most likely
     unusable_inputs: list[str] = field(default_factory=list)
+    inputs: dict[str, int] = field(default_factory=dict)  # each data file's bytes, as tokenized
     # kept rows with a turn trained after other text than its generation prompt (chat_template.context_note)
     context_differs: int = 0
     context_examples: list[str] = field(default_factory=list)

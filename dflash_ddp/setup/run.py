@@ -261,8 +261,11 @@ def identity_config(cfg: TrainConfig, topology: Topology) -> dict:
     return config_to_dict(cfg) | {"global_batch": topology.num_drafters * cfg.gradient_accumulation_steps}
 
 
-def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topology: Topology) -> dict:
-    """The parts of trainer_state.json that decide whether a checkpoint belongs to this run."""
+def run_identity(
+    cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, stats: DataStats, topology: Topology
+) -> dict:
+    """The parts of trainer_state.json that decide whether a checkpoint belongs to this run (and the data
+    files' sizes, which name the files a changed data fingerprint comes from)."""
     return {
         "config": identity_config(cfg, topology),
         "fingerprints": {
@@ -273,6 +276,7 @@ def run_identity(cfg: TrainConfig, setup: RunSetup, data: TokenizedDataset, topo
         },
         "drafter": to_zlab_config(setup.drafter_config),
         "init_from": setup.warm_start.record() if setup.warm_start else None,
+        "data_files": stats.inputs,
         # how the drafter ran (the plan's choice for this device): recorded, free to change on a resume
         "execution": setup.memory.execution.record(),
     }

@@ -234,6 +234,20 @@ GLOBAL_BATCH_NOTE = (
 )
 
 
+def changed_inputs(saved: dict, current: dict) -> str:
+    """Which data files a changed data fingerprint comes from, by their sizes ('' where the data is the same,
+    or a checkpoint written before the sizes were kept)."""
+    was, now = saved.get("data_files"), current.get("data_files")
+    if not was or not now or _lookup(saved, "fingerprints.data") == _lookup(current, "fingerprints.data"):
+        return ""
+    changes = [
+        f"{name} {'added' if name not in was else 'gone' if name not in now else f'{was[name]} -> {now[name]} bytes'}"
+        for name in sorted(set(was) | set(now))
+        if was.get(name) != now.get(name)
+    ]
+    return f" (data files changed: {'; '.join(changes) or 'the same sizes, other bytes'})"
+
+
 def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path) -> list[str]:
     """Compare a checkpoint's state with this run's; returns the overridden changes, raises on the rest.
 
@@ -261,7 +275,12 @@ def check_same_run(saved: dict, current: dict, overrides: list[str], where: Path
             else "; pass the settings it was trained with to resume it, or another --output_dir for a new run "
             f"(with --init_from {where} to start it from these weights, on other data)"
         )
-        raise ValueError(f"{where} belongs to a different run: " + "; ".join(identity) + hint)
+        raise ValueError(
+            f"{where} belongs to a different run: "
+            + "; ".join(identity)
+            + changed_inputs(saved, current)
+            + hint
+        )
     # optimisation settings: a change is refused unless the user names it in --resume_override
     saved = saved | {"config": SETTINGS_ADDED_LATER | saved["config"]}
     old_optimizer, optimizer = saved["config"]["optimizer"], current["config"]["optimizer"]
