@@ -93,6 +93,17 @@ def test_either_key_reads_the_other_formats_turns_as_specforges_data_preparation
         read_conversations([str(write(tmp_path / "s2.jsonl", [json.dumps(mixed).encode()]))])
 
 
+def test_skipped_rows_are_counted_per_input_and_each_input_shows_its_first(tmp_path):
+    """At scale the first ten examples all came from the first input: each input's first is kept too."""
+    bad = json.dumps({"prompt": "p"}).encode()
+    first = write(tmp_path / "first.jsonl", [bad] * 12 + [json.dumps(GOOD).encode()])
+    second = write(tmp_path / "second.jsonl", [json.dumps(GOOD).encode(), bad])
+    stats = DataStats()
+    read_conversations([str(first), str(second)], skip_bad_rows=True, stats=stats)
+    assert stats.bad_rows_by_input == {str(first): 12, str(second): 1}
+    assert len(stats.bad_row_examples) == 11 and stats.bad_row_examples[-1].startswith(f"{second}:2: ")
+
+
 def test_an_input_without_one_usable_row_is_named_when_skipping_bad_rows(tmp_path):
     """--skip_bad_rows skips rows: a whole file in a format this does not read would otherwise vanish from
     the data beside the good files, counted but unnoticed; it is named in a warning (not refused: a hub

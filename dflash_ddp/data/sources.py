@@ -48,6 +48,7 @@ class DataStats:
     tokens: int = 0  # of the kept samples
     response_tokens: int = 0  # of the kept samples: tokens the loss covers
     bad_row_examples: list[str] = field(default_factory=list)
+    bad_rows_by_input: dict[str, int] = field(default_factory=dict)  # skipped while read, per input
     # inputs none of whose rows is usable, all skipped: a file in another format, most likely
     unusable_inputs: list[str] = field(default_factory=list)
     inputs: dict[str, int] = field(default_factory=dict)  # each data file's bytes, as tokenized
@@ -55,10 +56,11 @@ class DataStats:
     context_differs: int = 0
     context_examples: list[str] = field(default_factory=list)
 
-    def skip(self, error: BadRow) -> None:
-        """Count a skipped row (--skip_bad_rows), keeping the first few reasons for data_stats.json."""
+    def skip(self, error: BadRow, first_of_input: bool = False) -> None:
+        """Count a skipped row (--skip_bad_rows), keeping the first few reasons for data_stats.json (and the
+        first of each input, so that an input's bad rows are not hidden behind an earlier one's)."""
         self.bad_rows += 1
-        if len(self.bad_row_examples) < 10:
+        if len(self.bad_row_examples) < 10 or first_of_input:
             self.bad_row_examples.append(str(error))
 
     def note_context(self, note: str) -> None:
@@ -288,7 +290,11 @@ def _jsonl_rows(path: Path):
             except UnicodeDecodeError:
                 yield where, BadRow(f"{where}: not valid UTF-8")
             except json.JSONDecodeError as e:
-                yield where, BadRow(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
+                # json says "Invalid control character at" and gives the place apart
+                yield (
+                    where,
+                    BadRow(f"{where}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"),
+                )
 
 
 def _json_rows(path: Path):
@@ -356,8 +362,10 @@ def _conversations(paths: list[str], skip_bad_rows: bool, stats: DataStats, requ
             except BadRow as e:
                 if not skip_bad_rows:
                     raise
-                stats.skip(e)
                 file_stats.skip(e)
+                stats.skip(e, first_of_input=file_stats.bad_rows == 1)
+        if file_stats.bad_rows:
+            stats.bad_rows_by_input[str(path)] = file_stats.bad_rows
         if file_stats.rows and not file_stats.kept:
             stats.unusable_inputs.append(
                 f"{path} ({file_stats.rows} rows; the first: {file_stats.bad_row_examples[0]})"
