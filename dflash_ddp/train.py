@@ -12,6 +12,7 @@ function in both training roles; only where its batches come from differs.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -60,6 +61,19 @@ def start_trackers(cfg: TrainConfig, start_step: int) -> Trackers | None:
     return trackers
 
 
+def _interrupt_start_up(signum, _frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _end_start_up(lock: OutputDirLock | None, release: bool) -> None:
+    """SIGTERM back to its default (the roles install their own; a refusal's last lines are not cut by one),
+    and on a refusal the output directory's lock released."""
+    if lock:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if release:
+            lock.release()
+
+
 def finished(run: Run) -> bool:
     """Whether the run resumed at its last step (a fresh run of --max_steps 0 still saves its step 0)."""
     return run.resume_from is not None and run.start_step >= run.schedule.total_steps
@@ -98,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             lock = OutputDirLock(cfg.output_dir)
             for note in lock.acquire():
                 print(note)
+            # torchrun ends the job's other processes with SIGTERM when one fails: the directory this lock
+            # made must not outlive a start-up that a peer refused (the peer's line says why)
+            signal.signal(signal.SIGTERM, _interrupt_start_up)
         setup = prepare(cfg, topology)
         if setup.warm_start and leader:
             print("\n".join(setup.warm_start.lines()))
@@ -119,21 +136,21 @@ def main(argv: list[str] | None = None) -> int:
             cfg.drafter_ranks, cfg.device, cfg.dist_timeout, cfg.channel_backend, cfg.target_tp_size
         )
     except ValueError as e:
-        if lock:
-            lock.release()
+        _end_start_up(lock, release=True)
         return refuse(f"error{where}: {e}", first=local_rank == 0, split=world > 1)
-    except KeyboardInterrupt:  # Ctrl-C while the target downloads, loads or the data is tokenized
-        if lock:
-            lock.release()
+    except KeyboardInterrupt as e:  # Ctrl-C while the target downloads, loads or the data is tokenized
+        _end_start_up(lock, release=True)
+        if str(e) == "SIGTERM" and world > 1:  # torchrun ending the job: a peer said why
+            return 143
         print(
             f"interrupted{where}: stopped before training started; the same command starts again",
             file=sys.stderr,
         )
         return 130
     except BaseException:
-        if lock:
-            lock.release()
+        _end_start_up(lock, release=True)
         raise
+    _end_start_up(lock, release=False)
     try:
         return train(ctx, run, stats, lock, where)
     finally:

@@ -60,7 +60,7 @@ def test_list_flags_take_several_values_and_booleans_stand_alone():
             ["--chat_template_kwargs", "enable_thinking=false"],
             "--chat_template_kwargs: expected a JSON object",
         ),
-        (["--num_proc", "0"], "--num_proc 0: must be a positive integer"),
+        (["--num_proc", "-1"], "--num_proc -1: must be at least 0"),
         (["--chat_template_kwargs", '{"tokenize": true}'], "--chat_template_kwargs: tokenize cannot be set"),
         (["stray"], "unexpected argument 'stray'"),
         (["--lr", "1e-3"], "unknown key 'lr' \\(did you mean 'learning_rate'\\?\\)"),

@@ -342,3 +342,37 @@ def test_token_ids_past_the_targets_embeddings_are_refused_naming_the_sample():
         r"\(target/config.json vocab_size\) while its tokenizer has 20 tokens",
     ):
         check_token_ids(data, setup)
+
+
+@pytest.mark.processes
+def test_a_sigterm_during_start_up_leaves_no_directory_behind(tiny_target, chat_data, tmp_path):
+    """torchrun ends the job's other processes with SIGTERM when one refuses to start: the drafter leader,
+    still preparing, removes the output directory its lock made and exits quietly (the peer said why)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "slow_start.py"
+    script.write_text(
+        "import sys, time\n"
+        "from dflash_ddp import train\n"
+        "def slow(cfg, topology):\n"
+        "    print('preparing', flush=True)\n"
+        "    time.sleep(120)\n"
+        "train.prepare = slow\n"
+        "sys.exit(train.main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "run"
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}  # the leader of a 1+1 job
+    job = subprocess.Popen(
+        [sys.executable, str(script), *base_args(tiny_target, chat_data, out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert job.stdout.readline() == "preparing\n" and out.is_dir()
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 143
+    assert not out.exists() and job.stderr.read() == ""
