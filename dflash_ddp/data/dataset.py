@@ -126,18 +126,13 @@ class TokenizedDataset:
         return h.hexdigest()[:16]
 
     @classmethod
-    def from_samples(cls, samples: list[tuple[array, array]]) -> TokenizedDataset:
-        """Concatenate per-sample int32 ids and uint8 masks (arrays: 5 bytes per token, no int objects)."""
-        ids, mask = array("i"), array("B")
-        lengths = [0]
-        for sample_ids, sample_mask in samples:
-            ids.extend(sample_ids)
-            mask.extend(sample_mask)
-            lengths.append(len(sample_ids))
+    def from_flat(cls, ids: array, mask: array, lengths: list[int]) -> TokenizedDataset:
+        """The samples of concatenated int32 ids and uint8 masks (5 bytes per token, no int objects), and
+        their lengths; the tensors share the arrays' memory (an array with a view cannot be resized)."""
         return cls(
-            torch.frombuffer(ids, dtype=torch.int32).clone() if ids else torch.zeros(0, dtype=torch.int32),
-            torch.frombuffer(mask, dtype=torch.uint8).clone() if mask else torch.zeros(0, dtype=torch.uint8),
-            torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0),
+            torch.frombuffer(ids, dtype=torch.int32) if ids else torch.zeros(0, dtype=torch.int32),
+            torch.frombuffer(mask, dtype=torch.uint8) if mask else torch.zeros(0, dtype=torch.uint8),
+            torch.cumsum(torch.tensor([0, *lengths], dtype=torch.int64), 0),
         )
 
 
@@ -171,17 +166,28 @@ def tokenizing_processes(num_proc: int, rows: int) -> int:
     return max(1, min(MAX_AUTO_PROCESSES, len(os.sched_getaffinity(0))))
 
 
+def _taken_chunks(rows: list) -> Iterator[list]:
+    """`rows` in chunks of CHUNK_ROWS, each let go from `rows` as it is taken: a row's memory is freed once
+    it is tokenized, not after every row is (rows as read take about 3 times the inputs' bytes)."""
+    for i in range(0, len(rows), CHUNK_ROWS):
+        chunk = rows[i : i + CHUNK_ROWS]
+        rows[i : i + CHUNK_ROWS] = [None] * len(chunk)
+        yield chunk
+
+
 def _tokenize_all(chat: ChatTokenizer, rows: list, num_proc: int, log) -> Iterator:
-    """Results of every row, in order; a progress line every PROGRESS_EVERY_S seconds."""
-    chunks = (rows[i : i + CHUNK_ROWS] for i in range(0, len(rows), CHUNK_ROWS))
+    """Results of every row, in order (`rows` is emptied as they are taken); a progress line every
+    PROGRESS_EVERY_S seconds."""
+    total = len(rows)
+    chunks = _taken_chunks(rows)
     start = last = time.perf_counter()
     done = 0
-    for results in _chunk_results(chat, chunks, num_proc if len(rows) > CHUNK_ROWS else 1):
+    for results in _chunk_results(chat, chunks, num_proc if total > CHUNK_ROWS else 1):
         yield from results
         done += len(results)
         if time.perf_counter() - last > PROGRESS_EVERY_S:
             last = time.perf_counter()
-            log(f"tokenized {done}/{len(rows)} rows ({done / (last - start):.0f} rows/s)")
+            log(f"tokenized {done}/{total} rows ({done / (last - start):.0f} rows/s)")
 
 
 def _chunk_results(chat: ChatTokenizer, chunks: Iterator[list], num_proc: int) -> Iterator[list]:
@@ -214,7 +220,7 @@ def tokenize_dataset(
     cut_long_texts(rows, bound, token_texts(chat.tokenizer))
     processes = tokenizing_processes(num_proc, len(rows))
     log(f"tokenizing {len(rows)} rows with {processes} process(es)")
-    samples = []
+    all_ids, all_mask, lengths = array("i"), array("B"), []  # the kept samples, gathered as they come
     for result in _tokenize_all(chat, rows, processes, log):
         if isinstance(result, BadRow):
             if not settings.skip_bad_rows:
@@ -232,16 +238,18 @@ def tokenize_dataset(
             continue
         stats.truncated += cut
         stats.note_context(note)  # of the rows that train
-        samples.append((ids, mask))
+        all_ids.extend(ids)
+        all_mask.extend(mask)
+        lengths.append(len(ids))
         stats.tokens += len(ids)
         stats.response_tokens += sum(mask[1:])
-    stats.kept = len(samples)
-    if not samples:
+    stats.kept = len(lengths)
+    if not lengths:
         raise ValueError(
             f"--data {' '.join(paths)}: no sample is left with at least {2 * settings.block_size} response "
             f"tokens within --max_seq_len {settings.max_seq_len} ({stats.summary()})"
         )
-    return TokenizedDataset.from_samples(samples), stats
+    return TokenizedDataset.from_flat(all_ids, all_mask, lengths), stats
 
 
 def longest_token_chars(tokenizer) -> int:
