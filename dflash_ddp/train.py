@@ -12,7 +12,6 @@ function in both training roles; only where its batches come from differs.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -37,7 +36,7 @@ from dflash_ddp.observe.trackers import Trackers, close_trackers, resolve_report
 from dflash_ddp.parallel.channel import ChannelError, PeerLost
 from dflash_ddp.parallel.exits import fail, lost_peer, refuse
 from dflash_ddp.parallel.run_lock import OutputDirLock
-from dflash_ddp.parallel.signals import interrupt_on_stop
+from dflash_ddp.parallel.signals import interrupt_on_sigterm, interrupt_on_stop
 from dflash_ddp.parallel.topology import DistributedContext, Topology, env_world, init_distributed, shutdown
 from dflash_ddp.roles.colocated import run_colocated
 from dflash_ddp.roles.drafter import run_drafter
@@ -61,15 +60,11 @@ def start_trackers(cfg: TrainConfig, start_step: int) -> Trackers | None:
     return trackers
 
 
-def _interrupt_start_up(signum, _frame) -> None:
-    raise KeyboardInterrupt("SIGTERM")
-
-
 def _end_start_up(lock: OutputDirLock | None, release: bool) -> None:
     """SIGTERM back to its default (the roles install their own; a refusal's last lines are not cut by one),
     and on a refusal the output directory's lock released."""
     if lock:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        interrupt_on_sigterm(False)
         if release:
             lock.release()
 
@@ -114,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(note)
             # torchrun ends the job's other processes with SIGTERM when one fails: the directory this lock
             # made must not outlive a start-up that a peer refused (the peer's line says why)
-            signal.signal(signal.SIGTERM, _interrupt_start_up)
+            interrupt_on_sigterm(True)
         setup = prepare(cfg, topology)
         if setup.warm_start and leader:
             print("\n".join(setup.warm_start.lines()))

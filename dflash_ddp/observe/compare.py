@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_ddp.observe.plot import read_jsonl, real_tau, series
+from dflash_ddp.observe.plot import read_metrics, real_tau, series
 
 
 def recipe(run_dir: Path) -> str:
@@ -70,13 +70,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> tuple[list[
     runs = [Path(r) for r in run_dirs]
     records, notes = {}, []
     for run in runs:
-        metrics = run / "metrics.jsonl"
-        if not metrics.is_file():
-            raise ValueError(f"{metrics}: no such file (pass the --output_dir of a run that logged a step)")
-        records[run], read_notes = read_jsonl(metrics, ("step",))
+        records[run], read_notes = read_metrics(run)
         notes += read_notes
-        if not records[run]:
-            raise ValueError(f"{metrics}: no logged step yet")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

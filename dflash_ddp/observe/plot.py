@@ -51,6 +51,17 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> tuple[list[dict], list[
     return records, notes
 
 
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[str]]:
+    """A run's metrics.jsonl records (at least one) and notes to print; ValueError naming what is missing."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{metrics}: no such file (pass the --output_dir of a run that logged a step)")
+    records, notes = read_jsonl(metrics, ("step",))
+    if not records:
+        raise ValueError(f"{metrics}: no logged step yet")
+    return records, notes
+
+
 def real_tau(run_dir: Path, last_step: int) -> tuple[list[tuple[int, float]], tuple[int, float] | None]:
     """Real tau per evaluated checkpoint (eval.jsonl) and at the end of training (eval.json, at the last
     logged step), each empty/None when not measured."""
@@ -199,11 +210,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[li
         raise ValueError('matplotlib is not installed: pip install -e ".[plot]"') from None
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        raise ValueError(f"{metrics}: no such file (pass the --output_dir of a run that logged a step)")
-    records, notes = read_jsonl(metrics, ("step",))
-    if not records:
-        raise ValueError(f"{metrics}: no logged step yet")
+    records, notes = read_metrics(run_dir)
     out = Path(out_dir) if out_dir else run_dir
     out.mkdir(parents=True, exist_ok=True)
     written = []

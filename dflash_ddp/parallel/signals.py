@@ -65,6 +65,12 @@ def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def interrupt_on_sigterm(on: bool) -> None:
+    """SIGTERM raises KeyboardInterrupt("SIGTERM") (`on`), or ends the process as by default: for a start-up
+    whose leader must release what it holds when torchrun ends the job."""
+    signal.signal(signal.SIGTERM, _interrupt if on else signal.SIG_DFL)
+
+
 def interrupt_on_stop() -> None:
     """From now on SIGINT and SIGTERM interrupt at once (KeyboardInterrupt): for the work after training (the
     final evaluation), which has no step to finish and nothing to save."""
